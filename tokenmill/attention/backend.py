@@ -1,0 +1,102 @@
+"""Attention backends. `TorchPagedAttention` is the reference: pure PyTorch, CPU and CUDA.
+
+Paged KV cache layout, one tensor per layer:
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+               ^K/V  ^physical block  ^slot within block
+
+A token at slot s lives at kv_cache[:, s // block_size, s % block_size].
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
+                meta: AttentionMetadata | None, scale: float) -> torch.Tensor: ...
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """No cache: q [..., T, Hq, D], k/v [..., T, Hkv, D] -> [..., T, Hq, D], causal."""
+    qt, kt, vt = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
+    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                         enable_gqa=q.shape[-2] != k.shape[-2])
+    return out.transpose(-3, -2)
+
+
+class TorchPagedAttention:
+    """Writes new K/V into their slots, then attends over each request's blocks.
+
+    Decodes are batched: their blocks are gathered into [num_decodes, max_len] and masked by
+    length. Prefill chunks run one request at a time with a causal mask offset by the
+    request's cached context (a chunk at positions [c, c + n) sees keys [0, c + n)).
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
+                meta: AttentionMetadata | None, scale: float) -> torch.Tensor:
+        # q: [num_tokens, Hq, D]; k, v: [num_tokens, Hkv, D]
+        if meta is None or kv_cache is None:
+            return dense_causal_attention(q, k, v, scale)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
+        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        block_size = kv_cache.shape[2]
+        for i in range(nd, nd + meta.num_prefills):
+            start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
+            n = end - start
+            if seq_len == n and meta.custom_mask is None:
+                # Whole prompt in this step: its own K/V are all there is.
+                out[start:end] = dense_causal_attention(q[start:end], k[start:end], v[start:end], scale)
+                continue
+            num_blocks = (seq_len + block_size - 1) // block_size
+            blocks = meta.block_tables[i, :num_blocks]
+            kc, vc = read_kv(kv_cache, blocks, seq_len)  # [seq_len, Hkv, D]
+            if meta.custom_mask is not None:
+                mask = meta.custom_mask[start:end, :seq_len]
+            else:
+                q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, seq_len]
+            qt = q[start:end].transpose(0, 1)            # [Hq, n, D]
+            o = F.scaled_dot_product_attention(qt, kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask,
+                                               scale=scale, enable_gqa=qt.shape[0] != kc.shape[1])
+            out[start:end] = o.transpose(0, 1)
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [B, Hq, D] -> grouped as [B, Hkv, G, D] so one K/V head serves its G query heads
+        # without materializing repeated keys.
+        nd = meta.num_decodes
+        block_size = kv_cache.shape[2]
+        max_blocks = (meta.max_decode_seq_len + block_size - 1) // block_size
+        tables = meta.block_tables[:nd, :max_blocks]               # [B, nb]
+        kc = kv_cache[0][tables].flatten(1, 2)                      # [B, nb * bs, Hkv, D]
+        vc = kv_cache[1][tables].flatten(1, 2)
+        b, hq, d = q.shape
+        hkv = kc.shape[2]
+        qg = q.view(b, hkv, hq // hkv, d)                           # [B, Hkv, G, D]
+        o = F.scaled_dot_product_attention(qg, kc.transpose(1, 2), vc.transpose(1, 2),
+                                           attn_mask=meta.decode_mask, scale=scale)
+        return o.reshape(b, hq, d)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache [2, nb, bs, H, D]; k, v [T, H, D]; slot_mapping [T]."""
+    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def read_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather one request's first seq_len keys and values: each [seq_len, H, D]."""
+    k = kv_cache[0][blocks].flatten(0, 1)[:seq_len]
+    v = kv_cache[1][blocks].flatten(0, 1)[:seq_len]
+    return k, v

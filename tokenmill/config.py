@@ -1,0 +1,189 @@
+"""Configuration as data: frozen dataclasses, one per concern, validated in __post_init__.
+
+Never mutate a config; derive a new one with dataclasses.replace. Each field's docstring doubles
+as CLI help (see entrypoints/cli.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL_ALIAS = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """The shape of a Llama-family decoder, read from config.json or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """q/k/v projections carry biases (Qwen2)."""
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    quantization_config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+
+    def kv_bytes_per_token(self, dtype_bytes: float) -> float:
+        """2 (K and V) x layers x KV heads x head dim x bytes per element."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {dtype!r}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = DEFAULT_MODEL_ALIAS
+    """Path to a GGUF file or Hugging Face checkpoint directory, or the alias of the default model."""
+    dtype: str = "auto"
+    """Weights and activations dtype: auto (float32), float32, bfloat16, float16."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; defaults to the model's context length."""
+    device: str = "cpu"
+    """Torch device: cpu or cuda."""
+    seed: int = 0
+    """Seed of the engine's global random stream (requests without their own seed)."""
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache budget in bytes; overrides kv_cache_memory_fraction."""
+    kv_cache_memory_fraction: float = 0.1
+    """Fraction of free (device or host) memory given to the KV cache when no byte budget is set."""
+    num_gpu_blocks_override: int | None = None
+    """Exact number of KV blocks (tests)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+    kv_cache_dtype: str = "auto"
+    """KV-cache element type: auto (model dtype) or int8."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one engine step (prefill chunks + decodes + draft tokens)."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining budget across steps."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    """Proposer: ngram or draft_model."""
+    num_speculative_tokens: int = 4
+    """Largest number of draft tokens (gamma) per step."""
+    model: str | None = None
+    """Draft model path (draft_model)."""
+    prompt_lookup_max: int = 4
+    """Longest n-gram matched by the n-gram proposer."""
+    prompt_lookup_min: int = 1
+    """Shortest n-gram matched by the n-gram proposer."""
+    adaptive: bool = True
+    """Lower gamma (or switch speculation off) when measured acceptance or batch size says it does not pay."""
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be ngram or draft_model, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model is required for method draft_model")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat vLLM-style keyword arguments (LLM(model=..., max_num_seqs=..., ...))."""
+        groups: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        spec = kwargs.pop("speculative_config", None)
+        for key, value in kwargs.items():
+            for group, klass in owners.items():
+                if key in {f.name for f in fields(klass)}:
+                    groups[group][key] = value
+                    break
+            else:
+                raise TypeError(f"unknown engine argument {key!r}")
+        if isinstance(spec, dict):
+            spec = SpeculativeConfig.from_dict(spec)
+        return cls(model=ModelConfig(**groups["model"]), cache=CacheConfig(**groups["cache"]),
+                   scheduler=SchedulerConfig(**groups["scheduler"]), speculative=spec)

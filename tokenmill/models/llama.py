@@ -1,0 +1,165 @@
+"""The Llama family (Llama 2/3, SmolLM, Mistral-style, Qwen2 with q/k/v biases).
+
+Declarative: layers only. Batching lives in the runner; attention reads the per-step metadata
+from the forward context and its layer's slice of the paged KV cache.
+
+Inputs are flattened tokens: input_ids [num_tokens], positions [num_tokens]. Outside a
+forward context (quantization, perplexity) the same forward runs dense causal attention over
+one sequence [T] or a batch [B, T].
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend, TorchPagedAttention
+from tokenmill.attention.metadata import get_forward_context
+from tokenmill.config import ModelArchConfig
+from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
+                               output_sizes=[self.q_size, self.kv_size, self.kv_size], dtype=dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, dtype=dtype)
+        self.rotary = rotary
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None  # bound by the runner: [2, nb, bs, Hkv, D]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., T, hidden]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        lead = q.shape[:-1]
+        q = q.reshape(*lead, self.num_heads, self.head_dim)
+        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, self.kv_cache, get_forward_context(), self.scale)
+        return self.o_proj(o.reshape(*lead, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=cfg.mlp_bias, output_sizes=[i, i], dtype=dtype)
+        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding,
+                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, dtype)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, backend, dtype)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Checkpoint tensors arrive under Hugging Face names; `packed_modules_mapping` says which
+    of them are parts of a packed layer here."""
+
+    # checkpoint suffix -> (packed module here, part index)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32,
+                 backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, backend or TorchPagedAttention())
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] (or [B, T] without a forward context) -> hidden states."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab] in float32."""
+        if self.lm_head is None:
+            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the names of parameters that received data."""
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            module_path, _, kind = name.rpartition(".")
+            parent, _, leaf = module_path.rpartition(".")
+            if leaf in self.packed_modules_mapping:
+                packed, shard = self.packed_modules_mapping[leaf]
+                target = f"{parent}.{packed}"
+                mod = modules.get(target)
+                if not isinstance(mod, Linear):
+                    raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+                mod.load_shard(kind, tensor, shard)
+                loaded.add(f"{target}.{kind}")
+                continue
+            mod = modules.get(module_path)
+            if isinstance(mod, Linear):
+                mod.load_shard(kind, tensor, None)
+                loaded.add(name)
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            p = params[name]
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            p.data.copy_(tensor.to(p.dtype))
+            loaded.add(name)
+        return loaded

