@@ -1,0 +1,36 @@
+"""Chained block hashes for automatic prefix caching.
+
+    hash(block i) = sha256(hash(block i-1) || token ids of block i || extra keys)
+
+Only full blocks are hashed. The chain makes a block's hash stand for its whole prefix, so
+equal hashes mean equal prefixes; sha256 makes an accidental collision (which would serve
+wrong keys and values) practically impossible. Extra keys carry `cache_salt` so tenants can
+be isolated.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+
+_ROOT = BlockHash(b"tokenmill-root")
+
+
+def hash_block(parent: BlockHash | None, token_ids: list[int] | tuple[int, ...], extra: str | None = None) -> BlockHash:
+    h = hashlib.sha256()
+    h.update(parent if parent is not None else _ROOT)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra is not None:
+        h.update(b"\x00salt:" + extra.encode())
+    return BlockHash(h.digest())
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int,
+                        extra: str | None = None) -> None:
+    """Append hashes for every full block of token_ids not hashed yet (in place)."""
+    num_full = len(token_ids) // block_size
+    for i in range(len(hashes), num_full):
+        parent = hashes[i - 1] if i else None
+        hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra))

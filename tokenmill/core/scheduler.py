@@ -1,0 +1,239 @@
+"""Continuous batching under one rule (DESIGN.md).
+
+Every step, each request's num_computed_tokens catches up toward num_tokens_with_spec under a
+token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
+  1. running requests first, oldest first (a decode costs 1 token, or 1 + k with k drafts);
+  2. then waiting requests, whose prompt may be chunked and whose first blocks may be cached;
+  3. if a running request cannot get a block, the newest running request is preempted (blocks
+     freed, recomputed later) and nobody new is admitted in this step.
+The scheduler never sees tensors; it hands the runner a SchedulerOutput.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    """Tokens computed this step: a prefill chunk, 1 for a decode, 1 + k with k drafts."""
+    start_pos: int
+    """num_computed_tokens before this step (position of the first new token)."""
+    block_ids: list[int]
+    num_spec_tokens: int = 0
+    """Draft tokens among the last new tokens, to be verified this step."""
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def is_sampling(self) -> bool:
+        """True if this step reaches the request's last token, so its logits are sampled."""
+        return self.start_pos + self.num_new_tokens == self.request.num_tokens_with_spec
+
+    @property
+    def token_ids(self) -> list[int]:
+        toks = self.request.all_token_ids + self.request.spec_token_ids
+        return toks[self.start_pos:self.start_pos + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    """Requests finished since the last step; the runner drops their per-request state."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SamplerResult:
+    """What the runner sampled for one request this step."""
+
+    token_ids: list[int]
+    """Accepted tokens in order (one without speculation; up to 1 + k with k drafts)."""
+    logprobs: list | None = None
+    """Per token: dict[token_id, Logprob] (sampled + top-N), if requested."""
+
+
+class Scheduler:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int) -> None:
+        self.config = sched
+        self.block_size = cache.block_size
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.finished_since_step: list[str] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        assert status.is_finished
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = status
+        req.spec_token_ids = []
+        req.finished_time = time.time()
+        self.kv.free(req)
+        self.kv.forget(request_id)
+        self.finished_since_step.append(request_id)
+        return req
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput(finished_ids=self.finished_since_step)
+        self.finished_since_step = []
+        now = time.time()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                if self.kv.allocate_slots(req, num_new) is not None:
+                    break
+                victim = self.running.pop()  # the newest running request
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            num_spec = max(0, req.num_computed_tokens + num_new - req.num_tokens)
+            out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
+                                                  self.kv.get_block_ids(req.request_id), num_spec))
+            budget -= num_new
+            i += 1
+
+        if not out.preempted_ids:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                computed = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - computed.num_tokens
+                if num_new > budget and not self.config.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+                if self.kv.allocate_slots(req, num_new, computed) is None:
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = computed.num_tokens
+                req.num_computed_tokens = computed.num_tokens
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                self.running.append(req)
+                out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
+                                                      self.kv.get_block_ids(req.request_id)))
+                budget -= num_new
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ update
+    def update(self, sched: SchedulerOutput, results: dict[str, SamplerResult]) -> list[Request]:
+        """Advance progress counters, append accepted tokens, roll back rejected drafts, apply
+        token-level stop conditions. Returns requests that received new tokens."""
+        changed: list[Request] = []
+        now = time.time()
+        for s in sched.scheduled:
+            req = s.request
+            if req.is_finished:
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            res = results.get(req.request_id)
+            if res is None:
+                continue
+            # Drafts: num_computed counted them all; keep only the accepted ones (their K/V are
+            # right). The last accepted token's K/V is not in the cache yet.
+            num_drafts = len(req.spec_token_ids)
+            if num_drafts:
+                num_accepted = len(res.token_ids) - 1
+                req.num_computed_tokens -= num_drafts - num_accepted
+                req.spec_token_ids = []
+            for j, tok in enumerate(res.token_ids):
+                req.append_output_token(tok)
+                if res.logprobs is not None:
+                    req.logprobs.append(res.logprobs[j])
+                if self._check_stop(req, tok):
+                    # Tokens after a stop are discarded; their K/V beyond num_tokens is garbage.
+                    req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                    break
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            changed.append(req)
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
+                self.running.remove(req)
+                req.finished_time = now
+                self.kv.free(req)
+                self.kv.forget(req.request_id)
+                self.finished_since_step.append(req.request_id)
+        return changed
+
+    def _check_stop(self, req: Request, tok: int) -> bool:
+        p = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok == req.eos_token_id:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if tok in p.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = tok
+                return True
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    # ------------------------------------------------------------- accounting
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        assert set(self.kv.req_blocks) <= {r.request_id for r in self.running}, "blocks held by a non-running request"
+        assert live == set(self.requests), "request table drift"

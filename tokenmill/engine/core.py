@@ -1,0 +1,254 @@
+"""The engine core: owns the scheduler and the model runner and runs one step at a time.
+
+    step(): scheduler.schedule() -> runner.execute(batch) -> scheduler.update(results)
+            -> detokenize, stop strings -> RequestOutputs
+
+A request asking for n samples becomes n child requests ("<id>#<i>"); child i of a seeded
+request uses seed + i, so it equals a separate request with that seed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.config import EngineConfig, ModelArchConfig
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.models.loader import load_model
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
+
+logger = logging.getLogger("tokenmill")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    """Fraction of blocks referenced by requests (cached-but-free blocks count as free)."""
+    num_blocks_total: int
+    num_blocks_free: int
+    num_blocks_cached_free: int
+    block_size: int
+    kv_bytes_per_token: float
+    num_allocated_slots: int
+    num_filled_slots: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    spec_decode: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    arrival_time: float
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.device = torch.device(mc.device)
+        torch.manual_seed(mc.seed)
+        if os.environ.get("TOKENMILL_NUM_THREADS"):
+            torch.set_num_threads(int(os.environ["TOKENMILL_NUM_THREADS"]))
+        t0 = time.time()
+        loaded = load_model(mc.model, dtype=mc.torch_dtype, device=mc.device)
+        self.model = loaded.model
+        self.arch: ModelArchConfig = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        if mc.max_model_len and mc.max_model_len > self.arch.max_position_embeddings:
+            raise ValueError(f"max_model_len {mc.max_model_len} exceeds the model's context length "
+                             f"{self.arch.max_position_embeddings}")
+        cc = config.cache
+        kv_dtype = mc.torch_dtype
+        spec = KVCacheSpec(0, cc.block_size, self.arch.num_hidden_layers, self.arch.num_key_value_heads,
+                           self.arch.head_dim, kv_dtype)
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        else:
+            budget = cc.kv_cache_memory_bytes or int(available_memory_bytes(self.device) * cc.kv_cache_memory_fraction)
+            num_blocks = budget // spec.bytes_per_block
+            # No point holding more than max_num_seqs full-length sequences.
+            useful = config.scheduler.max_num_seqs * -(-self.max_model_len // cc.block_size)
+            num_blocks = min(num_blocks, useful)
+        if num_blocks < 1:
+            raise ValueError("the KV-cache budget holds no block; raise kv_cache_memory_bytes")
+        self.kv_spec = KVCacheSpec(num_blocks, cc.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype)
+        self.runner = ModelRunner(self.model, self.arch, self.kv_spec, self.device, seed=mc.seed)
+        self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len)
+        self.parents: dict[str, _Parent] = {}
+        self.child_to_parent: dict[str, str] = {}
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else (self.arch.eos_token_ids or (None,))[0]
+        logger.info("loaded %s in %.1fs: %d KV blocks of %d tokens (%.1f MiB)", loaded.path.name, time.time() - t0,
+                    num_blocks, cc.block_size, num_blocks * self.kv_spec.bytes_per_block / 2**20)
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> None:
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: at least one token is required")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.arch.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.arch.vocab_size})")
+        n_prompt = len(prompt_token_ids)
+        if n_prompt >= self.max_model_len:
+            raise ValueError(f"prompt has {n_prompt} tokens, but max_model_len is {self.max_model_len}; "
+                             f"shorten the prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+        if n_prompt + max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        blocks_needed = -(-(n_prompt + max_tokens) // self.kv_spec.block_size)
+        if blocks_needed > self.kv_spec.num_blocks:
+            raise ValueError(f"request needs {blocks_needed} KV blocks but the whole pool has "
+                             f"{self.kv_spec.num_blocks}; raise the KV-cache budget or lower max_tokens")
+        arrival = arrival_time if arrival_time is not None else time.time()
+        children, detoks = [], []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = params.clone(seed=params.seed + i)
+            cid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(cid, prompt_token_ids, child_params, self.eos_token_id, max_tokens, arrival,
+                          cache_salt=cache_salt, sample_index=i, parent_id=request_id)
+            children.append(req)
+            detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                                 params.skip_special_tokens, params.include_stop_str_in_output))
+            self.child_to_parent[cid] = request_id
+        self.parents[request_id] = _Parent(request_id, prompt, list(prompt_token_ids), children, detoks, arrival)
+        for req in children:
+            self.scheduler.add_request(req)
+        self.num_prompt_tokens += n_prompt * params.n
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return
+        for req in parent.children:
+            self.child_to_parent.pop(req.request_id, None)
+            if not req.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        results = self.runner.execute(sched)
+        changed = self.scheduler.update(sched, results)
+        touched: dict[str, None] = {}
+        for req in changed:
+            pid = self.child_to_parent.get(req.request_id)
+            if pid is None:
+                continue
+            parent = self.parents[pid]
+            detok = parent.detoks[req.sample_index]
+            new = req.output_token_ids[detok.num_decoded:]
+            self.num_generation_tokens += len(new)
+            if req.status == RequestStatus.FINISHED_STOPPED and new and (
+                    new[-1] == req.eos_token_id or new[-1] in req.sampling_params.stop_token_ids):
+                new = new[:-1]  # a stop token ends the text without appearing in it
+            stop = detok.update(new)
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                req.stop_reason = stop
+            elif stop is not None:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            touched[pid] = None
+        outputs = []
+        for pid in touched:
+            parent = self.parents[pid]
+            out = self._make_output(parent)
+            outputs.append(out)
+            if out.finished:
+                del self.parents[pid]
+                for req in parent.children:
+                    self.child_to_parent.pop(req.request_id, None)
+        return outputs
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        comps = []
+        for req, detok in zip(parent.children, parent.detoks):
+            lps = None
+            if req.sampling_params.logprobs is not None:
+                lps = req.logprobs[:len(req.output_token_ids)]
+                for d in lps:
+                    for tok, lp in d.items():
+                        if lp.decoded_token is None:
+                            lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
+            comps.append(CompletionOutput(
+                index=req.sample_index, text=detok.visible_text(req.is_finished), token_ids=list(req.output_token_ids),
+                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason, logprobs=lps,
+                cumulative_logprob=sum(d[t].logprob for d, t in zip(lps, req.output_token_ids)) if lps else None))
+        finished = all(r.is_finished for r in parent.children)
+        first = [r.first_token_time for r in parent.children if r.first_token_time]
+        sched = [r.first_scheduled_time for r in parent.children if r.first_scheduled_time]
+        last = [r.last_token_time for r in parent.children if r.last_token_time]
+        metrics = RequestMetrics(arrival_time=parent.arrival_time, first_scheduled_time=min(sched, default=None),
+                                 first_token_time=min(first, default=None), last_token_time=max(last, default=None),
+                                 finished_time=time.time() if finished else None,
+                                 num_generation_tokens=max(r.num_output_tokens for r in parent.children))
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps, finished, metrics,
+                             num_cached_tokens=parent.children[0].num_cached_tokens)
+
+    # ------------------------------------------------------------ accounting
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        pool = kv.pool
+        filled = sum(min(r.num_computed_tokens, r.num_tokens) for r in self.scheduler.running)
+        used = pool.num_blocks - pool.num_free_blocks
+        elem = torch.empty((), dtype=self.kv_spec.dtype).element_size()
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=used / pool.num_blocks, num_blocks_total=pool.num_blocks,
+            num_blocks_free=pool.num_free_blocks, num_blocks_cached_free=pool.num_cached_free_blocks,
+            block_size=kv.block_size, kv_bytes_per_token=self.arch.kv_bytes_per_token(elem),
+            num_allocated_slots=kv.num_allocated_slots(), num_filled_slots=filled,
+            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens)
+
+    def check_integrity(self) -> None:
+        """Asserts allocator invariants; when idle, every block must be free."""
+        self.scheduler.check_integrity()
+        if not self.has_unfinished_requests():
+            pool = self.scheduler.kv.pool
+            assert pool.num_free_blocks == pool.num_blocks, \
+                f"KV leak: {pool.num_blocks - pool.num_free_blocks} blocks held while idle"
+            assert not self.scheduler.requests and not self.scheduler.kv.req_blocks

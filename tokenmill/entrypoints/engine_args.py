@@ -1,0 +1,56 @@
+"""Engine flags shared by every CLI command, in vLLM's spelling, with help text taken from the
+config dataclasses' field docstrings."""
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import json
+from dataclasses import MISSING, fields
+
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under dataclass fields ("field: T = v" followed by a string literal)."""
+    docs: dict[str, str] = {}
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+            docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    g = parser.add_argument_group("engine")
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        docs = _field_docs(cls)
+        for f in fields(cls):
+            if f.name == "model" and model_positional:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not MISSING else None
+            help_ = docs.get(f.name, "")
+            if isinstance(default, bool):
+                g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
+                continue
+            kind = {int: int, float: float}.get(type(default), str)
+            if f.name in ("max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks_override"):
+                kind = int
+            g.add_argument(flag, dest=f.name, type=kind, default=default, help=f"{help_} (default: {default})")
+    g.add_argument("--speculative-config", dest="speculative_config", type=json.loads, default=None,
+                   help="JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    kwargs = {}
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        for f in fields(cls):
+            if hasattr(args, f.name):
+                kwargs[f.name] = getattr(args, f.name)
+    spec = getattr(args, "speculative_config", None)
+    if spec is not None:
+        kwargs["speculative_config"] = SpeculativeConfig.from_dict(spec)
+    return EngineConfig.from_kwargs(**kwargs)

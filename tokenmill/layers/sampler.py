@@ -1,0 +1,151 @@
+"""Vectorized sampling over a batch of logits rows.
+
+Order of operations per row (the rejection sampler reuses `process_logits` so draft and target
+distributions get identical treatment):
+  1. penalties: repetition (prompt + output), presence and frequency (output);
+  2. min_tokens: EOS and stop_token_ids masked until enough tokens were generated;
+  3. logprobs are taken here (after penalties, before temperature), as vLLM returns them;
+  4. temperature, then top-k, top-p and min-p masks (masked logits = -inf);
+  5. greedy rows take the argmax; random rows use the exponential race
+     argmax(p_i / E_i), E_i ~ Exp(1), which samples i with probability p_i. Rows with a seed
+     draw E from their own generator, so their samples do not depend on the rest of the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.outputs import Logprob
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor        # [N] float32; 0 for greedy rows
+    top_k: torch.Tensor | None       # [N] int64; 0 = off (None if no row uses it)
+    top_p: torch.Tensor | None       # [N] float32 (None if no row uses it)
+    min_p: torch.Tensor | None       # [N] float32 (None if no row uses it)
+    presence_penalty: torch.Tensor | None   # [N]
+    frequency_penalty: torch.Tensor | None  # [N]
+    repetition_penalty: torch.Tensor | None  # [N]
+    output_counts: torch.Tensor | None      # [N, V] float32 counts of output tokens
+    prompt_mask: torch.Tensor | None        # [N, V] bool, token occurs in the prompt
+    min_tokens_mask: torch.Tensor | None    # [N, V] bool, True = banned this step
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    max_num_logprobs: int | None
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    if meta.repetition_penalty is not None:
+        seen = meta.prompt_mask | (meta.output_counts > 0)
+        rp = meta.repetition_penalty[:, None]
+        penalized = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen, penalized, logits)
+    if meta.frequency_penalty is not None:
+        logits = logits - meta.frequency_penalty[:, None] * meta.output_counts
+    if meta.presence_penalty is not None:
+        logits = logits - meta.presence_penalty[:, None] * (meta.output_counts > 0).float()
+    if meta.min_tokens_mask is not None:
+        logits = logits.masked_fill(meta.min_tokens_mask, float("-inf"))
+    return logits
+
+
+def apply_temperature_and_masks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Scaled, masked logits; greedy rows are left unscaled (temperature treated as 1)."""
+    temp = torch.where(meta.temperature > 0, meta.temperature, torch.ones_like(meta.temperature))
+    logits = logits / temp[:, None]
+    if meta.top_k is not None:
+        k = meta.top_k.clamp(min=0)
+        vocab = logits.shape[-1]
+        k = torch.where(k == 0, torch.full_like(k, vocab), k).clamp(max=vocab)
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if meta.top_p is not None:
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        cum = probs.cumsum(-1)
+        # Drop a token if the mass before it already reaches top_p (always keep the first).
+        drop_sorted = (cum - probs) >= meta.top_p[:, None]
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if meta.min_p is not None:
+        probs = logits.softmax(-1)
+        thresh = meta.min_p[:, None] * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    return logits
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Penalties, temperature and masks: the distribution a row samples from (as logits)."""
+    return apply_temperature_and_masks(apply_penalties(logits, meta), meta)
+
+
+def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
+                      device: torch.device, global_gen: torch.Generator | None = None) -> torch.Tensor:
+    """[N, V] Exp(1) noise; seeded rows draw from their own generator."""
+    q = torch.empty(shape, device=device)
+    q.exponential_(generator=global_gen)
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i].exponential_(generator=g)
+    return q
+
+
+def sample_from_logits(logits: torch.Tensor, meta: SamplingMetadata,
+                       global_gen: torch.Generator | None = None) -> torch.Tensor:
+    """logits [N, V] already processed -> token ids [N]."""
+    greedy = logits.argmax(-1)
+    if meta.all_greedy:
+        return greedy
+    probs = logits.softmax(-1)
+    q = exponential_noise(tuple(probs.shape), meta.generators, probs.device, global_gen)
+    sampled = (probs / q).argmax(-1)
+    return torch.where(meta.temperature > 0, sampled, greedy)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor            # [N]
+    logprobs: list[dict[int, Logprob]] | None  # per row, if any row asked
+
+
+class Sampler:
+    def __init__(self, global_seed: int = 0, device: str = "cpu") -> None:
+        self.global_gen = torch.Generator(device=device)
+        self.global_gen.manual_seed(global_seed)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+                 num_logprobs: list[int | None]) -> SamplerOutput:
+        logits = apply_penalties(logits.float(), meta)
+        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
+        if meta.all_greedy:
+            tokens = logits.argmax(-1)
+        else:
+            tokens = sample_from_logits(apply_temperature_and_masks(logits, meta), meta, self.global_gen)
+        lps = None
+        if raw_logprobs is not None:
+            lps = gather_logprobs(raw_logprobs, tokens, num_logprobs)
+        return SamplerOutput(tokens, lps)
+
+
+def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> list:
+    """Per row: {token: Logprob} for the sampled token and the top-N (N = num_logprobs[i])."""
+    k = max(n for n in num_logprobs if n is not None)
+    top_v, top_i = logprobs.topk(max(k, 1), dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+    out: list = []
+    top_v, top_i, chosen, ranks, toks = top_v.tolist(), top_i.tolist(), chosen.tolist(), ranks.tolist(), tokens.tolist()
+    for r, n in enumerate(num_logprobs):
+        if n is None:
+            out.append(None)
+            continue
+        d = {toks[r]: Logprob(chosen[r], ranks[r])}
+        for j in range(n):
+            t = top_i[r][j]
+            if t not in d:
+                d[t] = Logprob(top_v[r][j], j + 1)
+        out.append(d)
+    return out

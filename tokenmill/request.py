@@ -1,0 +1,93 @@
+"""A request as the scheduler sees it: token lists and one progress counter.
+
+    all_token_ids = prompt_token_ids + output_token_ids (+ spec_token_ids while scheduled)
+    num_computed_tokens: tokens whose K/V are in the cache; the scheduler lets it catch up to
+    num_tokens_with_spec, a chunk at a time.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import NewType
+
+from tokenmill.sampling_params import SamplingParams
+
+RequestId = NewType("RequestId", str)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_id: int | None, max_tokens: int, arrival_time: float | None = None,
+                 cache_salt: str | None = None, sample_index: int = 0, parent_id: str | None = None) -> None:
+        self.request_id = RequestId(request_id)
+        self.parent_id = parent_id or request_id
+        self.sample_index = sample_index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.spec_token_ids: list[int] = []
+        """Draft tokens proposed for the next step (not yet verified)."""
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.max_tokens = max_tokens
+        self.cache_salt = cache_salt
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        """Prompt tokens served from the prefix cache when first scheduled."""
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.logprobs: list = []
+        self.cumulative_logprob = 0.0
+        # timing
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")
