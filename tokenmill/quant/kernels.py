@@ -1,0 +1,255 @@
+"""Weight-only int4 / int8 linear methods for `tokenmill.layers.linear.Linear`.
+
+`install_quantized(layer, qw)` replaces a layer's dense weight by packed buffers and sets
+`layer.quant_method`. Each call then takes one of two paths, chosen per (shape, activation dtype,
+batch-size bucket) by timing both on the first call of that kind:
+
+  * "kernel":  torch's CPU weight-only kernels, `_weight_int4pack_mm_for_cpu` (groups of 32..256)
+               and `_weight_int8pack_mm` (per output channel), bf16/fp16 activations;
+  * "dequant": dequantize the packed buffers to the activation dtype, then one dense matmul. Always
+               valid (any group size, g_idx, device) and exact in float32; it is the fallback and,
+               through `QuantizedWeight.dequantize`, the oracle of the tests.
+
+Measured here (2 cores, AMX): the int4 kernel wins at a few rows with bf16 activations; with
+fp32 activations it is 10-40x slower than a dense fp32 matmul, so fp32 always dequantizes.
+
+Int4 buffers (one copy serves both paths):
+
+    qweight           [N, K / 2] uint8   tinygemm CPU layout: per block of 64 output rows, a [K, 32]
+                                         byte grid, byte (k, j) = code[j, k] | code[j + 32, k] << 4;
+                                         "plain" layout (N % 64 != 0, CUDA): byte (n, k) = code[n, 2k] | code[n, 2k+1] << 4
+    scales_and_zeros  [K / gs, N, 2]     w = (code - 8) * scale + zero   (tinygemm's affine form)
+    col_perm          [K] int64 | None   act-order: x[..., col_perm] makes every group contiguous
+
+Int8 buffers:
+
+    qweight  [N, K] int8                 code - 128
+    scales   [N, G]                      w = qweight * scale + offset,  offset = (128 - zero) * scale
+    offsets  [N, G] | None               None for a symmetric grid (zero = 128)
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.quant.grid import QuantizedWeight
+
+_INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+_TIMING_RUNS = 3
+
+# NOTE: a process-wide table of measured choices; keys are shapes, so every layer of one shape
+# shares one measurement. Deterministic callers (tests) set `force_path` on the method instead.
+_CHOICES: dict[tuple, str] = {}
+
+
+def _bucket(m: int) -> int:
+    return min(1 << max(0, (m - 1).bit_length()), 4096)
+
+
+def _choose(key: tuple, candidates: dict[str, Callable[[], torch.Tensor]]) -> str:
+    if len(candidates) == 1:
+        return next(iter(candidates))
+    choice = _CHOICES.get(key)
+    if choice is None:
+        best = float("inf")
+        for name, fn in candidates.items():
+            try:
+                fn()  # warm-up (and proof it runs for this shape)
+            except RuntimeError:
+                continue
+            t0 = time.perf_counter()
+            for _ in range(_TIMING_RUNS):
+                fn()
+            dt = time.perf_counter() - t0
+            if dt < best:
+                best, choice = dt, name
+        assert choice is not None, f"no kernel ran for {key}"
+        _CHOICES[key] = choice
+    return choice
+
+
+def measured_choices() -> dict[tuple, str]:
+    """What was chosen so far: (kind, N, K, group, dtype, batch bucket) -> path."""
+    return dict(_CHOICES)
+
+
+# ------------------------------------------------------------------------------------ int4
+
+def tinygemm_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of `_convert_weight_to_int4pack_for_cpu` (torch 2.13 layout): [N, K/2] u8 -> [N, K] codes."""
+    blocks = packed.reshape(n // 64, k, 32)
+    both = torch.cat([blocks & 15, blocks >> 4], dim=-1)                     # [N/64, K, 64]
+    return both.permute(0, 2, 1).reshape(n, k)
+
+
+def _plain_pack(codes: torch.Tensor) -> torch.Tensor:
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+
+
+def _plain_unpack(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+_TINYGEMM_OK: bool | None = None
+
+
+def tinygemm_layout_ok() -> bool:
+    """Self-check that this torch build's int4 CPU layout is the one `tinygemm_unpack` reads."""
+    global _TINYGEMM_OK
+    if _TINYGEMM_OK is None:
+        try:
+            probe = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 2)
+            _TINYGEMM_OK = packed.shape == (128, 32) and torch.equal(tinygemm_unpack(packed, 128, 64).int(), probe)
+        except (RuntimeError, AttributeError):
+            _TINYGEMM_OK = False
+    return _TINYGEMM_OK
+
+
+def _column_perm(qw: QuantizedWeight) -> torch.Tensor | None:
+    """Act-order g_idx -> a column order with contiguous groups, or None when already contiguous.
+    Raises ValueError for a g_idx whose groups are not all of size group_size."""
+    if qw.has_trivial_g_idx:
+        return None
+    gs = qw.group_size
+    perm = torch.argsort(qw.g_idx.long(), stable=True)
+    if not torch.equal(qw.g_idx.long()[perm], torch.arange(qw.in_features) // gs):
+        raise ValueError("g_idx groups are not all of size group_size")
+    return perm
+
+
+class Int4WeightOnlyMethod:
+    """int4 (or 2/3-bit codes, which fit the same nibbles) weight-only linear."""
+
+    def __init__(self, group_size: int, is_tinygemm: bool) -> None:
+        self.group_size = group_size
+        self.is_tinygemm = is_tinygemm
+        self.force_path: str | None = None
+
+    def dequantize(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] weight in the permuted column order (matches x[..., col_perm])."""
+        n, k = layer.out_features, layer.in_features
+        codes = tinygemm_unpack(layer.qweight, n, k) if self.is_tinygemm else _plain_unpack(layer.qweight)
+        sz = layer.scales_and_zeros.to(dtype)                                 # [G, N, 2]
+        g = sz.shape[0]
+        w = (codes.reshape(n, g, k // g).to(dtype) - 8) * sz[:, :, 0].t()[..., None] + sz[:, :, 1].t()[..., None]
+        return w.reshape(n, k)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])                                         # [M, K]
+        if layer.col_perm is not None:
+            x2 = x2[:, layer.col_perm]
+        cands: dict[str, Callable[[], torch.Tensor]] = {
+            "dequant": lambda: F.linear(x2, self.dequantize(layer, x2.dtype))}
+        if self.is_tinygemm and x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float16):
+            sz = layer.scales_and_zeros if layer.scales_and_zeros.dtype == x2.dtype else layer.scales_and_zeros.to(x2.dtype)
+            cands["kernel"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.contiguous(), layer.qweight, self.group_size, sz)
+        path = self.force_path if self.force_path in cands else _choose(
+            ("int4", layer.out_features, layer.in_features, self.group_size, x2.dtype, _bucket(x2.shape[0])), cands)
+        y = cands[path]()
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.reshape(*lead, layer.out_features)
+
+
+class Int8WeightOnlyMethod:
+    """int8 (or 5..8-bit codes) weight-only linear."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self.force_path: str | None = None
+
+    def dequantize(self, layer, dtype: torch.dtype) -> torch.Tensor:
+        n, k = layer.out_features, layer.in_features
+        g = layer.scales.shape[1]
+        w = layer.qweight.reshape(n, g, k // g).to(dtype) * layer.scales.to(dtype)[..., None]
+        if layer.offsets is not None:
+            w = w + layer.offsets.to(dtype)[..., None]
+        return w.reshape(n, k)
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])                                         # [M, K]
+        if layer.col_perm is not None:
+            x2 = x2[:, layer.col_perm]
+        cands: dict[str, Callable[[], torch.Tensor]] = {
+            "dequant": lambda: F.linear(x2, self.dequantize(layer, x2.dtype))}
+        if layer.scales.shape[1] == 1 and x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float16):
+            def kernel() -> torch.Tensor:
+                y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), layer.qweight, layer.scales[:, 0].to(x2.dtype))
+                if layer.offsets is not None:  # asymmetric: sum_k x_k * offset_n
+                    y = y + x2.sum(-1, keepdim=True) * layer.offsets[:, 0].to(x2.dtype)
+                return y
+            cands["kernel"] = kernel
+        path = self.force_path if self.force_path in cands else _choose(
+            ("int8", layer.out_features, layer.in_features, self.group_size, x2.dtype, _bucket(x2.shape[0])), cands)
+        y = cands[path]()
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.reshape(*lead, layer.out_features)
+
+
+def install_quantized(layer, qw: QuantizedWeight, dtype: torch.dtype | None = None) -> None:
+    """Replace `layer.weight` [N, K] by the packed buffers of `qw` and set its quant method.
+
+    dtype: of scales / zeros / bias (defaults to the layer's current weight dtype)."""
+    if (qw.out_features, qw.in_features) != (layer.out_features, layer.in_features):
+        raise ValueError(f"quantized weight {tuple(qw.codes.shape)} does not fit layer "
+                         f"[{layer.out_features}, {layer.in_features}]")
+    old = getattr(layer, "weight", None)
+    device = old.device if old is not None else torch.device("cpu")
+    if dtype is None:
+        dtype = old.dtype if old is not None else torch.float32
+    if "weight" in layer._parameters:
+        del layer._parameters["weight"]
+    layer.weight = None
+    n, k = qw.out_features, qw.in_features
+    perm = _column_perm(qw)
+    codes = qw.codes if perm is None else qw.codes[:, perm]
+    g_idx = qw.g_idx.long() if perm is None else qw.g_idx.long()[perm]
+    ng = qw.scales.shape[1]
+    gs = k // ng
+    # Per-column affine: w = code * s + o; groups contiguous after the permutation.
+    s = qw.scales.float()                                                        # [N, G]
+    z = qw.zeros.float()
+    assert torch.equal(g_idx, torch.arange(k) // gs)
+    layer.register_buffer("col_perm", None if perm is None else perm.to(device), persistent=False)
+    if layer.bias is not None:
+        layer.bias.data = layer.bias.data.to(dtype)
+    if qw.bits <= 4:
+        is_tinygemm = (device.type == "cpu" and n % 64 == 0 and gs in _INT4_KERNEL_GROUPS and tinygemm_layout_ok())
+        if is_tinygemm:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+        else:
+            packed = _plain_pack(codes.to(torch.uint8))
+        sz = torch.stack([s.t(), ((8 - z) * s).t()], dim=-1)                     # [G, N, 2]
+        layer.register_buffer("qweight", packed.to(device), persistent=False)
+        layer.register_buffer("scales_and_zeros", sz.to(dtype).contiguous().to(device), persistent=False)
+        layer.quant_method = Int4WeightOnlyMethod(qw.group_size if qw.group_size > 0 else k, is_tinygemm)
+    elif qw.bits <= 8:
+        offsets = None if bool((qw.zeros == 128).all()) else ((128 - z) * s).to(dtype)
+        layer.register_buffer("qweight", (codes.to(torch.int16) - 128).to(torch.int8).contiguous().to(device),
+                              persistent=False)
+        layer.register_buffer("scales", s.to(dtype).to(device), persistent=False)
+        layer.register_buffer("offsets", None if offsets is None else offsets.to(device), persistent=False)
+        layer.quant_method = Int8WeightOnlyMethod(qw.group_size if qw.group_size > 0 else k)
+    else:
+        raise ValueError(f"weight-only kernels support up to 8 bits, got {qw.bits}")
+    layer.quant_bits = qw.bits
+
+
+def quantized_nbytes(module: torch.nn.Module) -> int:
+    """Bytes of all parameters and buffers of a module tree (packed weights included)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
