@@ -1,0 +1,357 @@
+"""Pydantic models of the OpenAI API as tokenmill serves it (plus vLLM's extra sampling fields).
+
+Requests are strict: an unknown field is a 400 naming it, and an OpenAI field that tokenmill
+does not implement is a 400 saying so (see UNSUPPORTED_*), never silently ignored. Ranges are
+OpenAI's where it documents them; the engine-dependent checks (prompt length, token ids below
+the vocabulary size) happen in serving.py.
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Seeds go to torch.Generator.manual_seed, which accepts [-2**63, 2**64).
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# Ids and counts beyond this are nonsense for any model; bounding them keeps torch from overflowing.
+_MAX_INT = 2**31 - 1
+
+NonNegInt = Annotated[int, Field(ge=0, le=_MAX_INT)]
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=False)
+
+
+class UnsupportedParameterError(ValueError):
+    """Raised inside validators; the server turns it into a 400 whose `param` is .param."""
+
+    def __init__(self, param: str, why: str) -> None:
+        super().__init__(why)
+        self.param = param
+
+
+def _check_unsupported(data: Any, table: dict[str, tuple[Any, str]]) -> Any:
+    """Reject fields set to anything but their harmless value; drop them otherwise."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for name, (allowed, why) in table.items():
+        if name in out:
+            value = out.pop(name)
+            ok = allowed(value) if callable(allowed) else value in (None, allowed)
+            if not ok:
+                raise UnsupportedParameterError(name, why)
+    return out
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == {} or v == []
+
+
+_COMMON_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "logit_bias": (_empty, "logit_bias is not supported by tokenmill"),
+    "store": (lambda v: v in (None, False), "store is not supported by tokenmill"),
+    "metadata": (_empty, "metadata is not supported by tokenmill (it needs store)"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "service_tier is not supported by tokenmill"),
+}
+
+UNSUPPORTED_COMPLETION: dict[str, tuple[Any, str]] = {
+    **_COMMON_UNSUPPORTED,
+    "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported by tokenmill"),
+}
+
+UNSUPPORTED_CHAT: dict[str, tuple[Any, str]] = {
+    **_COMMON_UNSUPPORTED,
+    "tools": (_empty, "tools (function calling) are not supported by tokenmill"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool_choice is not supported by tokenmill"),
+    "parallel_tool_calls": (lambda v: v is None, "parallel_tool_calls is not supported by tokenmill"),
+    "functions": (_empty, "functions (function calling) are not supported by tokenmill"),
+    "function_call": (lambda v: v in (None, "none"), "function_call is not supported by tokenmill"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "response_format other than {'type': 'text'} is not supported by tokenmill"),
+    "audio": (lambda v: v is None, "audio output is not supported by tokenmill"),
+    "modalities": (lambda v: v is None or v == ["text"], "modalities other than ['text'] are not supported"),
+    "prediction": (lambda v: v is None, "prediction (predicted outputs) is not supported by tokenmill"),
+    "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported by tokenmill"),
+    "web_search_options": (lambda v: v is None, "web_search_options is not supported by tokenmill"),
+}
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    """Send one more chunk before [DONE] with the usage of the whole request (choices empty)."""
+    continuous_usage_stats: bool | None = False
+    """vLLM extra; tokenmill does not implement it (400 when true)."""
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Fields shared by completions and chat (OpenAI's and vLLM's extras)."""
+
+    model: str | None = Field(None, description="Served model name; defaults to the first one.")
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(None, ge=-1, le=_MAX_INT, description="0 or -1 disables.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    min_tokens: NonNegInt = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[NonNegInt] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedParameterError("stream_options",
+                                            "stream_options is only allowed when stream is true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise UnsupportedParameterError("stream_options.continuous_usage_stats",
+                                            "continuous_usage_stats is not supported by tokenmill")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[NonNegInt] | list[list[NonNegInt]] = Field(
+        ..., description="A string, a list of strings, a list of token ids, or a list of token-id lists.")
+    max_tokens: int | None = Field(16, ge=1, le=_MAX_INT)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool | None = False
+    best_of: int | None = Field(None, ge=1, le=128)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported(cls, data: Any) -> Any:
+        return _check_unsupported(data, UNSUPPORTED_COMPLETION)
+
+    @model_validator(mode="after")
+    def _check(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedParameterError("best_of", "best_of different from n is not supported by tokenmill")
+        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+            raise UnsupportedParameterError("prompt", "prompt must not be empty")
+        if self.echo and self.logprobs is not None:
+            raise UnsupportedParameterError(
+                "logprobs", "echo together with logprobs needs prompt logprobs, which tokenmill does not support")
+        return self
+
+
+class ChatMessage(BaseModel):
+    # NOTE: extra fields allowed: clients echo back assistant messages with `refusal`,
+    # `annotations`, etc.; tool calls are rejected below.
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    """A string, or content parts of which tokenmill supports {"type": "text", "text": ...}."""
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChatMessage":
+        extra = self.model_extra or {}
+        for key in ("tool_calls", "function_call", "audio"):
+            if extra.get(key):
+                raise UnsupportedParameterError(f"messages.{key}", f"{key} in messages are not supported by tokenmill")
+        if self.content is None and self.role != "assistant":
+            raise UnsupportedParameterError("messages.content", f"a {self.role} message needs content")
+        if isinstance(self.content, list):
+            for part in self.content:
+                kind = part.get("type")
+                if kind != "text":
+                    raise UnsupportedParameterError(
+                        "messages.content", f"content parts of type {kind!r} are not supported (only 'text')")
+                if not isinstance(part.get("text"), str):
+                    raise UnsupportedParameterError("messages.content", "a text content part needs a string 'text'")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part["text"] for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=_MAX_INT, description="Deprecated by OpenAI; "
+                                   "max_completion_tokens wins when both are set.")
+    max_completion_tokens: int | None = Field(None, ge=1, le=_MAX_INT)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM extras
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported(cls, data: Any) -> Any:
+        return _check_unsupported(data, UNSUPPORTED_CHAT)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedParameterError("top_logprobs", "top_logprobs needs logprobs set to true")
+        return self
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize: either prompt or messages (vLLM)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise UnsupportedParameterError("prompt", "give exactly one of prompt and messages")
+        if self.messages is not None and len(self.messages) == 0:
+            raise UnsupportedParameterError("messages", "messages must not be empty")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[NonNegInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# --- responses ---------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tokenmill"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)

@@ -1,0 +1,341 @@
+"""The OpenAI-compatible HTTP server: FastAPI app, error format, auth, metrics, uvicorn runner.
+
+    uvicorn (event loop, main thread)              engine thread (all torch)
+    gate: 401 without the key, 503 while loading
+    routes -> OpenAIServing -> AsyncEngine  ---->  EngineCore.step() loop
+
+Endpoints: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
+/v1/models/{id}, /health, /metrics, /version, /debug/kv_cache (free blocks and the KV pool's
+integrity check, for tests and operators).
+
+Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections and lets in-flight requests
+finish for up to `shutdown_timeout` seconds, then cancels them (which aborts them in the
+engine); the lifespan hook then stops the engine thread and the process exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import tokenmill
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
+from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                                   CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                                   DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
+                                                   TokenizeRequest, TokenizeResponse, UnsupportedParameterError)
+from tokenmill.entrypoints.openai.serving import OpenAIError, OpenAIServing, engine_unavailable
+from tokenmill.metrics import EngineMetrics, StatLogger
+
+logger = logging.getLogger("tokenmill.server")
+
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/debug/")
+_NEEDS_ENGINE_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/debug/", "/health")
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    503: {"model": ErrorResponse, "description": "The model is still loading"},
+}
+_SSE_RESPONSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON body, or SSE chunks when stream"}}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_names: list[str]
+    model_root: str | None = None
+    api_key: str | None = None
+    log_stats_interval_s: float | None = 10.0
+    """None disables the periodic stats log line."""
+
+
+def _error_response(status: int, message: str, type: str, param: str | None = None,
+                    code: str | None = None) -> JSONResponse:
+    return JSONResponse(OpenAIError(message, status_code=status, type=type, param=param, code=code).to_dict(),
+                        status_code=status)
+
+
+class GateMiddleware:
+    """Pure ASGI (streams stay cancellable): 401 without the API key, 503 until the model loaded."""
+
+    def __init__(self, app: ASGIApp, engine: AsyncEngine, api_key: str | None) -> None:
+        self.app = app
+        self.engine = engine
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        if self.api_key is not None and path.startswith(_PROTECTED_PREFIXES):
+            headers = dict(scope.get("headers") or [])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                resp = _error_response(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
+                                       "invalid_request_error", code="invalid_api_key")
+                await resp(scope, receive, send)
+                return
+        if path.startswith(_NEEDS_ENGINE_PREFIXES) and not self.engine.is_ready:
+            status = self.engine.status
+            if status.is_dead:
+                msg = f"the engine failed and cannot serve requests: {status.error}"
+            else:
+                msg = "the model is still loading; retry shortly"
+            resp = _error_response(503, msg, "service_unavailable", code="model_loading" if not status.is_dead
+                                   else "engine_dead")
+            resp.headers["Retry-After"] = "5"
+            await resp(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    ctx_err = (first.get("ctx") or {}).get("error")
+    if isinstance(ctx_err, UnsupportedParameterError):
+        return _error_response(400, str(ctx_err), "invalid_request_error", param=ctx_err.param,
+                               code="unsupported_parameter" if "not supported" in str(ctx_err) else None)
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return _error_response(400, f"The request body is not valid JSON: {detail}", "invalid_request_error",
+                               code="invalid_json")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # NOTE: union members show up as loc entries like "str" or "list[str]"; keep the field path only.
+    loc = [x for x in loc if not any(ch in x for ch in "[]") and x not in ("str", "int", "float", "bool")]
+    param = ".".join(loc) or None
+    kind = first.get("type")
+    if kind == "extra_forbidden":
+        msg = f"Unrecognized request argument supplied: {param}"
+        return _error_response(400, msg, "invalid_request_error", param=param, code="unknown_parameter")
+    if kind == "missing":
+        return _error_response(400, f"Missing required parameter: '{param}'.", "invalid_request_error",
+                               param=param, code="missing_required_parameter")
+    msg = first.get("msg", "invalid request")
+    if param:
+        msg = f"Invalid value for '{param}': {msg}"
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return _error_response(400, msg, "invalid_request_error", param=param, code="invalid_value")
+
+
+async def _cancel_on_disconnect(request: Request, work: Callable[[], Any]) -> Any:
+    """Run work(); if the client disconnects first, cancel it (the request is aborted in the engine)."""
+    task = asyncio.ensure_future(work())
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return Response(status_code=499)  # NOTE: nobody reads it; the client is gone
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetrics | None = None,
+              *, manage_engine: bool = True) -> FastAPI:
+    """The ASGI app. With manage_engine, the lifespan starts the engine thread and shuts it down."""
+    serving = OpenAIServing(engine, settings.served_model_names, settings.model_root)
+    metrics = metrics or engine.metrics or EngineMetrics(settings.served_model_names[0], engine.stats)
+    engine.metrics = metrics  # NOTE: the engine observes request latencies into the same registry
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            engine.start()
+        log_task = None
+        if settings.log_stats_interval_s:
+            log_task = asyncio.create_task(_log_stats(engine, settings.log_stats_interval_s))
+        try:
+            yield
+        finally:
+            if log_task is not None:
+                log_task.cancel()
+            if manage_engine:
+                await engine.shutdown()
+
+    app = FastAPI(title="tokenmill OpenAI-compatible server", version=tokenmill.__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.serving = serving
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc)
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.to_dict(), status_code=exc.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found" if exc.status_code == 404 else None
+        return _error_response(exc.status_code, str(exc.detail), "invalid_request_error", code=kind)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, (EngineDeadError, EngineNotReadyError)):
+            err = engine_unavailable(exc)
+            return JSONResponse(err.to_dict(), status_code=err.status_code)
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error_response(500, f"internal server error: {type(exc).__name__}", "server_error")
+
+    def respond(result: tuple[dict[str, Any] | None, AsyncIterator[str] | None]) -> Response:
+        body, sse = result
+        if sse is not None:
+            return StreamingResponse(sse, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(body)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERROR_RESPONSES, **_SSE_RESPONSE})
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        if body.stream:
+            return respond(await serving.create_completion(body))
+        return await _cancel_on_disconnect(request, lambda: _json(serving.create_completion(body), respond))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**_ERROR_RESPONSES, **_SSE_RESPONSE})
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        if body.stream:
+            return respond(await serving.create_chat_completion(body))
+        return await _cancel_on_disconnect(request, lambda: _json(serving.create_chat_completion(body), respond))
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
+    async def list_models() -> ModelList:
+        return serving.models()
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERROR_RESPONSES)
+    async def get_model(model_id: str) -> ModelCard:
+        name = serving.resolve_model(model_id)
+        return next(card for card in serving.models().data if card.id == name)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(serving.tokenize(body))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(serving.detokenize(body))
+
+    @app.get("/health", responses={503: _ERROR_RESPONSES[503]})
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tokenmill.__version__}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/kv_cache", responses=_ERROR_RESPONSES)
+    async def debug_kv_cache() -> dict[str, Any]:
+        """KV pool state from the engine thread; `integrity` runs check_integrity() when idle."""
+
+        def probe(core: Any) -> dict[str, Any]:
+            stats = core.stats()
+            is_idle = not core.has_unfinished_requests()
+            integrity = "skipped (requests in flight)"
+            if is_idle:
+                try:
+                    core.check_integrity()
+                    integrity = "ok"
+                except AssertionError as e:
+                    integrity = f"failed: {e}"
+            return {"num_blocks_total": stats.num_blocks_total, "num_blocks_free": stats.num_blocks_free,
+                    "kv_cache_usage": stats.kv_cache_usage, "num_running": stats.num_running,
+                    "num_waiting": stats.num_waiting, "is_idle": is_idle, "integrity": integrity}
+
+        result = await engine.run_on_engine(probe)
+        result["num_open_streams"] = engine.num_open_streams
+        return result
+
+    app.add_middleware(GateMiddleware, engine=engine, api_key=settings.api_key)
+    return app
+
+
+async def _json(coro: Any, respond: Callable) -> Response:
+    return respond(await coro)
+
+
+async def _log_stats(engine: AsyncEngine, interval_s: float) -> None:
+    stat_logger = StatLogger(engine.stats, interval_s)
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            stat_logger.log()
+        except Exception:  # noqa: BLE001 - logging must never take the server down
+            logger.exception("stats logging failed")
+
+
+def serve(engine: AsyncEngine, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info", shutdown_timeout_s: float = 30.0) -> int:
+    """Run uvicorn until SIGTERM/SIGINT; returns the process exit code (1 if the model failed to load)."""
+    import uvicorn
+
+    app = build_app(engine, settings)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=shutdown_timeout_s, lifespan="on")
+    server = uvicorn.Server(config)
+    failed = False
+
+    async def main() -> None:
+        nonlocal failed
+
+        async def watch_load() -> None:
+            nonlocal failed
+            try:
+                await _wait_started(engine)
+                await engine.wait_ready()
+                logger.info("model loaded; serving %s on http://%s:%d", ", ".join(settings.served_model_names),
+                            host, port)
+            except EngineDeadError as e:
+                logger.error("%s; shutting down", e)
+                failed = True
+                server.should_exit = True
+
+        watcher = asyncio.create_task(watch_load())
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+
+    asyncio.run(main())
+    if failed or engine.status.is_dead:
+        return 1
+    return 0
+
+
+async def _wait_started(engine: AsyncEngine) -> None:
+    while not engine.is_started:  # NOTE: the lifespan hook starts it once uvicorn is up
+        await asyncio.sleep(0.05)
+
+
+__all__ = ["ServerSettings", "build_app", "serve"]

@@ -1,0 +1,496 @@
+"""Requests -> token ids and SamplingParams; engine outputs -> OpenAI responses and SSE chunks.
+
+Runs on the event loop only: it tokenizes (Rust tokenizers, no torch) and talks to the engine
+through AsyncEngine. Every way a request can be wrong becomes an OpenAIError (4xx) before the
+engine sees it, or from the ValueError the core raises when it refuses a request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import jinja2
+
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                                   DetokenizeRequest, ModelCard, ModelList, TokenizeRequest,
+                                                   _SamplingFields)
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIError(Exception):
+    """An error answered with OpenAI's error object."""
+
+    def __init__(self, message: str, *, status_code: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def engine_unavailable(e: Exception) -> OpenAIError:
+    return OpenAIError(str(e), status_code=503, type="service_unavailable", code="engine_unavailable")
+
+
+@dataclass
+class _Prompt:
+    token_ids: list[int]
+    text: str | None
+    """The prompt as text (given, or decoded from token ids) for echo."""
+
+
+@dataclass
+class _ChoiceState:
+    """Streaming bookkeeping of one choice: what was already sent."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    is_started: bool = False
+    is_finished: bool = False
+
+
+@dataclass
+class _Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class _Finals:
+    """Final outputs of all prompts of one HTTP request, by prompt index."""
+
+    outputs: dict[int, RequestOutput] = field(default_factory=dict)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str], model_root: str | None = None) -> None:
+        if not served_model_names:
+            raise ValueError("at least one served model name is needed")
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.model_root = model_root
+
+    # --- shared ------------------------------------------------------------------------------
+
+    def resolve_model(self, name: str | None) -> str:
+        if name is None or name == "":
+            return self.served_model_names[0]
+        if name not in self.served_model_names:
+            raise OpenAIError(f"The model `{name}` does not exist.", status_code=404, param="model",
+                              code="model_not_found")
+        return name
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=self.model_root, max_model_len=self.engine.max_model_len)
+                               for name in self.served_model_names])
+
+    @property
+    def _tokenizer(self):
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise engine_unavailable(RuntimeError("the model is still loading"))
+        return tok
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # noqa: BLE001 - e.g. lone surrogates the Rust side cannot encode
+            raise OpenAIError(f"the prompt could not be tokenized: {e}", param="prompt") from e
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.vocab_size or self._tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(f"token id {bad[0]} is out of range [0, {vocab})", param=param)
+
+    def _decode(self, ids: list[int]) -> str:
+        self._check_token_ids(ids, "tokens")
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        try:
+            return self._tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise OpenAIError(f"messages could not be rendered with the chat template: {e}",
+                              param="messages") from e
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None, what: str) -> None:
+        max_len = self.engine.max_model_len or 0
+        if prompt_len == 0:
+            raise OpenAIError(f"the {what} is empty", param=what)
+        if max_tokens is None:
+            if prompt_len >= max_len:
+                raise OpenAIError(
+                    f"This model's maximum context length is {max_len} tokens. However, your {what} has "
+                    f"{prompt_len} tokens, which leaves no room for the completion.",
+                    param=what, code="context_length_exceeded")
+        elif prompt_len + max_tokens > max_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {what} or of max_tokens.",
+                param=what if prompt_len >= max_len else "max_tokens", code="context_length_exceeded")
+
+    def _sampling_params(self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        vocab = self.engine.vocab_size or self._tokenizer.vocab_size
+        top_k = req.top_k if req.top_k is not None else 0
+        if top_k >= vocab:
+            top_k = 0  # NOTE: keeping all tokens is what top_k >= vocab means
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                seed=req.seed,
+                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+                stop_token_ids=list(req.stop_token_ids or []),
+                ignore_eos=req.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+            )
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise OpenAIError(msg, param=msg.split(" ", 1)[0]) from e
+
+    async def _start(self, prompts: list[_Prompt], params: SamplingParams, prefix: str) -> list[RequestStream]:
+        """Add one engine request per prompt; all or none (a refused one aborts the others)."""
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                rid = self.engine.new_request_id(prefix)
+                streams.append(await self.engine.add_request(p.token_ids, params, request_id=rid, prompt=p.text))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            if isinstance(e, ValueError):
+                raise OpenAIError(str(e), param="prompt") from e
+            if isinstance(e, (EngineDeadError, RuntimeError)) and not isinstance(e, asyncio.CancelledError):
+                raise engine_unavailable(e) from e
+            raise
+        return streams
+
+    # --- completions ---------------------------------------------------------------------------
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [_Prompt(self._encode(p, True), p)]
+        if all(isinstance(x, str) for x in p):
+            return [_Prompt(self._encode(x, True), x) for x in p]
+        if all(isinstance(x, int) for x in p):
+            lists = [p]
+        else:
+            lists = p
+        out = []
+        for ids in lists:
+            self._check_token_ids(ids, "prompt")
+            out.append(_Prompt(list(ids), self._tokenizer.decode(ids, skip_special_tokens=False) if req.echo else None))
+        return out
+
+    async def create_completion(self, req: CompletionRequest) -> tuple[dict[str, Any] | None,
+                                                                       AsyncIterator[str] | None]:
+        """Returns (response body, None) or (None, SSE iterator). Raises OpenAIError."""
+        model = self.resolve_model(req.model)
+        prompts = self._completion_prompts(req)
+        for p in prompts:
+            self._check_length(len(p.token_ids), req.max_tokens, "prompt")
+        params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        streams = await self._start(prompts, params, "cmpl")
+        request_id = f"cmpl-{streams[0].request_id.split('-', 1)[1]}"
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return None, self._stream_completion(req, model, request_id, created, prompts, streams, include_usage)
+        finals = await _collect(streams)
+        choices, usage = [], _Usage()
+        for i, p in enumerate(prompts):
+            out = finals.outputs[i]
+            usage.prompt_tokens += len(out.prompt_token_ids)
+            usage.cached_tokens += out.num_cached_tokens
+            for c in out.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                prefix = p.text if req.echo and p.text is not None else ""
+                choices.append({
+                    "index": i * req.n + c.index,
+                    "text": prefix + c.text,
+                    "logprobs": self._completion_logprobs(c, 0, len(c.token_ids), len(prefix))
+                    if req.logprobs is not None else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                })
+        choices.sort(key=lambda ch: ch["index"])
+        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": usage.to_dict()}, None
+
+    def _token_text(self, token_id: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, c: CompletionOutput, start: int, end: int, offset: int) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object for tokens [start, end) of a choice; offset: text before them."""
+        tokens, token_logprobs, top, text_offset = [], [], [], []
+        all_lps = c.logprobs or []
+        for j in range(start, min(end, len(c.token_ids))):
+            tid = c.token_ids[j]
+            entry = all_lps[j] if j < len(all_lps) else {}
+            sampled = entry.get(tid)
+            text = self._token_text(tid, sampled)
+            tokens.append(text)
+            token_logprobs.append(sampled.logprob if sampled is not None else None)
+            top.append({self._token_text(t, lp): lp.logprob
+                        for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)})
+            text_offset.append(offset)
+            offset += len(text)
+        return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
+
+    async def _stream_completion(self, req: CompletionRequest, model: str, request_id: str, created: int,
+                                 prompts: list[_Prompt], streams: list[RequestStream],
+                                 include_usage: bool) -> AsyncIterator[str]:
+        n = req.n
+        states = [_ChoiceState() for _ in range(len(prompts) * n)]
+        offsets = [0] * len(states)
+        usage = _Usage()
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+                                    "model": model, "choices": choices}
+            if include_usage:
+                body["usage"] = None
+            return _sse(body)
+
+        try:
+            if req.echo:
+                echo_choices = []
+                for i, p in enumerate(prompts):
+                    for k in range(n):
+                        idx = i * n + k
+                        text = p.text or ""
+                        offsets[idx] = len(text)
+                        echo_choices.append({"index": idx, "text": text, "logprobs": None, "finish_reason": None,
+                                             "stop_reason": None})
+                yield chunk(echo_choices)
+            async for i, out in _merge(streams):
+                choices = []
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    st = states[idx]
+                    if st.is_finished:
+                        continue
+                    new_text = c.text[st.num_chars:] if len(c.text) >= st.num_chars else ""
+                    num_tokens = len(c.token_ids)
+                    if not new_text and num_tokens == st.num_tokens and c.finish_reason is None:
+                        continue
+                    lps = (self._completion_logprobs(c, st.num_tokens, num_tokens, offsets[idx])
+                           if req.logprobs is not None else None)
+                    offsets[idx] += len(new_text)
+                    st.num_chars, st.num_tokens = len(c.text), num_tokens
+                    st.is_finished = c.finish_reason is not None
+                    choices.append({"index": idx, "text": new_text, "logprobs": lps,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if out.finished:
+                    usage.prompt_tokens += len(out.prompt_token_ids)
+                    usage.cached_tokens += out.num_cached_tokens
+                    usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+                if choices:
+                    yield chunk(choices)
+            if include_usage:
+                yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                            "choices": [], "usage": usage.to_dict()})
+        except EngineDeadError as e:
+            yield _sse(engine_unavailable(e).to_dict())
+        finally:
+            for s in streams:
+                s.close()
+        yield "data: [DONE]\n\n"
+
+    # --- chat ----------------------------------------------------------------------------------
+
+    async def create_chat_completion(self, req: ChatCompletionRequest) -> tuple[dict[str, Any] | None,
+                                                                             AsyncIterator[str] | None]:
+        model = self.resolve_model(req.model)
+        text = self._render_chat(req.messages, req.add_generation_prompt)
+        ids = self._encode(text, False)
+        max_tokens = req.effective_max_tokens
+        self._check_length(len(ids), max_tokens, "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._sampling_params(req, max_tokens, logprobs)
+        streams = await self._start([_Prompt(ids, text)], params, "chatcmpl")
+        request_id = f"chatcmpl-{streams[0].request_id.split('-', 1)[1]}"
+        created = int(time.time())
+        top_n = req.top_logprobs or 0
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return None, self._stream_chat(req, model, request_id, created, streams[0], include_usage, top_n)
+        out = (await _collect(streams)).outputs[0]
+        choices = []
+        for c in out.outputs:
+            choices.append({
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": {"content": self._chat_logprobs(c, 0, len(c.token_ids), top_n)} if req.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            })
+        usage = _Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+        return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": usage.to_dict()}, None
+
+    def _chat_logprobs(self, c: CompletionOutput, start: int, end: int, top_n: int) -> list[dict[str, Any]]:
+        content = []
+        all_lps = c.logprobs or []
+        for j in range(start, min(end, len(c.token_ids))):
+            tid = c.token_ids[j]
+            entry = all_lps[j] if j < len(all_lps) else {}
+            sampled = entry.get(tid)
+            text = self._token_text(tid, sampled)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top_n]
+            top = []
+            for t, lp in ranked:
+                s = self._token_text(t, lp)
+                top.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8", "replace"))})
+            content.append({"token": text, "logprob": sampled.logprob if sampled is not None else float("-inf"),
+                            "bytes": list(text.encode("utf-8", "replace")), "top_logprobs": top})
+        return content
+
+    async def _stream_chat(self, req: ChatCompletionRequest, model: str, request_id: str, created: int,
+                           stream: RequestStream, include_usage: bool, top_n: int) -> AsyncIterator[str]:
+        states = [_ChoiceState() for _ in range(req.n)]
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                                    "model": model, "choices": choices}
+            if include_usage:
+                body["usage"] = None
+            return _sse(body)
+
+        try:
+            yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for k in range(req.n)])
+            final: RequestOutput | None = None
+            async for out in stream:
+                choices = []
+                for c in out.outputs:
+                    st = states[c.index]
+                    if st.is_finished:
+                        continue
+                    new_text = c.text[st.num_chars:] if len(c.text) >= st.num_chars else ""
+                    num_tokens = len(c.token_ids)
+                    if not new_text and num_tokens == st.num_tokens and c.finish_reason is None:
+                        continue
+                    lps = ({"content": self._chat_logprobs(c, st.num_tokens, num_tokens, top_n)}
+                           if req.logprobs else None)
+                    st.num_chars, st.num_tokens = len(c.text), num_tokens
+                    st.is_finished = c.finish_reason is not None
+                    delta = {"content": new_text} if new_text else {}
+                    choice = {"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": c.finish_reason}
+                    if c.finish_reason is not None:
+                        choice["stop_reason"] = c.stop_reason
+                    choices.append(choice)
+                if out.finished:
+                    final = out
+                if choices:
+                    yield chunk(choices)
+            if include_usage and final is not None:
+                usage = _Usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
+                               final.num_cached_tokens)
+                yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": usage.to_dict()})
+        except EngineDeadError as e:
+            yield _sse(engine_unavailable(e).to_dict())
+        finally:
+            stream.close()
+        yield "data: [DONE]\n\n"
+
+    # --- tokenizer endpoints -------------------------------------------------------------------
+
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        self.resolve_model(req.model)
+        if req.messages is not None:
+            ids = self._encode(self._render_chat(req.messages, req.add_generation_prompt), False)
+        else:
+            ids = self._encode(req.prompt or "", req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.resolve_model(req.model)
+        return {"prompt": self._decode(req.tokens)}
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+async def _collect(streams: list[RequestStream]) -> _Finals:
+    """Wait for every stream's final output; closes (aborts) all of them on the way out."""
+    finals = _Finals()
+    try:
+        async for i, out in _merge(streams):
+            if out.finished:
+                finals.outputs[i] = out
+    except EngineDeadError as e:
+        raise engine_unavailable(e) from e
+    finally:
+        for s in streams:
+            s.close()
+    return finals
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams as (index, output), in arrival order."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

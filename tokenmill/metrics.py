@@ -1,0 +1,193 @@
+"""Prometheus metrics with vLLM's names under a `tokenmill:` prefix, and the periodic log line.
+
+Two sources feed them:
+  * EngineStats snapshots, taken by the engine thread after every step: gauges (running,
+    waiting, KV usage) and cumulative counters (prefix cache, preemptions, tokens). A custom
+    collector reads the newest snapshot at scrape time, so the counters equal the core's own.
+  * Per-request latencies, observed on the event loop as outputs arrive (histograms).
+
+Adding a counter (for example speculative decoding's): give EngineStats the cumulative field
+and add one row to ENGINE_COUNTERS. Rows whose field a core does not report are skipped, so the
+speculative-decoding rows below appear as soon as EngineStats.spec_decode carries their keys.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger("tokenmill.metrics")
+
+
+@dataclass(frozen=True)
+class StatRow:
+    field: str
+    """EngineStats attribute; "a.b" reads key b of the dict attribute a."""
+    name: str
+    """Prometheus name; counters get `_total` appended by the client library."""
+    documentation: str
+
+
+ENGINE_GAUGES: tuple[StatRow, ...] = (
+    StatRow("num_running", "tokenmill:num_requests_running", "Number of requests in the running batch."),
+    StatRow("num_waiting", "tokenmill:num_requests_waiting", "Number of requests waiting to be scheduled."),
+    StatRow("kv_cache_usage", "tokenmill:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent."),
+    StatRow("num_blocks_total", "tokenmill:kv_cache_num_blocks", "Number of KV-cache blocks in the pool."),
+    StatRow("num_blocks_free", "tokenmill:kv_cache_num_free_blocks", "Number of free KV-cache blocks."),
+)
+
+ENGINE_COUNTERS: tuple[StatRow, ...] = (
+    StatRow("prefix_cache_queries", "tokenmill:prefix_cache_queries",
+            "Prefix-cache queries, in tokens (prompt tokens looked up)."),
+    StatRow("prefix_cache_hits", "tokenmill:prefix_cache_hits", "Prefix-cache hits, in tokens."),
+    StatRow("num_preemptions", "tokenmill:num_preemptions", "Cumulative number of preemptions."),
+    StatRow("num_prompt_tokens", "tokenmill:prompt_tokens", "Number of prefill tokens processed."),
+    StatRow("num_generation_tokens", "tokenmill:generation_tokens", "Number of generation tokens processed."),
+    # Speculative decoding (vLLM's names); emitted once EngineStats carries these fields.
+    StatRow("spec_decode.num_drafts", "tokenmill:spec_decode_num_drafts", "Number of spec-decode drafts."),
+    StatRow("spec_decode.num_draft_tokens", "tokenmill:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    StatRow("spec_decode.num_accepted_tokens", "tokenmill:spec_decode_num_accepted_tokens",
+            "Number of accepted draft tokens."),
+)
+
+# vLLM's buckets.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+def stat_value(stats: Any, field: str) -> float | None:
+    """stats.field, or stats.a[b] for "a.b"; None when the core does not report it."""
+    head, _, key = field.partition(".")
+    value = getattr(stats, head, None)
+    if key:
+        value = value.get(key) if isinstance(value, dict) else None
+    return None if value is None else float(value)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+        self._get_stats = get_stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._get_stats()
+        if stats is None:  # still loading
+            return
+        for row in ENGINE_GAUGES:
+            value = stat_value(stats, row.field)
+            if value is not None:
+                g = GaugeMetricFamily(row.name, row.documentation, labels=["model_name"])
+                g.add_metric([self._model_name], value)
+                yield g
+        for row in ENGINE_COUNTERS:
+            value = stat_value(stats, row.field)
+            if value is not None:
+                c = CounterMetricFamily(row.name, row.documentation, labels=["model_name"])
+                c.add_metric([self._model_name], value)
+                yield c
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # NOTE: names depend on the core's stats; skip registry duplicate checks
+
+
+class EngineMetrics:
+    """One registry per server (no global state): engine gauges/counters plus latency histograms."""
+
+    def __init__(self, model_name: str, get_stats: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineStatsCollector(get_stats, model_name))
+        labels = {"model_name": model_name}
+
+        def hist(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, labelnames=["model_name"], buckets=buckets,
+                             registry=self.registry).labels(**labels)
+
+        self.time_to_first_token = hist("tokenmill:time_to_first_token_seconds",
+                                        "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
+        self.inter_token_latency = hist("tokenmill:inter_token_latency_seconds",
+                                        "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
+        self.e2e_request_latency = hist("tokenmill:e2e_request_latency_seconds",
+                                        "Histogram of end-to-end request latency in seconds.", _REQUEST_BUCKETS)
+        self.request_queue_time = hist("tokenmill:request_queue_time_seconds",
+                                       "Histogram of time spent waiting before first scheduled, in seconds.",
+                                       _REQUEST_BUCKETS)
+        self.request_prompt_tokens = hist("tokenmill:request_prompt_tokens",
+                                          "Number of prompt tokens per finished request.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = hist("tokenmill:request_generation_tokens",
+                                              "Number of generated tokens per finished request.", _TOKEN_BUCKETS)
+        self._success = Counter("tokenmill:request_success", "Count of finished requests by finish reason.",
+                                labelnames=["model_name", "finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name=model_name, finished_reason=reason)
+        self._model_name = model_name
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.inter_token_latency.observe(seconds)
+
+    def observe_finished(self, *, e2e: float, queue_time: float | None, num_prompt_tokens: int,
+                         num_generation_tokens: int, finish_reasons: list[str]) -> None:
+        self.e2e_request_latency.observe(e2e)
+        if queue_time is not None:
+            self.request_queue_time.observe(queue_time)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
+        for reason in set(finish_reasons):
+            self._success.labels(model_name=self._model_name, finished_reason=reason).inc()
+
+    def observe_aborted(self) -> None:
+        """A request whose client went away (or that was cancelled) before it finished."""
+        self._success.labels(model_name=self._model_name, finished_reason="abort").inc()
+
+
+class StatLogger:
+    """vLLM-style periodic line: throughput since the last line, running/waiting, KV usage, prefix hits."""
+
+    def __init__(self, get_stats: Callable[[], Any], interval_s: float = 10.0) -> None:
+        self._get_stats = get_stats
+        self.interval_s = interval_s
+        self._last: Any = None
+        self._last_time = time.monotonic()
+        self._was_idle = True
+
+    def format_line(self, now: float | None = None) -> str | None:
+        """The line for the interval that ends now, or None when the engine stayed idle."""
+        now = time.monotonic() if now is None else now
+        stats = self._get_stats()
+        if stats is None:
+            return None
+        last, dt = self._last, max(now - self._last_time, 1e-9)
+        self._last, self._last_time = stats, now
+
+        def delta(name: str) -> float:
+            cur = getattr(stats, name, 0) or 0
+            return cur - ((getattr(last, name, 0) or 0) if last is not None else 0)
+
+        prompt_tps = delta("num_prompt_tokens") / dt
+        gen_tps = delta("num_generation_tokens") / dt
+        queries, hits = getattr(stats, "prefix_cache_queries", 0) or 0, getattr(stats, "prefix_cache_hits", 0) or 0
+        is_idle = prompt_tps == 0 and gen_tps == 0 and not stats.num_running and not stats.num_waiting
+        if is_idle and self._was_idle:
+            return None
+        self._was_idle = is_idle
+        hit_rate = 100.0 * hits / queries if queries else 0.0
+        return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "
+                f"tokens/s, Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+                f"KV cache usage: {100.0 * stats.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%")
+
+    def log(self) -> None:
+        line = self.format_line()
+        if line is not None:
+            logger.info(line)
