@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention.kv_quant import dequantize_kv, is_quantized, write_kv_int8
 from tokenmill.attention.metadata import AttentionMetadata
 
 
@@ -59,7 +60,7 @@ class TorchPagedAttention:
                 continue
             num_blocks = (seq_len + block_size - 1) // block_size
             blocks = meta.block_tables[i, :num_blocks]
-            kc, vc = read_kv(kv_cache, blocks, seq_len)  # [seq_len, Hkv, D]
+            kc, vc = read_kv(kv_cache, blocks, seq_len, q.dtype)  # [seq_len, Hkv, D]
             if meta.custom_mask is not None:
                 mask = meta.custom_mask[start:end, :seq_len]
             else:
@@ -80,6 +81,8 @@ class TorchPagedAttention:
         tables = meta.block_tables[:nd, :max_blocks]               # [B, nb]
         kc = kv_cache[0][tables].flatten(1, 2)                      # [B, nb * bs, Hkv, D]
         vc = kv_cache[1][tables].flatten(1, 2)
+        if is_quantized(kv_cache):
+            kc, vc = dequantize_kv(kc, q.dtype), dequantize_kv(vc, q.dtype)
         b, hq, d = q.shape
         hkv = kc.shape[2]
         qg = q.view(b, hkv, hq // hkv, d)                           # [B, Hkv, G, D]
@@ -90,13 +93,19 @@ class TorchPagedAttention:
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """kv_cache [2, nb, bs, H, D]; k, v [T, H, D]; slot_mapping [T]."""
+    if is_quantized(kv_cache):
+        return write_kv_int8(kv_cache, k, v, slot_mapping)
     flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def read_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather one request's first seq_len keys and values: each [seq_len, H, D]."""
+def read_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
+            dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather one request's first seq_len keys and values: each [seq_len, H, D] (an int8 cache is
+    dequantized to dtype)."""
     k = kv_cache[0][blocks].flatten(0, 1)[:seq_len]
     v = kv_cache[1][blocks].flatten(0, 1)[:seq_len]
+    if is_quantized(kv_cache):
+        k, v = dequantize_kv(k, dtype or torch.float32), dequantize_kv(v, dtype or torch.float32)
     return k, v

@@ -4,10 +4,22 @@ A request's blocks cover positions [0, num_blocks * block_size). Full blocks tha
 real tokens (never draft tokens) are hashed and registered in the prefix cache as soon as
 they are allocated: within one step every layer writes all new K/V before any attention
 reads, so a request scheduled in the same step may already hit them.
+
+Sharing and copy-on-write. Several requests may hold the same physical block (prefix-cache
+hits, the n samples of one prompt, beams): its ref_cnt counts the holders. Only the block a
+request is about to write into can need a copy: a full shared block is never written again,
+and a partly filled one is shared only after a fork. Before a request writes into a block
+that others also hold, `allocate_slots` gives it a fresh block and queues (src, dst) in
+`pending_copies`; the runner copies those K/V (all layers) before the step's forward.
+
+    fork:   A [b7 b2(3/4 filled)]   B = A's table   b7.ref = b2.ref = 2
+    B decodes position 3 -> b2 is shared: B gets b9, copy (2 -> 9), b2.ref = 1
+            A [b7 b2]   B [b7 b9]   (A then writes into b2 in place)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tokenmill.core.block_hash import BlockHash, extend_block_hashes
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
@@ -28,6 +40,36 @@ class PrefixCacheStats:
     """Prompt tokens found cached."""
 
 
+class BlockCopy(NamedTuple):
+    src: int
+    dst: int
+
+
+@dataclass
+class KVMemoryUsage:
+    """Physical occupancy of the block pool. num_blocks_used + num_blocks_free = num_blocks_total;
+    cached-but-free blocks are free (allocatable) but still serve prefix hits until evicted."""
+
+    num_blocks_total: int
+    num_blocks_used: int
+    """Blocks referenced by at least one request."""
+    num_blocks_free: int
+    """Blocks that can be allocated now (never used, evicted, or cached but unreferenced)."""
+    num_blocks_cached_free: int
+    """Free blocks still holding a prefix-cache entry."""
+    num_blocks_shared: int
+    """Used blocks referenced by more than one request (prefix hits, forks, beams)."""
+    num_allocated_slots: int
+    """num_blocks_used * block_size."""
+    num_filled_slots: int
+    """Distinct physical slots holding a computed token (a shared slot counts once)."""
+
+    @property
+    def num_unfilled_slots(self) -> int:
+        """Slots allocated but not holding a token (internal fragmentation)."""
+        return self.num_allocated_slots - self.num_filled_slots
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
@@ -38,6 +80,8 @@ class KVCacheManager:
         self.num_cached: dict[str, int] = {}
         """Blocks of each request already registered in the prefix cache."""
         self.stats = PrefixCacheStats()
+        self.pending_copies: list[BlockCopy] = []
+        """Copy-on-write copies queued since the last `take_block_copies`, in order."""
 
     # ------------------------------------------------------------------ lookups
     def block_hashes(self, req: Request) -> list[BlockHash]:
@@ -47,7 +91,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> ComputedBlocks:
         """Longest run of cached full blocks at the start of the request's tokens. The last
-        token is never served from cache: its logits are needed."""
+        token is never served from cache: its logits are needed. Pure lookup: stats are counted
+        by `allocate_slots` once the request is actually admitted."""
         if not self.enable_caching:
             return ComputedBlocks([], 0)
         hashes = self.block_hashes(req)
@@ -58,8 +103,6 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        self.stats.queries += req.num_tokens
-        self.stats.hits += len(hits) * self.block_size
         return ComputedBlocks(hits, len(hits) * self.block_size)
 
     # --------------------------------------------------------------- allocation
@@ -77,18 +120,44 @@ class KVCacheManager:
         total = num_computed + num_new_tokens
         num_required = -(-total // self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(hits))
+        # Blocks this step writes into that other requests also hold: copy on write.
+        cow = [j for j in range(num_computed // self.block_size, len(blocks)) if blocks[j].ref_cnt > 1]
         # Hits sitting in the free queue stop being allocatable once touched.
         num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_evictable_hits:
+        if num_new_blocks + len(cow) > self.pool.num_free_blocks - num_evictable_hits:
             if not blocks:
                 del self.req_blocks[req.request_id]
             return None
+        if computed is not None:
+            self.stats.queries += req.num_tokens
+            self.stats.hits += computed.num_tokens
         self.pool.touch(hits)
         blocks.extend(hits)
-        new = self.pool.get_new_blocks(num_new_blocks)
-        blocks.extend(new)
+        new = self.pool.get_new_blocks(num_new_blocks + len(cow))
+        for j, dst in zip(cow, new[num_new_blocks:]):
+            src = blocks[j]
+            if j * self.block_size < num_computed:  # holds computed tokens: copy them
+                self.pending_copies.append(BlockCopy(src.block_id, dst.block_id))
+            self.pool.free_blocks([src])  # still held by the others
+            blocks[j] = dst
+        blocks.extend(new[:num_new_blocks])
         self._cache_full_blocks(req, min(total, req.num_tokens))
         return new
+
+    def fork(self, parent: Request, child: Request, num_shared_tokens: int) -> None:
+        """Give `child` the parent's block table by reference (every block's ref_cnt + 1). Its
+        first num_shared_tokens tokens must equal the parent's; writes past them copy on write."""
+        assert child.request_id not in self.req_blocks, f"{child.request_id} already holds blocks"
+        blocks = self.req_blocks.get(parent.request_id, [])
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = list(blocks)
+        num_full = num_shared_tokens // self.block_size
+        self.num_cached[child.request_id] = min(self.num_cached.get(parent.request_id, 0), num_full)
+        self.req_hashes[child.request_id] = list(self.req_hashes.get(parent.request_id, [])[:num_full])
+
+    def take_block_copies(self) -> list[BlockCopy]:
+        out, self.pending_copies = self.pending_copies, []
+        return out
 
     def _cache_full_blocks(self, req: Request, num_real_tokens: int) -> None:
         """Register blocks fully covered by real (non-draft) tokens."""
@@ -117,7 +186,25 @@ class KVCacheManager:
 
     # ------------------------------------------------------------- accounting
     def num_allocated_slots(self) -> int:
-        return sum(len(b) for b in self.req_blocks.values()) * self.block_size
+        """Physical slots in blocks held by requests (a shared block counts once)."""
+        return len({b.block_id for blocks in self.req_blocks.values() for b in blocks}) * self.block_size
+
+    def memory_usage(self, num_filled_tokens: dict[str, int]) -> KVMemoryUsage:
+        """num_filled_tokens: request id -> tokens whose K/V are in its blocks."""
+        bs = self.block_size
+        fill: dict[int, int] = {}  # block id -> filled slots (max over holders)
+        for rid, blocks in self.req_blocks.items():
+            n = num_filled_tokens.get(rid, 0)
+            for j, b in enumerate(blocks):
+                f = min(max(n - j * bs, 0), bs)
+                if f > fill.get(b.block_id, -1):
+                    fill[b.block_id] = f
+        pool = self.pool
+        return KVMemoryUsage(
+            num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_blocks - pool.num_free_blocks,
+            num_blocks_free=pool.num_free_blocks, num_blocks_cached_free=pool.num_cached_free_blocks,
+            num_blocks_shared=sum(1 for b in pool.blocks if b.ref_cnt > 1),
+            num_allocated_slots=len(fill) * bs, num_filled_slots=sum(fill.values()))
 
     def check_integrity(self) -> None:
         refs: dict[int, int] = {}

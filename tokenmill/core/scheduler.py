@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_cache_manager import BlockCopy, KVCacheManager
 from tokenmill.request import Request, RequestStatus
 
 
@@ -29,6 +29,9 @@ class ScheduledRequest:
     block_ids: list[int]
     num_spec_tokens: int = 0
     """Draft tokens among the last new tokens, to be verified this step."""
+    fork_of: str | None = None
+    """Set on `SchedulerOutput.forked` entries: sample this request (0 new tokens) from the
+    logits of the named request's last token in this step."""
 
     @property
     def request_id(self) -> str:
@@ -51,6 +54,12 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     """Requests finished since the last step; the runner drops their per-request state."""
+    forked: list[ScheduledRequest] = field(default_factory=list)
+    """Samples 2..n of a prompt whose last token is computed this step by its leader (n > 1):
+    they share the leader's blocks and sample from its logits, computing nothing."""
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    """Copy-on-write: (src, dst) block pairs whose K/V (all layers) the runner copies, in order,
+    before this step's forward."""
 
     @property
     def num_tokens(self) -> int:
@@ -82,11 +91,55 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.finished_since_step: list[str] = []
         self.num_preemptions = 0
+        self.pending_forks: dict[str, list[Request]] = {}
+        """Leader id -> samples that fork from it once its prompt is computed (n > 1)."""
 
     # ------------------------------------------------------------------ intake
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, forks: list[Request] | None = None) -> None:
+        """Queue `req`. `forks` (samples 2..n of the same prompt) wait until req's prompt is
+        computed, then share its blocks (see `_fork_pending`)."""
         self.waiting.append(req)
         self.requests[req.request_id] = req
+        if forks:
+            self.pending_forks[req.request_id] = list(forks)
+            for f in forks:
+                self.requests[f.request_id] = f
+
+    def fork_request(self, parent: Request, child: Request, num_shared_tokens: int) -> None:
+        """Start `child`, whose first num_shared_tokens tokens equal the parent's and whose K/V
+        for them are the parent's blocks (by reference; copy on write). Beam search uses it."""
+        self.requests[child.request_id] = child
+        if parent.status != RequestStatus.RUNNING or not self.kv.req_blocks.get(parent.request_id):
+            self.waiting.append(child)  # the parent holds no blocks: recompute (prefix cache helps)
+            return
+        child.num_computed_tokens = min(num_shared_tokens, parent.num_computed_tokens)
+        self.kv.fork(parent, child, child.num_computed_tokens)
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def _num_reserved_seqs(self) -> int:
+        """Sequence slots promised to pending forks of running leaders."""
+        return sum(len(f) for lid, f in self.pending_forks.items()
+                   if self.requests[lid].status == RequestStatus.RUNNING)
+
+    def _fork_pending(self, sr: ScheduledRequest, out: SchedulerOutput, new_running: list[Request]) -> None:
+        """n > 1: from the step that computes the leader's last prompt token, the other samples
+        hold the leader's blocks by reference and sample their first token from its logits, so
+        the prompt is computed once. The shared partial last block is copied on first write."""
+        forks = self.pending_forks.pop(sr.request_id, None)
+        if not forks:
+            return
+        leader = sr.request
+        assert sr.is_sampling and leader.num_output_tokens == 0
+        for f in forks:
+            f.num_computed_tokens = leader.num_tokens  # true once this step has run
+            self.kv.fork(leader, f, leader.num_tokens)
+            f.status = RequestStatus.RUNNING
+            f.num_cached_tokens = leader.num_cached_tokens
+            f.first_scheduled_time = leader.first_scheduled_time
+            new_running.append(f)
+            out.forked.append(ScheduledRequest(f, 0, f.num_computed_tokens, self.kv.get_block_ids(f.request_id),
+                                               fork_of=leader.request_id))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,6 +149,11 @@ class Scheduler:
         if req is None:
             return None
         assert status.is_finished
+        for f in self.pending_forks.pop(request_id, []):  # orphaned samples go on alone
+            self.waiting.append(f)
+        for forks in self.pending_forks.values():
+            if req in forks:
+                forks.remove(req)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         else:
@@ -117,6 +175,7 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self.finished_since_step)
         self.finished_since_step = []
         now = time.time()
+        new_forks: list[Request] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -140,12 +199,18 @@ class Scheduler:
                                                   self.kv.get_block_ids(req.request_id), num_spec))
             budget -= num_new
             i += 1
+            if req.request_id in self.pending_forks and out.scheduled[-1].is_sampling:
+                self._fork_pending(out.scheduled[-1], out, new_forks)
 
         if not out.preempted_ids:
+        self.running.extend(new_forks)  # after the loop: never preempted in the step that forks them
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
                 computed = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - computed.num_tokens
+                if self.pending_forks and len(self.running) + self._num_reserved_seqs() + 1 + \
+                        len(self.pending_forks.get(req.request_id, ())) > self.config.max_num_seqs:
+                    break  # pending samples (n > 1) will need sequence slots too
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
@@ -163,7 +228,12 @@ class Scheduler:
                                                       self.kv.get_block_ids(req.request_id)))
                 budget -= num_new
         return out
+                if req.request_id in self.pending_forks and out.scheduled[-1].is_sampling:
+                    new_forks = []
+                    self._fork_pending(out.scheduled[-1], out, new_forks)
+                    self.running.extend(new_forks)
 
+        out.block_copies = self.kv.take_block_copies()
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -179,7 +249,7 @@ class Scheduler:
         token-level stop conditions. Returns requests that received new tokens."""
         changed: list[Request] = []
         now = time.time()
-        for s in sched.scheduled:
+        for s in sched.scheduled + sched.forked:
             req = s.request
             if req.is_finished:
                 continue
@@ -234,6 +304,7 @@ class Scheduler:
     # ------------------------------------------------------------- accounting
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting} | \
+            {f.request_id for forks in self.pending_forks.values() for f in forks}
         assert set(self.kv.req_blocks) <= {r.request_id for r in self.running}, "blocks held by a non-running request"
         assert live == set(self.requests), "request table drift"

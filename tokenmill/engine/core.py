@@ -35,17 +35,32 @@ class EngineStats:
     """Fraction of blocks referenced by requests (cached-but-free blocks count as free)."""
     num_blocks_total: int
     num_blocks_free: int
+    """Allocatable blocks (never used, evicted, or cached but unreferenced); used + free = total."""
     num_blocks_cached_free: int
+    """Free blocks that still serve prefix-cache hits until evicted."""
     block_size: int
     kv_bytes_per_token: float
+    """KV-cache bytes one token occupies in all layers (int8: values + packed scales)."""
     num_allocated_slots: int
+    """Slots in blocks held by requests; a shared block counts once."""
     num_filled_slots: int
+    """Distinct slots holding a computed token; allocated - filled = slots not holding a token."""
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
     spec_decode: dict[str, float] = field(default_factory=dict)
+    num_blocks_used: int = 0
+    """Blocks referenced by at least one request."""
+    num_blocks_shared: int = 0
+    """Used blocks held by more than one request (prefix hits, n > 1 samples, beams)."""
+    num_unfilled_slots: int = 0
+    """Allocated slots not holding a token (internal fragmentation)."""
+    kv_pool_tokens: int = 0
+    """Pool size in tokens: num_blocks_total * block_size."""
+    kv_pool_bytes: int = 0
+    kv_cache_dtype: str = ""
 
 
 @dataclass
@@ -91,7 +106,7 @@ class EngineCore:
             raise ValueError(f"max_model_len {mc.max_model_len} exceeds the model's context length "
                              f"{self.arch.max_position_embeddings}")
         cc = config.cache
-        kv_dtype = mc.torch_dtype
+        kv_dtype = torch.int8 if cc.kv_cache_dtype == "int8" else mc.torch_dtype
         spec = KVCacheSpec(0, cc.block_size, self.arch.num_hidden_layers, self.arch.num_key_value_heads,
                            self.arch.head_dim, kv_dtype)
         if cc.num_gpu_blocks_override is not None:
@@ -142,6 +157,8 @@ class EngineCore:
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
                 child_params = params.clone(seed=params.seed + i)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(cid, prompt_token_ids, child_params, self.eos_token_id, max_tokens, arrival,
@@ -151,8 +168,8 @@ class EngineCore:
                                                  params.skip_special_tokens, params.include_stop_str_in_output))
             self.child_to_parent[cid] = request_id
         self.parents[request_id] = _Parent(request_id, prompt, list(prompt_token_ids), children, detoks, arrival)
-        for req in children:
-            self.scheduler.add_request(req)
+        # Samples 2..n fork from the first once its prompt is computed (shared blocks, CoW).
+        self.scheduler.add_request(children[0], forks=children[1:])
         self.num_prompt_tokens += n_prompt * params.n
 
     def abort_request(self, request_id: str) -> None:
@@ -230,19 +247,20 @@ class EngineCore:
     # ------------------------------------------------------------ accounting
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv
-        pool = kv.pool
-        filled = sum(min(r.num_computed_tokens, r.num_tokens) for r in self.scheduler.running)
-        used = pool.num_blocks - pool.num_free_blocks
-        elem = torch.empty((), dtype=self.kv_spec.dtype).element_size()
+        mem = kv.memory_usage({r.request_id: min(r.num_computed_tokens, r.num_tokens) for r in self.scheduler.running})
+        spec = self.kv_spec
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=used / pool.num_blocks, num_blocks_total=pool.num_blocks,
-            num_blocks_free=pool.num_free_blocks, num_blocks_cached_free=pool.num_cached_free_blocks,
-            block_size=kv.block_size, kv_bytes_per_token=self.arch.kv_bytes_per_token(elem),
-            num_allocated_slots=kv.num_allocated_slots(), num_filled_slots=filled,
+            kv_cache_usage=mem.num_blocks_used / mem.num_blocks_total, num_blocks_total=mem.num_blocks_total,
+            num_blocks_free=mem.num_blocks_free, num_blocks_cached_free=mem.num_blocks_cached_free,
+            block_size=kv.block_size, kv_bytes_per_token=spec.bytes_per_block / spec.block_size,
+            num_allocated_slots=mem.num_allocated_slots, num_filled_slots=mem.num_filled_slots,
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens)
+            num_generation_tokens=self.num_generation_tokens,
+            num_blocks_used=mem.num_blocks_used, num_blocks_shared=mem.num_blocks_shared,
+            num_unfilled_slots=mem.num_unfilled_slots, kv_pool_tokens=mem.num_blocks_total * spec.block_size,
+            kv_pool_bytes=mem.num_blocks_total * spec.bytes_per_block, kv_cache_dtype=str(spec.dtype).removeprefix("torch."))
 
     def check_integrity(self) -> None:
         """Asserts allocator invariants; when idle, every block must be free."""

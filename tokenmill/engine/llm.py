@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchRunner
 from tokenmill.engine.core import EngineCore, EngineStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -28,9 +29,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is text, a list of token ids, or
-        {"prompt": text} / {"prompt_token_ids": ids}."""
+        {"prompt": text} / {"prompt_token_ids": ids}, optionally with "cache_salt". Requests share
+        prefix-cache blocks only when their cache_salt (per prompt, else the argument) is equal."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -44,13 +46,25 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 text, token_ids = self._tokenize(prompt)
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, token_ids, p, prompt=text)
+                salt = prompt.get("cache_salt", cache_salt) if isinstance(prompt, dict) else cache_salt
+                self.engine.add_request(rid, token_ids, p, prompt=text, cache_salt=salt)
                 ids.append(rid)
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    cache_salt: str | None = None) -> list[BeamSearchOutput]:
+        """Beam search per prompt (vLLM's LLM.beam_search shape); beams share KV blocks by
+        reference with copy-on-write (engine/beam_search.py). One BeamSearchOutput per prompt."""
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("beam_search needs an idle engine")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self._tokenize(p)[1] for p in prompts]
+        return BeamSearchRunner(self.engine, params, cache_salt).run(ids)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention.metadata import AttentionMetadata, forward_context
+from tokenmill.attention.kv_quant import cache_head_dim
 from tokenmill.config import ModelArchConfig
 from tokenmill.core.scheduler import SamplerResult, ScheduledRequest, SchedulerOutput
 from tokenmill.layers.sampler import Sampler, SamplingMetadata
 
+from tokenmill.worker.kv_cache_ops import add_forked_samples, copy_blocks
 
 @dataclass
 class KVCacheSpec:
@@ -34,9 +36,14 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @property
+    @property
+    def cache_head_dim(self) -> int:
+        """Last dim of the cache tensor: head_dim, plus the packed scale for int8 (kv_quant.py)."""
+        return cache_head_dim(self.head_dim, self.dtype)
+
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.cache_head_dim * elem
 
 
 class ModelRunner:
@@ -50,7 +57,7 @@ class ModelRunner:
         self.vocab_size = arch.vocab_size
         # [num_layers] x [2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_caches = [torch.zeros(2, kv_spec.num_blocks, kv_spec.block_size, kv_spec.num_kv_heads,
-                                      kv_spec.head_dim, dtype=kv_spec.dtype, device=device)
+                                      kv_spec.cache_head_dim, dtype=kv_spec.dtype, device=device)
                           for _ in range(kv_spec.num_layers)]
         for attn, cache in zip(model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache
@@ -66,10 +73,14 @@ class ModelRunner:
             return {}
         batch = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
         meta, input_ids, positions, logits_indices, sampling = self._prepare(batch)
+        if sched.block_copies:
+            copy_blocks(self.kv_caches, sched.block_copies)
         with forward_context(meta):
             hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
         if not sampling:
             return {}
+        if sched.forked:
+            logits_indices, sampling = add_forked_samples(sched.forked, logits_indices, sampling)
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
         reqs = [s.request for s in sampling]
         smeta = self._sampling_metadata(sampling)

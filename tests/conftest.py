@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random checkpoints (Llama-like and Qwen2-like) written as Hugging Face
+directories, and the path of the real default model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> Path:
+    from tokenmill.models.loader import resolve_model_path
+    return resolve_model_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gguf_tokenizer():
+    """The default model's tokenizer (real vocabulary), reused by the tiny models."""
+    from tokenmill.models.loader import GGUFSource, resolve_model_path
+    return GGUFSource(resolve_model_path("smollm2-135m")).tokenizer()
+
+
+def write_tiny_checkpoint(path: Path, arch: str, tokenizer, seed: int = 0, **overrides) -> Path:
+    """Random-weight HF checkpoint written by transformers itself (the oracle's own format)."""
+    import transformers
+    torch.manual_seed(seed)
+    common = dict(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    common.update(overrides)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():  # larger weights than the default init so logits are far from uniform
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.hf.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tokenizer.special_tokens.get("bos_token"), "eos_token": tokenizer.special_tokens.get("eos_token"),
+        "chat_template": tokenizer.chat_template}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, gguf_tokenizer) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama", gguf_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory, gguf_tokenizer) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", gguf_tokenizer, seed=1)

@@ -1,0 +1,40 @@
+"""Runner-side operations on shared KV blocks: copy-on-write copies and sampling the forked
+samples of a prompt from their leader's logits row."""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.core.kv_cache_manager import BlockCopy
+from tokenmill.core.scheduler import ScheduledRequest
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], copies: list[BlockCopy]) -> None:
+    """kv_caches: per layer [2, num_blocks, block_size, Hkv, D]. Copies every pair's K and V (and,
+    for an int8 cache, the packed scales) in all layers. Destinations are fresh blocks, never a
+    source in the same list, so one gather + scatter per layer is exact."""
+    dev = kv_caches[0].device
+    src = torch.tensor([c.src for c in copies], dtype=torch.long, device=dev)  # [num_copies]
+    dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=dev)
+    for cache in kv_caches:
+        cache[:, dst] = cache[:, src]
+
+
+def add_forked_samples(forked: list[ScheduledRequest], logits_indices: torch.Tensor,
+                       sampling: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+    """Append one logits row per forked sample: its leader's row (the hidden state of the prompt's
+    last token), so the sampler draws the fork's first token with the fork's own parameters.
+
+    A sampling request with k drafts owns 1 + k consecutive rows; a leader has no drafts (it is
+    about to sample its first token), so its row is the last of its run:
+
+    e.g. sampling [A (2 drafts), L], logits_indices [0, 1, 2, 9], forked [L#1, L#2] of L
+         -> sampling [A, L, L#1, L#2], logits_indices [0, 1, 2, 9, 9, 9]
+    """
+    row: dict[str, int] = {}
+    end = 0
+    for s in sampling:
+        end += 1 + s.num_spec_tokens
+        row[s.request_id] = end - 1
+    extra = [int(logits_indices[row[f.fork_of]]) for f in forked]
+    idx = torch.cat([logits_indices, torch.tensor(extra, dtype=logits_indices.dtype, device=logits_indices.device)])
+    return idx, sampling + list(forked)
