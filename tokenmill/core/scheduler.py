@@ -197,20 +197,20 @@ class Scheduler:
             num_spec = max(0, req.num_computed_tokens + num_new - req.num_tokens)
             out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
                                                   self.kv.get_block_ids(req.request_id), num_spec))
-            budget -= num_new
-            i += 1
             if req.request_id in self.pending_forks and out.scheduled[-1].is_sampling:
                 self._fork_pending(out.scheduled[-1], out, new_forks)
+            budget -= num_new
+            i += 1
+        self.running.extend(new_forks)  # after the loop: never preempted in the step that forks them
 
         if not out.preempted_ids:
-        self.running.extend(new_forks)  # after the loop: never preempted in the step that forks them
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                computed = self.kv.get_computed_blocks(req)
-                num_new = req.num_tokens - computed.num_tokens
                 if self.pending_forks and len(self.running) + self._num_reserved_seqs() + 1 + \
                         len(self.pending_forks.get(req.request_id, ())) > self.config.max_num_seqs:
                     break  # pending samples (n > 1) will need sequence slots too
+                computed = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - computed.num_tokens
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
@@ -226,14 +226,14 @@ class Scheduler:
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
                                                       self.kv.get_block_ids(req.request_id)))
-                budget -= num_new
-        return out
                 if req.request_id in self.pending_forks and out.scheduled[-1].is_sampling:
                     new_forks = []
                     self._fork_pending(out.scheduled[-1], out, new_forks)
                     self.running.extend(new_forks)
-
+                budget -= num_new
         out.block_copies = self.kv.take_block_copies()
+        return out
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED

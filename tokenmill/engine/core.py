@@ -152,13 +152,13 @@ class EngineCore:
         if blocks_needed > self.kv_spec.num_blocks:
             raise ValueError(f"request needs {blocks_needed} KV blocks but the whole pool has "
                              f"{self.kv_spec.num_blocks}; raise the KV-cache budget or lower max_tokens")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
         arrival = arrival_time if arrival_time is not None else time.time()
         children, detoks = [], []
         for i in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
                 child_params = params.clone(seed=params.seed + i)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(cid, prompt_token_ids, child_params, self.eos_token_id, max_tokens, arrival,

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.metadata import AttentionMetadata, forward_context
 from tokenmill.attention.kv_quant import cache_head_dim
+from tokenmill.attention.metadata import AttentionMetadata, forward_context
 from tokenmill.config import ModelArchConfig
 from tokenmill.core.scheduler import SamplerResult, ScheduledRequest, SchedulerOutput
 from tokenmill.layers.sampler import Sampler, SamplingMetadata
-
 from tokenmill.worker.kv_cache_ops import add_forked_samples, copy_blocks
+
 
 @dataclass
 class KVCacheSpec:
@@ -36,11 +36,11 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @property
-    @property
     def cache_head_dim(self) -> int:
         """Last dim of the cache tensor: head_dim, plus the packed scale for int8 (kv_quant.py)."""
         return cache_head_dim(self.head_dim, self.dtype)
 
+    @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.cache_head_dim * elem
@@ -69,18 +69,18 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> dict[str, SamplerResult]:
         for rid in sched.finished_ids:
             self.generators.pop(rid, None)
+        if sched.block_copies:
+            copy_blocks(self.kv_caches, sched.block_copies)
         if sched.is_empty:
             return {}
         batch = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
         meta, input_ids, positions, logits_indices, sampling = self._prepare(batch)
-        if sched.block_copies:
-            copy_blocks(self.kv_caches, sched.block_copies)
+        if sched.forked:
+            logits_indices, sampling = add_forked_samples(sched.forked, logits_indices, sampling)
         with forward_context(meta):
             hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
         if not sampling:
             return {}
-        if sched.forked:
-            logits_indices, sampling = add_forked_samples(sched.forked, logits_indices, sampling)
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
         reqs = [s.request for s in sampling]
         smeta = self._sampling_metadata(sampling)
