@@ -145,6 +145,8 @@ class SpeculativeConfig:
     """Shortest n-gram matched by the n-gram proposer."""
     adaptive: bool = True
     """Lower gamma (or switch speculation off) when measured acceptance or batch size says it does not pay."""
+    draft_num_layers: int | None = None
+    """Keep only this many layers of the draft model (its first N-1 and its last): a layer-truncated draft."""
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
@@ -153,6 +155,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model is required for method draft_model")
+        if self.draft_num_layers is not None and self.draft_num_layers < 1:
+            raise ValueError("speculative_config.draft_num_layers must be >= 1")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":

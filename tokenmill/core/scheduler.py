@@ -180,6 +180,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.spec_token_ids:  # drafts are verified all at once: drop those the budget cannot hold
+                del req.spec_token_ids[max(0, budget - (req.num_tokens - req.num_computed_tokens)):]
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1

@@ -122,6 +122,11 @@ class EngineCore:
         self.kv_spec = KVCacheSpec(num_blocks, cc.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype)
         self.runner = ModelRunner(self.model, self.arch, self.kv_spec, self.device, seed=mc.seed)
         self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len)
+        self.spec = None
+        if config.speculative is not None:  # lazy import: engines without speculation never load it
+            from tokenmill.spec_decode.decoder import SpeculativeDecoder
+            self.spec = SpeculativeDecoder(config.speculative, self)
+            self.runner.spec_verifier = self.spec.verify
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, str] = {}
         self.num_prompt_tokens = 0
@@ -187,7 +192,7 @@ class EngineCore:
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        results = self.runner.execute(sched)
+        results = self.runner.execute(sched) if self.spec is None else self.spec.execute(self.runner, sched)
         changed = self.scheduler.update(sched, results)
         touched: dict[str, None] = {}
         for req in changed:
@@ -208,6 +213,8 @@ class EngineCore:
             elif stop is not None:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
             touched[pid] = None
+        if self.spec is not None:  # drafts for the next step, once this step's stops are applied
+            self.spec.propose(self.scheduler)
         outputs = []
         for pid in touched:
             parent = self.parents[pid]
@@ -258,6 +265,7 @@ class EngineCore:
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            spec_decode=self.spec.metrics() if self.spec is not None else {},
             num_blocks_used=mem.num_blocks_used, num_blocks_shared=mem.num_blocks_shared,
             num_unfilled_slots=mem.num_unfilled_slots, kv_pool_tokens=mem.num_blocks_total * spec.block_size,
             kv_pool_bytes=mem.num_blocks_total * spec.bytes_per_block, kv_cache_dtype=str(spec.dtype).removeprefix("torch."))

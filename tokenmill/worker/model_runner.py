@@ -15,6 +15,7 @@ Decodes (one new token) are put first so attention can batch them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -63,6 +64,9 @@ class ModelRunner:
             attn.kv_cache = cache
         self.sampler = Sampler(seed, device=str(device))
         self.generators: dict[str, torch.Generator] = {}
+        self.spec_verifier: Callable[..., dict[str, SamplerResult]] | None = None
+        """Set by the engine when speculating: (logits, sampling, meta, global_gen) -> results for a
+        batch where some requests carry drafts (spec_decode/rejection_sampler.py)."""
 
     # ----------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -84,6 +88,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
         reqs = [s.request for s in sampling]
         smeta = self._sampling_metadata(sampling)
+        if self.spec_verifier is not None and any(s.num_spec_tokens for s in sampling):
+            return self.spec_verifier(logits, sampling, smeta, self.sampler.global_gen)
         out = self.sampler(logits, smeta, [r.sampling_params.logprobs for r in reqs])
         tokens = out.token_ids.tolist()
         return {r.request_id: SamplerResult([tokens[i]], None if out.logprobs is None or out.logprobs[i] is None
@@ -109,8 +115,8 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             max_blocks = max(max_blocks, len(bids))
-            if s.is_sampling:
-                logits_indices.append(qsl[-1] - 1)
+            if s.is_sampling:  # a request with k drafts needs logits at its last 1 + k tokens
+                logits_indices.extend(range(qsl[-1] - 1 - s.num_spec_tokens, qsl[-1]))
                 sampling.append(s)
         num_decodes = 0  # decodes were sorted first
         for s in batch:

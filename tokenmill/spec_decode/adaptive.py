@@ -1,0 +1,166 @@
+"""Adaptive γ from the cost model, with measured acceptance α and draft cost c.
+
+With per-token acceptance α (i.i.d. model), a draft of γ tokens yields on average
+
+    E[T] = (1 - α^(γ+1)) / (1 - α)          tokens per target pass (γ + 1 when α = 1).
+
+One speculative step costs a target pass over 1 + γ tokens per request plus γ draft steps. At
+batch B, with T(n) the target's time for a step of n tokens and c = (draft step time) / T(B):
+
+    speedup(γ) = E[T] / (T(B (1 + γ)) / T(B) + γ c)
+
+When the target is memory-bound (T flat in n, single stream) this is the seeds' E[T] / (γ c + 1);
+at large batch the verification tokens are no longer free and the ratio T(B(1+γ)) / T(B)
+grows, which is what lowers γ or switches speculation off. T(n) = a + b n is fitted by least
+squares to recent steps; α and c are exponentially weighted running estimates.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E[T] = (1 - α^(γ+1)) / (1 - α): tokens emitted per verification of a γ-token draft."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, gamma: int, c: float, verify_cost_ratio: float = 1.0) -> float:
+    """E[T] / (verify_cost_ratio + γ c); verify_cost_ratio = T(B (1 + γ)) / T(B), 1 when the
+    target is memory-bound, which gives the seeds' E[T] / (γ c + 1)."""
+    if gamma == 0:
+        return 1.0
+    return expected_tokens(alpha, gamma) / (verify_cost_ratio + gamma * c)
+
+
+def best_gamma(alpha: float, c: float, gamma_max: int, verify_cost_ratio=lambda g: 1.0,
+               min_gain: float = 1.02) -> int:
+    """argmax over γ in 1..gamma_max of the predicted speedup; 0 (off) unless it beats min_gain."""
+    best, best_s = 0, min_gain
+    for g in range(1, gamma_max + 1):
+        s = predicted_speedup(alpha, g, c, verify_cost_ratio(g))
+        if s > best_s:
+            best, best_s = g, s
+    return best
+
+
+@dataclass
+class LinearCost:
+    """T(n) = a + b n seconds."""
+
+    a: float
+    b: float
+
+    def __call__(self, n: float) -> float:
+        return self.a + self.b * n
+
+
+def fit_linear_cost(samples: list[tuple[int, float]], prior: LinearCost) -> LinearCost:
+    """Least squares over (num_tokens, seconds); slope from the prior when n does not vary."""
+    if not samples:
+        return prior
+    ns = torch.tensor([s[0] for s in samples], dtype=torch.float64)
+    ts = torch.tensor([s[1] for s in samples], dtype=torch.float64)
+    if len(ns) < 2 or float(ns.std(unbiased=False)) < 1.0:
+        b = prior.b
+        return LinearCost(max(float((ts - b * ns).median()), 1e-6), b)
+    nm, tm = ns.mean(), ts.mean()
+    b = float(((ns - nm) * (ts - tm)).sum() / ((ns - nm) ** 2).sum())
+    b = max(b, 0.0)
+    a = max(float(tm - b * nm), 1e-6)
+    return LinearCost(a, b)
+
+
+class AdaptiveGamma:
+    """Chooses γ each step. Pinned (adaptive=False) it always answers gamma_max."""
+
+    def __init__(self, gamma_max: int, adaptive: bool = True, alpha_prior: float = 0.6, prior_weight: float = 4.0,
+                 decay: float = 0.97, probe_interval: int = 16, window: int = 64) -> None:
+        self.gamma_max = gamma_max
+        self.adaptive = adaptive
+        self.alpha_prior = alpha_prior
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.probe_interval = probe_interval
+        self.steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self.prior_cost = LinearCost(1e-2, 0.0)
+        self._acc = 0.0
+        self._judged = 0.0
+        self._c: float | None = None
+        self._steps_off = 0
+        self.gamma = gamma_max
+        self._cost: LinearCost | None = None
+
+    # ------------------------------------------------------------- measurements
+    def calibrate(self, forward, sizes: tuple[int, ...] = (1, 16, 64), repeats: int = 3) -> None:
+        """Prior for T(n) from timing forward(n) (a dense target pass over n tokens)."""
+        pts = []
+        for n in sizes:
+            forward(n)  # warm-up
+            best = min(_timed(forward, n) for _ in range(repeats))
+            pts.append((n, best))
+        self.prior_cost = fit_linear_cost(pts, LinearCost(pts[0][1], 0.0))
+        self._cost = None
+
+    def observe_acceptance(self, num_judged: int, num_accepted: int) -> None:
+        self._acc = self.decay * self._acc + num_accepted
+        self._judged = self.decay * self._judged + num_judged
+
+    def observe_target_step(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0:
+            self.steps.append((num_tokens, seconds))
+            self._cost = None
+
+    def observe_draft(self, num_draft_steps: int, batch_size: int, seconds: float) -> None:
+        """seconds spent proposing num_draft_steps tokens per request for batch_size requests."""
+        if num_draft_steps <= 0 or batch_size <= 0:
+            return
+        c = (seconds / num_draft_steps) / max(self.cost(batch_size), 1e-9)
+        self._c = c if self._c is None else 0.8 * self._c + 0.2 * c
+
+    # ---------------------------------------------------------------- estimates
+    @property
+    def alpha(self) -> float:
+        return (self._acc + self.alpha_prior * self.prior_weight) / (self._judged + self.prior_weight)
+
+    @property
+    def c(self) -> float:
+        return 0.0 if self._c is None else self._c
+
+    def cost(self, num_tokens: float) -> float:
+        if self._cost is None:
+            self._cost = fit_linear_cost(list(self.steps), self.prior_cost)
+        return self._cost(num_tokens)
+
+    def verify_cost_ratio(self, batch_size: int, gamma: int) -> float:
+        return self.cost(batch_size * (1 + gamma)) / max(self.cost(batch_size), 1e-9)
+
+    # ------------------------------------------------------------------- choice
+    def choose(self, batch_size: int) -> int:
+        if not self.adaptive or batch_size == 0:
+            self.gamma = self.gamma_max
+            return self.gamma
+        g = best_gamma(self.alpha, self.c, self.gamma_max, lambda g: self.verify_cost_ratio(batch_size, g))
+        if g == 0:
+            self._steps_off += 1
+            if self._steps_off >= self.probe_interval:  # re-measure α now and then
+                self._steps_off = 0
+                g = 1
+        else:
+            self._steps_off = 0
+        self.gamma = g
+        return g
+
+    def as_dict(self) -> dict[str, float]:
+        return {"gamma": self.gamma, "alpha_estimate": self.alpha, "draft_cost_ratio": self.c}
+
+
+def _timed(forward, n: int) -> float:
+    t0 = time.perf_counter()
+    forward(n)
+    return time.perf_counter() - t0

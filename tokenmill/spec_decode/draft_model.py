@@ -1,0 +1,246 @@
+"""Draft-model proposer: a small model sharing the target's tokenizer drafts γ tokens
+autoregressively, with its own paged KV cache kept in step with the target's.
+
+The draft pool mirrors the target's block ids: target block b's tokens have their draft K/V in
+draft block b, so the target's block tables drive the draft too. Positions the target has no
+block for yet (the newest token, the drafts themselves) go to scratch blocks past the mirrored
+range, handed out afresh on every call:
+
+    draft pool  [ 0 .. num_blocks-1 | scratch: max_num_seqs x (ceil((γ+1)/bs) + 1) ]
+                  mirrors the target    per call, per request: positions beyond its table
+
+Per request the proposer remembers how many real tokens have their draft K/V in mirrored
+blocks (`num_computed`); each call first catches up from there (the accepted tokens of the last
+step plus the newest one, or the whole prompt the first time), then runs γ - 1 one-token steps.
+A preempted request (its blocks were freed) starts over from 0. Draft tokens are sampled from
+q = the draft's distribution after the request's own sampling parameters (penalties,
+temperature, top-k/p, min-p), which the rejection sampler needs; seeded requests draw from a
+generator of their own, separate from the target's.
+
+Caveats that cost acceptance, never exactness: a block the target copies on write keeps the
+draft K/V of its source; samples forked from one prompt (n > 1) share a partial last block for
+one step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from tokenmill.attention.metadata import forward_context
+from tokenmill.config import ModelArchConfig
+from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits
+from tokenmill.request import Request
+from tokenmill.spec_decode.proposer import Proposal
+from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
+
+if TYPE_CHECKING:
+    from tokenmill.config import SpeculativeConfig
+    from tokenmill.core.scheduler import SchedulerOutput
+    from tokenmill.engine.core import EngineCore
+
+
+@dataclass
+class DraftSlice:
+    """The part of ScheduledRequest the runner's `_prepare` and `_sampling_metadata` read."""
+
+    request: Request
+    start_pos: int
+    token_ids: list[int]
+    block_ids: list[int]
+    num_spec_tokens: int = 0
+    is_sampling: bool = True
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+def truncated_layer_ids(num_layers: int, keep: int) -> list[int]:
+    """Layers of a layer-truncated self-draft: the first keep - 1 and the last one."""
+    if not 1 <= keep <= num_layers:
+        raise ValueError(f"draft_num_layers must be in [1, {num_layers}], got {keep}")
+    return list(range(keep - 1)) + [num_layers - 1]
+
+
+def build_draft_model(target: torch.nn.Module, target_arch: ModelArchConfig, draft: str, target_model: str,
+                      num_layers: int | None, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, ModelArchConfig]:
+    """The draft network. Naming the target's own checkpoint shares its weights (no copy); with
+    num_layers it keeps only truncated_layer_ids(...) of them."""
+    from tokenmill.models.loader import _reset_buffers, load_model, resolve_model_path
+    if resolve_model_path(draft).resolve() == resolve_model_path(target_model).resolve():
+        source, arch = target, target_arch
+    else:
+        loaded = load_model(draft, dtype=dtype, device=device, load_tokenizer=False)
+        source, arch = loaded.model, loaded.config
+        if arch.vocab_size != target_arch.vocab_size:
+            raise ValueError(f"draft model {draft} has vocab {arch.vocab_size}, the target {target_arch.vocab_size}: "
+                             f"the draft must share the target's tokenizer")
+    layer_ids = truncated_layer_ids(arch.num_hidden_layers, num_layers or arch.num_hidden_layers)
+    if source is not target and len(layer_ids) == arch.num_hidden_layers:
+        return source, arch
+    # Same class on the meta device, then point every parameter at the source's tensor.
+    draft_arch = dataclasses.replace(arch, num_hidden_layers=len(layer_ids))
+    with torch.device("meta"):
+        net = type(source)(draft_arch, dtype=dtype)
+    src_params = dict(source.named_parameters())
+    rename = {f"model.layers.{i}.": f"model.layers.{j}." for i, j in enumerate(layer_ids)}
+    for name, _ in list(net.named_parameters()):
+        src_name = name
+        for new, old in rename.items():
+            if name.startswith(new):
+                src_name = old + name[len(new):]
+                break
+        module_path, _, leaf = name.rpartition(".")
+        setattr(net.get_submodule(module_path), leaf, src_params[src_name])
+    _reset_buffers(net, device)
+    for name, buf in net.named_buffers():
+        assert buf.device.type != "meta", f"draft buffer {name} left on meta"
+    net.eval()
+    return net, draft_arch
+
+
+def take_rows(meta: SamplingMetadata, idx: list[int]) -> SamplingMetadata:
+    """The metadata of rows idx only."""
+    t = torch.tensor(idx, dtype=torch.long, device=meta.temperature.device)
+
+    def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[t]
+
+    return dataclasses.replace(
+        meta, temperature=pick(meta.temperature), top_k=pick(meta.top_k), top_p=pick(meta.top_p),
+        min_p=pick(meta.min_p), presence_penalty=pick(meta.presence_penalty),
+        frequency_penalty=pick(meta.frequency_penalty), repetition_penalty=pick(meta.repetition_penalty),
+        output_counts=pick(meta.output_counts), prompt_mask=pick(meta.prompt_mask),
+        min_tokens_mask=pick(meta.min_tokens_mask), generators=[meta.generators[i] for i in idx])
+
+
+def advance(meta: SamplingMetadata, tokens: torch.Tensor, num_generated: list[int], min_tokens: list[int]) -> None:
+    """In place: rows just drew `tokens` [N]; num_generated counts them already."""
+    if meta.output_counts is not None:
+        meta.output_counts = meta.output_counts.clone()
+        meta.output_counts[torch.arange(len(tokens)), tokens] += 1
+    if meta.min_tokens_mask is not None:
+        meta.min_tokens_mask = meta.min_tokens_mask.clone()
+        for i, (n, mt) in enumerate(zip(num_generated, min_tokens)):
+            if n >= mt:
+                meta.min_tokens_mask[i] = False
+
+
+class DraftModelProposer:
+    def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype, device: torch.device, gamma_max: int, max_num_seqs: int,
+                 block_table: Callable[[str], list[int]], seed: int = 0) -> None:
+        self.block_size = block_size
+        self.num_mirrored_blocks = num_blocks
+        scratch = max_num_seqs * (-(-(gamma_max + 1) // block_size) + 1)
+        spec = KVCacheSpec(num_blocks + scratch, block_size, arch.num_hidden_layers, arch.num_key_value_heads,
+                           arch.head_dim, kv_dtype)
+        self.runner = ModelRunner(model, arch, spec, device, seed=seed + 1)
+        self.block_table = block_table
+        self.num_computed: dict[str, tuple[int, int]] = {}
+        """request id -> (num_preemptions when recorded, real tokens with draft K/V in mirrored blocks)."""
+
+    @classmethod
+    def from_engine(cls, config: "SpeculativeConfig", engine: "EngineCore") -> "DraftModelProposer":
+        mc = engine.config.model
+        model, arch = build_draft_model(engine.model, engine.arch, config.model, mc.model, config.draft_num_layers,
+                                        mc.torch_dtype, mc.device)
+        kv = engine.kv_spec
+        kv_dtype = kv.dtype if kv.dtype.is_floating_point else mc.torch_dtype
+        return cls(model, arch, kv.num_blocks, kv.block_size, kv_dtype, engine.device, config.num_speculative_tokens,
+                   engine.config.scheduler.max_num_seqs, engine.scheduler.kv.get_block_ids, seed=mc.seed)
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.num_computed.pop(rid, None)
+            self.runner.generators.pop(rid, None)
+
+    def on_schedule(self, sched: "SchedulerOutput") -> None:
+        """Copy-on-write copies the target makes this step are made in the draft pool too."""
+        copies = getattr(sched, "block_copies", None)  # NOTE: absent on cores without copy-on-write
+        if copies:
+            from tokenmill.worker.kv_cache_ops import copy_blocks
+            copy_blocks(self.runner.kv_caches, copies)
+
+    # ---------------------------------------------------------------- propose
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
+        bs = self.block_size
+        active = [(r, k) for r, k in zip(requests, num_tokens) if k > 0]
+        drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        if not active:
+            return Proposal([[] for _ in requests], None)
+        next_scratch = self.num_mirrored_blocks
+        tables: list[list[int]] = []
+        catch_up: list[DraftSlice] = []
+        for r, k in active:
+            seen_preemptions, done = self.num_computed.get(r.request_id, (r.num_preemptions, 0))
+            if seen_preemptions != r.num_preemptions:
+                done = 0
+            real = self.block_table(r.request_id)
+            done = min(done, len(real) * bs, r.num_tokens - 1)
+            num_needed = -(-(r.num_tokens + k - 1) // bs)   # positions up to num_tokens + k - 2
+            extra = max(0, num_needed - len(real))
+            table = real + list(range(next_scratch, next_scratch + extra))
+            next_scratch += extra
+            assert next_scratch <= self.runner.kv_spec.num_blocks, "draft scratch blocks exhausted"
+            tables.append(table)
+            catch_up.append(DraftSlice(r, done, r.all_token_ids[done:], table))
+            self.num_computed[r.request_id] = (r.num_preemptions, min(r.num_tokens, len(real) * bs))
+
+        reqs = [r for r, _ in active]
+        ks = [k for _, k in active]
+        meta = self.runner._sampling_metadata(catch_up)  # per request; the draft's own generators
+        all_greedy = meta.all_greedy
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in reqs}
+        alive = list(range(len(active)))
+        logits = self._forward(catch_up)                                   # [n, V]
+        for j in range(max(ks)):
+            tok, q = self._sample(logits, meta)
+            toks = tok.tolist()
+            for row, i in enumerate(alive):
+                drafts[reqs[i].request_id].append(toks[row])
+                if not all_greedy:
+                    probs[reqs[i].request_id].append(q[row])
+            keep = [row for row, i in enumerate(alive) if ks[i] > j + 1]
+            if not keep:
+                break
+            advance(meta, tok, [reqs[i].num_output_tokens + j + 1 for i in alive],
+                    [reqs[i].sampling_params.min_tokens for i in alive])
+            if len(keep) < len(alive):
+                meta = take_rows(meta, keep)
+                alive = [alive[row] for row in keep]
+            step = [DraftSlice(reqs[i], reqs[i].num_tokens + j, [drafts[reqs[i].request_id][-1]], tables[i])
+                    for i in alive]
+            logits = self._forward(step)
+        out_probs = None if all_greedy else {rid: torch.stack(p) for rid, p in probs.items() if p}
+        return Proposal([drafts[r.request_id] for r in requests], out_probs)
+
+    def _forward(self, slices: list[DraftSlice]) -> torch.Tensor:
+        """Logits [len(slices), V] at each slice's last token, in slice order."""
+        order = sorted(range(len(slices)), key=lambda i: slices[i].num_new_tokens != 1)  # decodes first
+        meta, input_ids, positions, logits_indices, _ = self.runner._prepare([slices[i] for i in order])
+        with forward_context(meta):
+            hidden = self.runner.model(input_ids, positions)
+        logits_sorted = self.runner.model.compute_logits(hidden[logits_indices])
+        logits = torch.empty_like(logits_sorted)
+        logits[torch.tensor(order, device=logits.device)] = logits_sorted
+        return logits
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [N] and q [N, V] (None when every row is greedy)."""
+        processed = process_logits(logits.float(), meta)
+        greedy = processed.argmax(-1)
+        if meta.all_greedy:
+            return greedy, None
+        q = processed.softmax(-1)
+        noise = exponential_noise(tuple(q.shape), meta.generators, q.device, self.runner.sampler.global_gen)
+        tok = torch.where(meta.temperature > 0, (q / noise).argmax(-1), greedy)
+        return tok, q

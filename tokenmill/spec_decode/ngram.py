@@ -1,0 +1,64 @@
+"""N-gram prompt lookup: draft the continuation of the longest suffix that occurred before.
+
+    tokens = [5 7 9 2 | 5 7 9]       suffix n-grams tried longest first (max_n .. min_n)
+    n = 3: suffix [5 7 9] also at 0  -> continuation starts at 0 + 3: [2 5 7 9 ...]
+    k = 2 -> draft [2, 5]
+
+The most recent earlier occurrence wins (repetition loops repeat their latest period). The
+continuation may run into the suffix itself, which drafts a periodic pattern naturally. The
+proposer has no probabilities: the rejection sampler treats its drafts as point masses.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tokenmill.request import Request
+from tokenmill.spec_decode.proposer import Proposal
+
+if TYPE_CHECKING:
+    from tokenmill.config import SpeculativeConfig
+
+
+def ngram_propose(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens following the latest earlier match of the longest suffix n-gram
+    (min_n <= n <= max_n); [] if no suffix of that size occurred before."""
+    toks = np.asarray(token_ids, dtype=np.int64)
+    length = len(toks)
+    if k <= 0:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = toks[length - n:]
+        # Windows starting at 0 .. length - n - 1 (the suffix itself is excluded).
+        windows = np.lib.stride_tricks.sliding_window_view(toks[:length - 1], n)  # [length - n, n]
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return toks[start:start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    """Prompt lookup over each request's own tokens (prompt and output)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+
+    @classmethod
+    def from_engine(cls, config: "SpeculativeConfig", engine: object) -> "NgramProposer":
+        return cls(config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
+        drafts = [ngram_propose(r.all_token_ids, self.min_n, self.max_n, k) if k else []
+                  for r, k in zip(requests, num_tokens)]
+        return Proposal(drafts, None)
+
+    def forget(self, request_ids: list[str]) -> None:
+        pass
+
+    def on_schedule(self, sched: object) -> None:
+        pass

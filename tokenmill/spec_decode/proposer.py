@@ -1,0 +1,54 @@
+"""The proposer interface and its registry (lazy imports, so n-gram users never load a draft model)."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from tokenmill.request import Request
+
+if TYPE_CHECKING:
+    from tokenmill.config import SpeculativeConfig
+    from tokenmill.core.scheduler import SchedulerOutput
+    from tokenmill.engine.core import EngineCore
+
+
+@dataclass
+class Proposal:
+    token_ids: list[list[int]]
+    """Per request (in the order asked): up to num_tokens draft tokens; [] = no draft."""
+    probs: dict[str, torch.Tensor] | None
+    """request id -> [len(drafts), V] q each draft token was drawn from; None = point masses."""
+
+
+class Proposer(Protocol):
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
+        """Drafts for running requests whose next step is a decode. `num_tokens[i]` caps request
+        i's draft (0 = none). Drafts continue `all_token_ids`; they must not mutate requests."""
+        ...
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop per-request state of requests that left the engine."""
+        ...
+
+    def on_schedule(self, sched: "SchedulerOutput") -> None:
+        """Called before the target runs a step (a draft cache mirrors its block copies)."""
+        ...
+
+
+_REGISTRY: dict[str, str] = {
+    "ngram": "tokenmill.spec_decode.ngram:NgramProposer",
+    "draft_model": "tokenmill.spec_decode.draft_model:DraftModelProposer",
+}
+
+
+def build_proposer(config: "SpeculativeConfig", engine: "EngineCore") -> Proposer:
+    try:
+        target = _REGISTRY[config.method]
+    except KeyError:
+        raise ValueError(f"unknown speculative method {config.method!r}; known: {sorted(_REGISTRY)}") from None
+    module, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls.from_engine(config, engine)
