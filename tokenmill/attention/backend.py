@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.kv_quant import dequantize_kv, is_quantized, write_kv_int8
+from tokenmill.attention.cpu_kernels import paged_decode_attention
 from tokenmill.attention.metadata import AttentionMetadata
 
 
@@ -76,6 +77,10 @@ class TorchPagedAttention:
         # q: [B, Hq, D] -> grouped as [B, Hkv, G, D] so one K/V head serves its G query heads
         # without materializing repeated keys.
         nd = meta.num_decodes
+        # Fast path (CPU, fp32/bf16 cache): a C++ kernel reading K/V straight from the blocks.
+        fast = paged_decode_attention(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        if fast is not None:
+            return fast
         block_size = kv_cache.shape[2]
         max_blocks = (meta.max_decode_seq_len + block_size - 1) // block_size
         tables = meta.block_tables[:nd, :max_blocks]               # [B, nb]
