@@ -118,6 +118,8 @@ class BeamSearchRunner:
         for ids in prompts:
             if not ids:
                 raise ValueError("prompt is empty: at least one token is required")
+            if any(not isinstance(t, int) or not 0 <= t < self.engine.arch.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {self.engine.arch.vocab_size})")
             if len(ids) + p.max_tokens > self.engine.max_model_len:
                 raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds "
                                  f"max_model_len ({self.engine.max_model_len})")
