@@ -119,7 +119,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
                  num_logprobs: list[int | None]) -> SamplerOutput:
         logits = apply_penalties(logits.float(), meta)
-        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
+        raw_logprobs = logits.log_softmax(-1) if any(n is not None for n in num_logprobs) else None
         if meta.all_greedy:
             tokens = logits.argmax(-1)
         else:
