@@ -93,6 +93,10 @@ class SpeculativeDecoder:
             self.draft_probs = proposal.probs
         self.adaptive.observe_draft(max(ks), len(reqs), seconds)
 
+    def reset_stats(self) -> None:
+        """Start the cumulative counters afresh (benchmarks, after a warm-up)."""
+        self.stats = self.rejection_sampler.stats = SpecDecodeStats()
+
     def metrics(self) -> dict[str, float]:
         return {**self.stats.as_dict(), **self.adaptive.as_dict()}
 

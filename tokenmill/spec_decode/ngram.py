@@ -4,8 +4,9 @@
     n = 3: suffix [5 7 9] also at 0  -> continuation starts at 0 + 3: [2 5 7 9 ...]
     k = 2 -> draft [2, 5]
 
-The most recent earlier occurrence wins (repetition loops repeat their latest period). The
-continuation may run into the suffix itself, which drafts a periodic pattern naturally. The
+The most recent earlier occurrence wins (repetition loops repeat their latest period). A
+continuation that reaches the end keeps copying its own output, LZ77-style, so a loop of period
+P = length - start is drafted for the full k tokens. The
 proposer has no probabilities: the rejection sampler treats its drafts as point masses.
 """
 from __future__ import annotations
@@ -35,7 +36,10 @@ def ngram_propose(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: 
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return toks[start:start + k].tolist()
+            out = toks[start:start + k].tolist()
+            while len(out) < k:  # the copy reached the end: keep copying what it drafted (period length - start)
+                out.append(out[len(out) - (length - start)])
+            return out
     return []
 
 

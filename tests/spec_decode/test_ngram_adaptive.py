@@ -1,0 +1,81 @@
+"""The n-gram matcher and the adaptive-γ cost model as pure functions."""
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.spec_decode.adaptive import (AdaptiveGamma, LinearCost, best_gamma, expected_tokens,
+                                            fit_linear_cost, predicted_speedup)
+from tokenmill.spec_decode.ngram import ngram_propose
+from tokenmill.spec_decode.stats import SpecDecodeStats
+
+
+def test_ngram_docstring_example():
+    assert ngram_propose([5, 7, 9, 2, 5, 7, 9], 1, 3, 2) == [2, 5]
+
+
+def test_ngram_prefers_the_longest_suffix_then_the_latest_match():
+    toks = [1, 2, 3, 8, 4, 3, 9, 1, 2, 3]
+    # n = 3: [1, 2, 3] at 0 -> continuation [8, 4, 3]; a 1-gram match of [3] at 5 would give [9, ...].
+    assert ngram_propose(toks, 1, 3, 3) == [8, 4, 3]
+    assert ngram_propose(toks, 1, 1, 2) == [9, 1]     # latest earlier occurrence of [3] is at 5
+    assert ngram_propose(toks, 1, 1, 6) == [9, 1, 2, 3, 9, 1]
+
+
+def test_ngram_no_match_and_limits():
+    assert ngram_propose([1, 2, 3, 4], 1, 3, 4) == []
+    assert ngram_propose([1, 2, 1], 2, 3, 4) == []     # only 1-grams repeat, but min_n = 2
+    assert ngram_propose([1, 2, 1], 1, 3, 4) == [2, 1, 2, 1]  # continuation runs into the suffix
+    assert ngram_propose([7], 1, 3, 4) == []
+    assert ngram_propose([1, 1, 1, 1], 1, 3, 0) == []
+
+
+def test_periodic_loop_drafts_the_period():
+    assert ngram_propose([4, 5, 6] * 3, 1, 4, 5) == [4, 5, 6, 4, 5]
+
+
+def test_expected_tokens_and_speedup():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    # Seeds' formula: E[T] / (γ c + 1).
+    assert predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.4)
+
+
+def test_best_gamma_lowers_and_switches_off():
+    assert best_gamma(0.9, 0.0, 8) == 8                       # free drafts, high acceptance: go long
+    assert best_gamma(0.9, 0.3, 8) < 8                        # costly drafts: shorter
+    assert best_gamma(0.05, 0.3, 8) == 0                      # hopeless: off
+    # Compute-bound target (verification tokens cost as much as decodes): off even at α = 0.7.
+    assert best_gamma(0.7, 0.0, 8, verify_cost_ratio=lambda g: 1 + g) == 0
+
+
+def test_linear_cost_fit():
+    fit = fit_linear_cost([(n, 0.01 + 0.001 * n) for n in (1, 8, 32, 64)], LinearCost(1.0, 0.0))
+    assert fit.a == pytest.approx(0.01) and fit.b == pytest.approx(0.001)
+    flat = fit_linear_cost([(4, 0.02), (4, 0.03)], LinearCost(0.0, 0.5))   # no spread: keep the prior slope
+    assert flat.b == 0.5
+
+
+def test_adaptive_gamma_reacts_to_acceptance_and_batch():
+    ad = AdaptiveGamma(6, adaptive=True, probe_interval=3)
+    ad.prior_cost = LinearCost(0.04, 0.0005)      # memory-bound at small n, compute-bound at large n
+    for _ in range(50):
+        ad.observe_acceptance(10, 9)
+    assert ad.choose(1) >= 4
+    assert ad.choose(256) < ad.choose(1)
+    for _ in range(200):
+        ad.observe_acceptance(10, 0)
+    assert [ad.choose(1) for _ in range(3)] == [0, 0, 1]   # off, with a probe every 3rd step
+    assert AdaptiveGamma(5, adaptive=False).choose(512) == 5
+
+
+def test_stats_vllm_names():
+    s = SpecDecodeStats()
+    s.observe(4, 2)
+    s.observe(4, 4)
+    s.observe(0, 0)
+    d = s.as_dict()
+    assert (d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"]) == (2, 8, 6)
+    assert d["mean_acceptance_length"] == 4.0
+    assert [d[f"num_accepted_tokens_per_pos_{i}"] for i in range(4)] == [2, 2, 1, 1]
+    assert s.alpha == pytest.approx(6 / 7)
