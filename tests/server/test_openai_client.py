@@ -137,11 +137,12 @@ def test_chat_n2_and_logprobs(client):
     assert texts == {c.index: c.message.content for c in r.choices}
 
 
-def test_greedy_equals_offline_api(client):
+def test_greedy_equals_offline_api(client, monkeypatch):
     from tokenmill import LLM, SamplingParams
     from tests.server.conftest import DEFAULT_ARGS
 
     args = dict(zip(DEFAULT_ARGS[::2], DEFAULT_ARGS[1::2]))
+    monkeypatch.setenv("TOKENMILL_NUM_THREADS", "1")
     llm = LLM(model=MODEL, max_model_len=int(args["--max-model-len"]), max_num_seqs=4,
               kv_cache_memory_bytes=64 << 20)
     params = SamplingParams(temperature=0, max_tokens=24)

@@ -123,8 +123,12 @@ class RequestStream:
         self.is_done_in_engine = False
         """The engine reported the request finished; no abort is needed."""
         self._is_closed = False
+        self._is_terminated = False
 
     def _put(self, item: RequestOutput | BaseException) -> None:
+        if self._is_terminated:
+            return  # NOTE: nothing follows a finished output or an error
+        self._is_terminated = isinstance(item, BaseException) or item.finished
         self._queue.append(item)
         self._ready.set()
 
@@ -257,6 +261,7 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.is_done_in_engine = True  # NOTE: the Stop command aborts them all in the core
             stream._put(EngineDeadError("engine is shutting down"))
+        self._streams.clear()
         self._send(_Stop())
         thread = self._thread
         deadline = time.monotonic() + timeout

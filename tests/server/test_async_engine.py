@@ -1,0 +1,268 @@
+"""AsyncEngine against a small fake core (no model): threading, streaming, abort, errors, shutdown.
+
+The real engine is exercised through the server tests; these pin the handoff logic itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
+from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class FakeStats:
+    num_running: int
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_blocks_total: int = 8
+    num_blocks_free: int = 8
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+class FakeTokenizer:
+    vocab_size = 100
+    eos_token_id = 0
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 100 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+class FakeCore:
+    """One token per step per request (token id = position); finishes at max_tokens."""
+
+    def __init__(self, step_s: float = 0.0, fail_at_step: int | None = None) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = 64
+        self.requests: dict[str, tuple[list[int], SamplingParams, list[int], float]] = {}
+        self.thread_ids: set[int] = set()
+        self.aborted: list[str] = []
+        self.step_s = step_s
+        self.num_steps = 0
+        self.fail_at_step = fail_at_step
+        self.num_generation_tokens = 0
+
+    def _mark(self) -> None:
+        self.thread_ids.add(threading.get_ident())
+
+    def add_request(self, request_id, prompt_token_ids, params, prompt=None, arrival_time=None):
+        self._mark()
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        self.requests[request_id] = (list(prompt_token_ids), params, [], arrival_time or time.time())
+
+    def abort_request(self, request_id):
+        self._mark()
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self):
+        self._mark()
+        return bool(self.requests)
+
+    def step(self):
+        self._mark()
+        self.num_steps += 1
+        if self.fail_at_step is not None and self.num_steps >= self.fail_at_step:
+            raise RuntimeError("boom")
+        time.sleep(self.step_s)
+        outs = []
+        for rid, (prompt, params, toks, arrival) in list(self.requests.items()):
+            toks.append(len(toks) + 1)
+            self.num_generation_tokens += 1
+            done = len(toks) >= params.max_tokens
+            comp = CompletionOutput(0, self.tokenizer.decode(toks), list(toks), "length" if done else None)
+            outs.append(RequestOutput(rid, None, prompt, [comp], done, RequestMetrics(arrival, arrival)))
+            if done:
+                del self.requests[rid]
+        return outs
+
+    def stats(self):
+        self._mark()
+        return FakeStats(num_running=len(self.requests), num_generation_tokens=self.num_generation_tokens)
+
+    def check_integrity(self):
+        self._mark()
+        assert not self.requests
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def _started(core: FakeCore, **kw) -> AsyncEngine:
+    engine = AsyncEngine(core_factory=lambda: core, **kw)
+    engine.start()
+    await engine.wait_ready()
+    return engine
+
+
+def test_stream_runs_all_core_calls_on_one_background_thread():
+    core = FakeCore()
+
+    async def main():
+        engine = await _started(core)
+        outs = [o async for o in engine.generate([1, 2, 3], SamplingParams(max_tokens=4))]
+        await engine.shutdown()
+        return outs
+
+    outs = run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == [1, 2, 3, 4]
+    assert all(not o.finished for o in outs[:-1])
+    assert len(core.thread_ids) == 1 and threading.get_ident() not in core.thread_ids
+
+
+def test_add_request_error_is_raised_to_the_caller():
+    async def main():
+        engine = await _started(FakeCore())
+        with pytest.raises(ValueError, match="empty"):
+            await engine.add_request([], SamplingParams())
+        assert engine.num_open_streams == 0
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_leaving_the_stream_early_aborts_the_request():
+    core = FakeCore(step_s=0.01)
+
+    async def main():
+        engine = await _started(core)
+        stream = await engine.add_request([5], SamplingParams(max_tokens=50), request_id="r1")
+        async with stream:
+            async for out in stream:
+                if len(out.outputs[0].token_ids) >= 2:
+                    break
+        kv = await engine.run_on_engine(lambda c: (c.has_unfinished_requests(), list(c.aborted)))
+        await engine.shutdown()
+        return kv
+
+    busy, aborted = run(main())
+    assert not busy and aborted == ["r1"]
+
+
+def test_cancelled_reader_aborts_the_request():
+    core = FakeCore(step_s=0.01)
+
+    async def main():
+        engine = await _started(core)
+
+        async def reader():
+            async for _ in engine.generate([5], SamplingParams(max_tokens=1000), request_id="r2"):
+                pass
+
+        task = asyncio.create_task(reader())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        result = await engine.run_on_engine(lambda c: (c.has_unfinished_requests(), list(c.aborted)))
+        await engine.shutdown()
+        return result
+
+    busy, aborted = run(main())
+    assert not busy and aborted == ["r2"]
+
+
+def test_slow_reader_skips_to_newest_cumulative_output():
+    core = FakeCore()
+
+    async def main():
+        engine = await _started(core)
+        stream = await engine.add_request([1], SamplingParams(max_tokens=20))
+        await asyncio.sleep(0.3)  # the engine runs all 20 steps meanwhile
+        outs = [o async for o in stream]
+        await engine.shutdown()
+        return outs
+
+    outs = run(main())
+    assert len(outs) == 1 and outs[0].finished and len(outs[0].outputs[0].token_ids) == 20
+
+
+def test_not_ready_and_load_failure():
+    gate = threading.Event()
+
+    def slow_factory():
+        gate.wait(5)
+        raise OSError("weights missing")
+
+    async def main():
+        engine = AsyncEngine(core_factory=slow_factory)
+        engine.start()
+        with pytest.raises(EngineNotReadyError):
+            await engine.add_request([1], SamplingParams())
+        assert not engine.status.is_ready and not engine.status.is_dead
+        gate.set()
+        with pytest.raises(EngineDeadError, match="weights missing"):
+            await engine.wait_ready()
+        assert engine.status.is_dead and "weights missing" in engine.status.error
+        with pytest.raises(EngineDeadError):
+            await engine.add_request([1], SamplingParams())
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_step_failure_fails_open_streams():
+    async def main():
+        engine = await _started(FakeCore(fail_at_step=3))
+        with pytest.raises(EngineDeadError, match="boom"):
+            async for _ in engine.generate([1], SamplingParams(max_tokens=10)):
+                pass
+        assert engine.status.is_dead
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_shutdown_aborts_in_flight_and_stops_the_thread():
+    core = FakeCore(step_s=0.01)
+
+    async def main():
+        engine = await _started(core)
+        stream = await engine.add_request([1], SamplingParams(max_tokens=1000), request_id="r3")
+        await asyncio.sleep(0.05)
+        await engine.shutdown()
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            async for _ in stream:
+                pass
+        return engine
+
+    engine = run(main())
+    assert not engine._thread.is_alive()
+    assert core.aborted == ["r3"] and not core.requests
+
+
+def test_many_concurrent_streams():
+    core = FakeCore()
+
+    async def main():
+        engine = await _started(core)
+
+        async def one(i):
+            last = None
+            async for out in engine.generate([i + 1], SamplingParams(max_tokens=1 + i % 7)):
+                last = out
+            return last
+
+        outs = await asyncio.gather(*[one(i) for i in range(200)])
+        stats = engine.stats()
+        await engine.shutdown()
+        return outs, stats
+
+    outs, stats = run(main())
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1 + i % 7 for i in range(200)]
+    assert stats.num_running == 0 and stats.num_generation_tokens == sum(1 + i % 7 for i in range(200))
