@@ -1,0 +1,143 @@
+"""Speculative decoding inside the engine, on a tiny random Llama: greedy outputs are
+token-identical to plain decoding (alone, in mixed batches, with chunked prefill, preemption and
+prefix hits), limits hold, seeds reproduce, and sampled tokens follow the target distribution."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.spec_decode.test_rejection_sampler import chisquare_pvalue
+from tokenmill import LLM, SamplingParams
+
+# Repetitive prompts give the n-gram proposer something to match.
+PROMPTS = [[1, 5, 6, 7, 8, 5, 6, 7] * 3, [10, 11, 12, 13, 14], list(range(100, 140)), [9, 9, 9, 9, 9, 9]]
+TIGHT = dict(max_num_batched_tokens=8, num_gpu_blocks_override=18, block_size=4, max_num_seqs=4)
+
+
+def spec_configs(path) -> dict[str, dict]:
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 1},
+        "draft_truncated": {"method": "draft_model", "model": str(path), "draft_num_layers": 1,
+                            "num_speculative_tokens": 3, "adaptive": False},
+        "draft_self": {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4, "adaptive": False},
+        "ngram_adaptive": {"method": "ngram", "num_speculative_tokens": 5},
+    }
+
+
+def run(llm: LLM, prompts, params) -> list[list[int]]:
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.check_integrity()
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_llama):
+    llm = LLM(str(tiny_llama), **TIGHT)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = run(llm, PROMPTS, params)
+    assert llm.stats().num_preemptions > 0, "the tight pool must force preemption"
+    return params, ref
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft_truncated", "draft_self", "ngram_adaptive"])
+def test_greedy_identical_with_chunked_prefill_and_preemption(tiny_llama, greedy_reference, name):
+    params, ref = greedy_reference
+    llm = LLM(str(tiny_llama), speculative_config=spec_configs(tiny_llama)[name], **TIGHT)
+    assert run(llm, PROMPTS, params) == ref            # mixed batch, tiny budget and pool
+    assert run(llm, PROMPTS[:1], params) == ref[:1]    # alone (and now with prefix-cache hits)
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
+    spec = stats.spec_decode
+    if name != "ngram_adaptive":
+        assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_tokens"]
+    if name == "draft_self":  # the draft is the target: every draft token is accepted
+        assert spec["num_accepted_tokens"] == spec["num_draft_tokens"] > 0
+        assert spec["mean_acceptance_length"] > 2
+
+
+def test_limits_and_stop_tokens_hold(tiny_llama, greedy_reference):
+    _, ref = greedy_reference
+    cfg = spec_configs(tiny_llama)["draft_self"]
+    # max_model_len: prompt 40 + 8 outputs = 48; drafts must never point past it.
+    llm = LLM(str(tiny_llama), speculative_config=cfg, max_model_len=48, **TIGHT)
+    out = run(llm, PROMPTS[2:3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out == [ref[2][:8]]
+    # max_tokens cuts even when all drafts are accepted; a stop token inside accepted drafts ends there.
+    stop = ref[0][10]
+    out = run(llm, PROMPTS[:1], [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)])
+    assert out == [ref[0][:7]]
+    out = run(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop]))
+    assert out == [ref[0][:ref[0].index(stop) + 1]]
+
+
+def test_mixed_sampling_batch_and_seeds(tiny_llama, greedy_reference):
+    _, ref = greedy_reference
+    cfg = spec_configs(tiny_llama)["draft_truncated"]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, frequency_penalty=0.5, seed=4, max_tokens=10, ignore_eos=True,
+                             logprobs=2)]
+    a = run(LLM(str(tiny_llama), speculative_config=cfg, **TIGHT), PROMPTS, params)
+    b = run(LLM(str(tiny_llama), speculative_config=cfg, **TIGHT), PROMPTS, params)
+    assert a == b                      # seeded sampling reproduces
+    assert a[0] == ref[0] and a[2] == ref[2]
+    assert len(a[1]) == len(a[3]) == 10
+
+
+def test_logprobs_cover_every_emitted_token(tiny_llama):
+    cfg = spec_configs(tiny_llama)["draft_self"]
+    llm = LLM(str(tiny_llama), speculative_config=cfg, **TIGHT)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    spec = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    base = LLM(str(tiny_llama), **TIGHT).generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert len(spec.logprobs) == len(spec.token_ids) == 12
+    for s, b, t in zip(spec.logprobs, base.logprobs, spec.token_ids):
+        assert s[t].rank == b[t].rank == 1 and s[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def perturbed_draft(tiny_llama, tmp_path_factory):
+    """A separate checkpoint close to the target (weights + noise): its top tokens overlap the
+    target's with different probabilities, so drafts are accepted and rejected."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    path = tmp_path_factory.mktemp("draft")
+    for f in tiny_llama.iterdir():
+        shutil.copy(f, path / f.name)
+    g = torch.Generator().manual_seed(0)
+    for f in path.glob("*.safetensors"):
+        w = load_file(f)
+        save_file({k: v + 0.003 * torch.randn(v.shape, generator=g) for k, v in w.items()}, f, metadata={"format": "pt"})
+    return path
+
+
+def test_sampled_tokens_follow_the_target(tiny_llama, perturbed_draft):
+    """Temperature 1, top-k 3: the token after t1 is verified against a separate draft checkpoint
+    (one draft token, pinned γ); grouped by t1, its counts must match the target's distribution."""
+    cfg = {"method": "draft_model", "model": str(perturbed_draft), "num_speculative_tokens": 1, "adaptive": False}
+    llm = LLM(str(tiny_llama), speculative_config=cfg, max_num_seqs=64)
+    prompt = [1, 20, 30, 40]
+    n = 200
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    outs = run(llm, [prompt] * n, params)
+    spec = llm.stats().spec_decode
+    assert spec["num_drafts"] >= n and 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
+    model = llm.engine.model
+    groups: dict[int, list[int]] = {}
+    for o in outs:
+        groups.setdefault(o[0], []).append(o[1])
+    for t1, seconds in groups.items():
+        if len(seconds) < 30:
+            continue
+        with torch.inference_mode():
+            ids = torch.tensor(prompt + [t1])
+            logits = model.compute_logits(model(ids, torch.arange(len(ids)))[-1:])[0]
+        top = logits.topk(3)
+        p = np.zeros(logits.shape[0])
+        p[top.indices.numpy()] = top.values.softmax(-1).numpy()
+        counts = np.bincount(seconds, minlength=len(p))
+        assert counts[p == 0].sum() == 0
+        assert chisquare_pvalue(counts[p > 0], len(seconds) * p[p > 0]) > 0.01

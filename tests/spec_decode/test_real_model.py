@@ -1,0 +1,65 @@
+"""Speculative decoding on the default model (SmolLM2-135M): greedy identity for both proposers
+and exactness of the rejection sampler on the real target/draft distributions at one position."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.spec_decode.test_rejection_sampler import chisquare_pvalue
+from tokenmill import LLM, SamplingParams
+from tokenmill.spec_decode.rejection_sampler import rejection_sample
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [{"role": "user", "content": "List the days of the week, then list them again in reverse order."}]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return LLM("smollm2-135m", max_num_batched_tokens=64, num_gpu_blocks_override=64)
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4},
+                                  {"method": "draft_model", "model": "smollm2-135m", "draft_num_layers": 8,
+                                   "num_speculative_tokens": 3, "adaptive": False}])
+def test_greedy_identical_on_the_real_model(target, spec):
+    params = SamplingParams(temperature=0, max_tokens=40)
+    ref = target.chat(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM("smollm2-135m", max_num_batched_tokens=64, num_gpu_blocks_override=64, speculative_config=spec)
+    out = llm.chat(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.check_integrity()
+    assert out == ref
+    assert llm.stats().spec_decode["num_accepted_tokens"] > 0
+
+
+def test_rejection_sampler_exact_on_real_distributions(target):
+    """Target p and 8-layer draft q at the prompt's last position (temperature 0.8, top-k 40).
+    Tokens outside both supports have p = q = 0, so the test runs on their union only."""
+    from tokenmill.spec_decode.draft_model import build_draft_model
+    eng = target.engine
+    ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template(PROMPT, True), add_special_tokens=False)
+    draft, _ = build_draft_model(eng.model, eng.arch, "smollm2-135m", "smollm2-135m", 8, torch.float32, "cpu")
+    with torch.inference_mode():
+        x, pos = torch.tensor(ids), torch.arange(len(ids))
+        lp = eng.model.compute_logits(eng.model(x, pos)[-1:])[0] / 0.8
+        lq = draft.compute_logits(draft(x, pos)[-1:])[0] / 0.8
+    sup = torch.unique(torch.cat([lp.topk(40).indices, lq.topk(40).indices]))
+
+    def dist(logits):
+        kth = logits.topk(40).values[-1]
+        return logits[sup].masked_fill(logits[sup] < kth, float("-inf")).softmax(-1)
+
+    p, q = dist(lp), dist(lq)
+    n, g = 50_000, torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)
+    out = rejection_sample(p.log().repeat(2 * n, 1), drafts, q.repeat(n, 1),  # rows: draft, bonus per request
+                           [1] * n, torch.zeros(n, dtype=torch.bool), torch.rand(n, generator=g),
+                           torch.empty(n, len(sup)).exponential_(generator=g))
+    counts = np.bincount([t[0] for t in out.output_token_ids], minlength=len(sup))
+    accept = np.mean(out.num_accepted)
+    assert 0.05 < accept < 0.995                      # both the accept and the residual paths ran
+    assert accept == pytest.approx(1 - 0.5 * float((p - q).abs().sum()), abs=0.01)
+    expected = n * p.numpy()
+    assert counts[expected == 0].sum() == 0
+    assert chisquare_pvalue(counts[expected > 5], expected[expected > 5]) > 0.01
