@@ -18,9 +18,12 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import signal
+import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -297,17 +300,35 @@ async def _log_stats(engine: AsyncEngine, interval_s: float) -> None:
 
 def serve(engine: AsyncEngine, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", shutdown_timeout_s: float = 30.0) -> int:
-    """Run uvicorn until SIGTERM/SIGINT; returns the process exit code (1 if the model failed to load)."""
-    import uvicorn
-
+    """Run uvicorn until SIGTERM/SIGINT; returns the exit code: 0, or 1 if the engine failed."""
     app = build_app(engine, settings)
+    # NOTE: uvicorn's own grace timeout is only a backstop; ours (below) aborts what is left in the
+    # engine first, so every stream ends with an error event and [DONE] instead of a cancelled task.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout_s, lifespan="on")
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=shutdown_timeout_s + 10, lifespan="on")
     failed = False
 
     async def main() -> None:
         nonlocal failed
+        loop = asyncio.get_running_loop()
+        abort_timer: list[asyncio.TimerHandle] = []
+
+        def on_exit_signal(sig: int) -> None:  # NOTE: runs in a signal handler; hop onto the loop
+            def start_grace() -> None:
+                if abort_timer:
+                    return
+                logger.info("%s: not accepting new connections; letting %d in-flight request(s) finish "
+                            "for up to %.0f s", signal.Signals(sig).name, engine.num_open_streams,
+                            shutdown_timeout_s)
+                abort_timer.append(loop.call_later(shutdown_timeout_s, abort_in_flight))
+            loop.call_soon_threadsafe(start_grace)
+
+        def abort_in_flight() -> None:
+            if engine.num_open_streams:
+                logger.warning("grace period over: aborting %d in-flight request(s)", engine.num_open_streams)
+            asyncio.ensure_future(engine.shutdown())
+
+        server = _Server(config, on_exit_signal)
 
         async def watch_load() -> None:
             nonlocal failed
@@ -326,11 +347,44 @@ def serve(engine: AsyncEngine, settings: ServerSettings, *, host: str = "127.0.0
             await server.serve()
         finally:
             watcher.cancel()
+            for timer in abort_timer:
+                timer.cancel()
 
     asyncio.run(main())
     if failed or engine.status.is_dead:
         return 1
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server whose SIGTERM/SIGINT start our grace period and end in exit status 0.
+
+    NOTE: stock uvicorn re-raises the signal after a graceful shutdown, so the process would die
+    with -SIGTERM; SIGTERM is tokenmill's normal way to stop, so it exits 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_exit_signal: Callable[[int], None]) -> None:
+        super().__init__(config)
+        self._on_exit_signal = on_exit_signal
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self._handle_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def _handle_signal(self, sig: int, frame: object) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting
+        else:
+            self.should_exit = True
+        self._on_exit_signal(sig)
 
 
 async def _wait_started(engine: AsyncEngine) -> None:
