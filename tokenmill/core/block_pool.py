@@ -71,15 +71,13 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.num_cached_free_blocks = 0
+        """Free blocks that still carry a hash (kept as a counter: stats run every step)."""
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now: never used, or cached but unreferenced."""
         return self.free_queue.num_free
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_queue if b.block_hash is not None)
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
@@ -94,6 +92,7 @@ class BlockPool:
         for _ in range(n):
             b = self.free_queue.popleft()
             if b.block_hash is not None:  # evict from the prefix cache
+                self.num_cached_free_blocks -= 1
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
                 b.block_hash = None
@@ -108,6 +107,7 @@ class BlockPool:
         for b in blocks:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
+                self.num_cached_free_blocks -= b.block_hash is not None
             b.ref_cnt += 1
 
     def free_blocks(self, ordered: list[KVCacheBlock]) -> None:
@@ -118,6 +118,7 @@ class BlockPool:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
+                self.num_cached_free_blocks += b.block_hash is not None
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash (first writer wins on duplicates)."""
@@ -131,12 +132,15 @@ class BlockPool:
             if b.ref_cnt == 0:
                 b.block_hash = None
         self.cached = {h: b for h, b in self.cached.items() if b.ref_cnt > 0}
+        self.num_cached_free_blocks = 0
 
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
         """Free queue holds exactly the unreferenced blocks; cached map points at hashed blocks;
         if given, expected_refs (block id -> holders) must equal the ref counts."""
         in_queue = {b.block_id for b in self.free_queue}
         assert len(in_queue) == self.free_queue.num_free, "free queue count drift"
+        assert self.num_cached_free_blocks == sum(1 for b in self.free_queue if b.block_hash is not None), \
+            "cached-free count drift"
         for b in self.blocks:
             assert b.ref_cnt >= 0
             assert (b.ref_cnt == 0) == (b.block_id in in_queue), f"{b}: ref_cnt and free queue disagree"

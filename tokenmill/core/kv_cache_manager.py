@@ -193,17 +193,22 @@ class KVCacheManager:
         """num_filled_tokens: request id -> tokens whose K/V are in its blocks."""
         bs = self.block_size
         fill: dict[int, int] = {}  # block id -> filled slots (max over holders)
+        num_shared = 0
         for rid, blocks in self.req_blocks.items():
             n = num_filled_tokens.get(rid, 0)
             for j, b in enumerate(blocks):
                 f = min(max(n - j * bs, 0), bs)
-                if f > fill.get(b.block_id, -1):
+                old = fill.get(b.block_id)
+                if old is None:
+                    num_shared += b.ref_cnt > 1
+                    fill[b.block_id] = f
+                elif f > old:
                     fill[b.block_id] = f
         pool = self.pool
         return KVMemoryUsage(
             num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_blocks - pool.num_free_blocks,
             num_blocks_free=pool.num_free_blocks, num_blocks_cached_free=pool.num_cached_free_blocks,
-            num_blocks_shared=sum(1 for b in pool.blocks if b.ref_cnt > 1),
+            num_blocks_shared=num_shared,
             num_allocated_slots=len(fill) * bs, num_filled_slots=sum(fill.values()))
 
     def check_integrity(self) -> None:
