@@ -1,0 +1,247 @@
+"""`tokenmill bench ablation`: turn one technique on at a time on the same workload and print what
+it buys here. Rows:
+
+  batching        static batches (a batch runs until its longest request ends; nobody joins) vs
+                  paged KV + continuous batching, on the same ShareGPT requests: output tok/s
+  chunked prefill N decode streams running while a long prompt arrives: inter-token latency p50/p99
+                  with the prompt chunked into the step budget vs prefilled in one step
+  prefix caching  requests sharing a long system prompt: throughput and mean TTFT, cache off vs on
+  quantization    single-stream decode tok/s of RTN int8 / int4 weight-only checkpoints vs the base
+                  dtype (built on the fly with tokenmill.quant; 'not available' without it)
+  speculation     single-stream decode tok/s with n-gram speculation on a copy-heavy prompt
+                  ('not available' without tokenmill.spec_decode)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import tempfile
+import time
+import traceback
+
+from tokenmill.bench.common import (add_dataset_args, environment, format_table, requests_from_args, set_threads,
+                                    summarize, write_json)
+from tokenmill.bench.engine_runs import (PASSAGE, engine_kwargs, engine_throughput, engine_timed_generate,
+                                         make_prompt_ids, warm_up)
+from tokenmill.sampling_params import SamplingParams
+
+ROWS = ("batching", "chunked_prefill", "prefix_caching", "quantization", "speculation")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tokenmill.entrypoints.engine_args import add_engine_args
+    add_engine_args(p)
+    add_dataset_args(p)
+    p.set_defaults(num_prompts=32, max_output_len=128)
+    g = p.add_argument_group("ablation")
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--only", default=",".join(ROWS), help=f"Comma list of rows (default: all of {','.join(ROWS)})")
+    g.add_argument("--static-batch-size", type=int, default=16, help="Batch size of the static-batching baseline")
+    g.add_argument("--num-streams", type=int, default=16, help="chunked prefill: decode streams running")
+    g.add_argument("--long-prompt-len", type=int, default=2000, help="chunked prefill: tokens of the arriving prompt")
+    g.add_argument("--chunk-budget", type=int, default=256, help="chunked prefill: max_num_batched_tokens when on")
+    g.add_argument("--shared-prefix-len", type=int, default=512, help="prefix caching: shared prompt tokens")
+    g.add_argument("--quantized-model", default=None, help="quantization: an existing GPTQ/AWQ dir to use instead")
+    g.add_argument("--output-json", default=None)
+
+
+def _llm(args, **overrides):
+    from tokenmill import LLM
+    llm = LLM(**engine_kwargs(args, **overrides))
+    warm_up(llm)
+    return llm
+
+
+# ------------------------------------------------------------------ rows
+def ablate_batching(args) -> dict:
+    llm = _llm(args, enable_prefix_caching=False)
+    requests = requests_from_args(args, llm.tokenizer)
+    cont = engine_throughput(llm, requests)
+    # Static batching on the same engine: waves of B; every row of a wave generates the wave's
+    # longest output (padding work), only requested tokens are counted.
+    B = args.static_batch_size
+    t0 = time.perf_counter()
+    for i in range(0, len(requests), B):
+        wave = requests[i:i + B]
+        n = max(r.output_len for r in wave)
+        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in wave],
+                     SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    static_s = time.perf_counter() - t0
+    n_out = sum(r.output_len for r in requests)
+    return {"workload": f"{len(requests)} {args.dataset_name} requests, {n_out} output tokens",
+            "static_output_tok_s": n_out / static_s, "continuous_output_tok_s": cont["output_tok_s"],
+            "speedup": cont["output_tok_s"] / (n_out / static_s), "static_batch_size": B}
+
+
+def _itl_under_long_arrival(args, chunked: bool) -> dict:
+    long_len = args.long_prompt_len
+    budget = args.chunk_budget if chunked else max(long_len + args.num_streams, args.max_num_batched_tokens)
+    llm = _llm(args, enable_chunked_prefill=chunked, max_num_batched_tokens=budget, enable_prefix_caching=False,
+               max_num_seqs=max(args.max_num_seqs, args.num_streams + 1))
+    eng = llm.engine
+    base = make_prompt_ids(llm.tokenizer, 64)
+    stream_params = SamplingParams(temperature=0.0, max_tokens=min(400, eng.max_model_len - len(base) - 1),
+                                   ignore_eos=True)
+    for i in range(args.num_streams):
+        eng.add_request(f"s{i}", [base[i % len(base)]] + base[1:], stream_params)
+    for _ in range(8):          # streams are all decoding
+        eng.step()
+    eng.add_request("long", make_prompt_ids(llm.tokenizer, long_len), SamplingParams(temperature=0.0, max_tokens=4,
+                                                                                     ignore_eos=True))
+    gaps, t_arrive, ttft = [], time.perf_counter(), None
+    last = t_arrive
+    steps_after = 0
+    while steps_after < 12:
+        outs = eng.step()
+        now = time.perf_counter()
+        gaps.append(now - last)     # every stream gets one token per step: the step time is its ITL
+        last = now
+        if ttft is None and any(o.request_id == "long" and o.outputs[0].token_ids for o in outs):
+            ttft = now - t_arrive
+        if ttft is not None:
+            steps_after += 1
+    for i in range(args.num_streams):
+        eng.abort_request(f"s{i}")
+    eng.abort_request("long")
+    s = summarize([g * 1e3 for g in gaps])
+    return {"itl_p50_ms": s["median"], "itl_p99_ms": s["p99"], "p99_over_p50": s["p99"] / s["median"],
+            "long_prompt_ttft_ms": (ttft or float("nan")) * 1e3, "max_num_batched_tokens": budget}
+
+
+def ablate_chunked_prefill(args) -> dict:
+    return {"workload": f"{args.num_streams} decode streams + one {args.long_prompt_len}-token prompt arriving",
+            "off": _itl_under_long_arrival(args, chunked=False), "on": _itl_under_long_arrival(args, chunked=True)}
+
+
+def ablate_prefix_caching(args) -> dict:
+    out = {}
+    for on in (False, True):
+        llm = _llm(args, enable_prefix_caching=on)
+        prefix = make_prompt_ids(llm.tokenizer, args.shared_prefix_len)
+        prompts = [{"prompt_token_ids": prefix + llm.tokenizer.encode(f" Question {i}: what happened next?",
+                                                                     add_special_tokens=False)}
+                   for i in range(args.num_prompts)]
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        el = time.perf_counter() - t0
+        ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
+        out["on" if on else "off"] = {"elapsed_s": el, "requests_per_s": len(prompts) / el,
+                                      "mean_ttft_ms": sum(ttfts) / len(ttfts) * 1e3,
+                                      "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outs)}
+    out["workload"] = f"{args.num_prompts} requests sharing a {args.shared_prefix_len}-token prefix, 16 new tokens"
+    out["speedup"] = out["on"]["requests_per_s"] / out["off"]["requests_per_s"]
+    return out
+
+
+def _single_stream(args, model: str | None = None, **overrides) -> dict:
+    llm = _llm(args, **({"model": model} if model else {}), **overrides)
+    prompt = make_prompt_ids(llm.tokenizer, 32)
+    engine_timed_generate(llm.engine, prompt, 8)
+    timing, _ = engine_timed_generate(llm.engine, prompt, 128)
+    return timing.summary()
+
+
+def ablate_quantization(args) -> dict:
+    for mod in ("tokenmill.quant.pipeline", "tokenmill.quant.save", "tokenmill.quant.loading"):
+        if importlib.util.find_spec(mod) is None:
+            return {"available": False, "reason": f"{mod} is missing"}
+    base = _single_stream(args)
+    out = {"base": {"dtype": args.dtype, "decode_tok_s": base["decode_tok_s"]}}
+    if args.quantized_model:
+        q = _single_stream(args, model=args.quantized_model)
+        out[args.quantized_model] = {"decode_tok_s": q["decode_tok_s"], "speedup": q["decode_tok_s"] / base["decode_tok_s"]}
+        return out
+    import torch
+
+    from tokenmill.models.loader import load_model
+    from tokenmill.quant.pipeline import QuantConfig, quantize_model
+    from tokenmill.quant.save import save_quantized
+    for bits in (8, 4):
+        with tempfile.TemporaryDirectory(prefix=f"tm_rtn{bits}_") as tmp:
+            loaded = load_model(args.model, dtype=torch.float32)
+            cfg = QuantConfig(method="rtn", bits=bits, group_size=64)
+            rep = quantize_model(loaded.model, cfg, None, progress=False)
+            save_quantized(loaded.model, loaded.config, loaded.tokenizer, rep.weights, cfg.resolved_format, tmp,
+                           cfg.sym)
+            del loaded
+            q = _single_stream(args, model=tmp)
+        out[f"rtn_int{bits}"] = {"decode_tok_s": q["decode_tok_s"], "speedup": q["decode_tok_s"] / base["decode_tok_s"]}
+    return out
+
+
+def ablate_speculation(args) -> dict:
+    if importlib.util.find_spec("tokenmill.spec_decode") is None:
+        return {"available": False, "reason": "tokenmill.spec_decode is missing"}
+    out = {}
+    for name, spec in (("off", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4})):
+        llm = _llm(args, speculative_config=spec) if spec else _llm(args)
+        text = "Repeat the following text exactly.\n\n" + PASSAGE * 2 + "\n\nRepeated text:\n\n"
+        prompt = llm.tokenizer.encode(text)
+        engine_timed_generate(llm.engine, prompt, 8)
+        timing, _ = engine_timed_generate(llm.engine, prompt, 128)
+        s = timing.summary()
+        out[name] = {"decode_tok_s": s["decode_tok_s"], "spec_stats": dict(llm.stats().spec_decode)}
+    out["speedup"] = out["ngram"]["decode_tok_s"] / out["off"]["decode_tok_s"]
+    out["workload"] = "batch 1, copy-heavy prompt, 128 new tokens"
+    return out
+
+
+def run_ablation(args) -> dict:
+    threads = set_threads(args.num_threads)
+    res: dict = {"env": environment(threads), "config": {"model": args.model, "dtype": args.dtype, "threads": threads}}
+    wanted = [r.strip() for r in args.only.split(",") if r.strip()]
+    for row in wanted:
+        if row not in ROWS:
+            raise ValueError(f"--only: unknown row {row!r}; rows: {', '.join(ROWS)}")
+        fn = globals()[f"ablate_{row}"]
+        try:
+            res[row] = fn(args)
+        except Exception as e:  # one broken row must not hide the others
+            res[row] = {"available": False, "reason": f"failed: {type(e).__name__}: {e}",
+                        "traceback": traceback.format_exc(limit=3)}
+        print(f"{row}: done")
+    return res
+
+
+def print_ablation(res: dict) -> None:
+    rows = []
+    b = res.get("batching")
+    if b and b.get("available", True):
+        rows.append(["paging + continuous batching", b["workload"],
+                     f"{b['static_output_tok_s']:.1f} -> {b['continuous_output_tok_s']:.1f} out tok/s",
+                     f"{b['speedup']:.2f}x"])
+    c = res.get("chunked_prefill")
+    if c and c.get("available", True):
+        rows.append(["chunked prefill", c["workload"],
+                     f"ITL p99/p50 {c['off']['p99_over_p50']:.1f} -> {c['on']['p99_over_p50']:.1f} "
+                     f"(p99 {c['off']['itl_p99_ms']:.0f} -> {c['on']['itl_p99_ms']:.0f} ms)",
+                     f"{c['off']['itl_p99_ms'] / c['on']['itl_p99_ms']:.2f}x lower p99"])
+    p = res.get("prefix_caching")
+    if p and p.get("available", True):
+        rows.append(["prefix caching", p["workload"],
+                     f"TTFT {p['off']['mean_ttft_ms']:.0f} -> {p['on']['mean_ttft_ms']:.0f} ms, "
+                     f"{p['off']['requests_per_s']:.2f} -> {p['on']['requests_per_s']:.2f} req/s",
+                     f"{p['speedup']:.2f}x"])
+    q = res.get("quantization")
+    if q and q.get("available", True):
+        for k, v in q.items():
+            if k != "base":
+                rows.append([f"quantization {k}", "batch 1 decode",
+                             f"{q['base']['decode_tok_s']:.1f} -> {v['decode_tok_s']:.1f} tok/s", f"{v['speedup']:.2f}x"])
+    s = res.get("speculation")
+    if s and s.get("available", True):
+        rows.append(["speculation (n-gram, k=4)", s["workload"],
+                     f"{s['off']['decode_tok_s']:.1f} -> {s['ngram']['decode_tok_s']:.1f} tok/s", f"{s['speedup']:.2f}x"])
+    for name in ROWS:
+        r = res.get(name)
+        if r is not None and r.get("available") is False:
+            rows.append([name, "not available", r["reason"], ""])
+    print(format_table(["technique", "workload", "off -> on", "gain"], rows))
+
+
+def run(args: argparse.Namespace) -> int:
+    res = run_ablation(args)
+    print_ablation(res)
+    write_json(args.output_json, res)
+    return 0
