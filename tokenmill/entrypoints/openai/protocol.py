@@ -18,6 +18,8 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 _MAX_INT = 2**31 - 1
 
 NonNegInt = Annotated[int, Field(ge=0, le=_MAX_INT)]
+TokenId = Annotated[int, Field(ge=0, le=_MAX_INT, strict=True)]
+"""A token id: a JSON integer (not true/false, not "12")."""
 
 
 class OpenAIBaseModel(BaseModel):
@@ -106,7 +108,7 @@ class _SamplingFields(OpenAIBaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     min_tokens: NonNegInt = 0
     ignore_eos: bool = False
-    stop_token_ids: list[NonNegInt] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -124,7 +126,7 @@ class _SamplingFields(OpenAIBaseModel):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[NonNegInt] | list[list[NonNegInt]] = Field(
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         ..., description="A string, a list of strings, a list of token ids, or a list of token-id lists.")
     max_tokens: int | None = Field(16, ge=1, le=_MAX_INT)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -238,7 +240,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[NonNegInt]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

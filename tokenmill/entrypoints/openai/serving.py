@@ -265,8 +265,8 @@ class OpenAIServing:
             sampled = entry.get(tid)
             text = self._token_text(tid, sampled)
             tokens.append(text)
-            token_logprobs.append(sampled.logprob if sampled is not None else None)
-            top.append({self._token_text(t, lp): lp.logprob
+            token_logprobs.append(_lp(sampled.logprob) if sampled is not None else None)
+            top.append({self._token_text(t, lp): _lp(lp.logprob)
                         for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)})
             text_offset.append(offset)
             offset += len(text)
@@ -376,8 +376,8 @@ class OpenAIServing:
             top = []
             for t, lp in ranked:
                 s = self._token_text(t, lp)
-                top.append({"token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8", "replace"))})
-            content.append({"token": text, "logprob": sampled.logprob if sampled is not None else float("-inf"),
+                top.append({"token": s, "logprob": _lp(lp.logprob), "bytes": list(s.encode("utf-8", "replace"))})
+            content.append({"token": text, "logprob": _lp(sampled.logprob) if sampled is not None else _MIN_LOGPROB,
                             "bytes": list(text.encode("utf-8", "replace")), "top_logprobs": top})
         return content
 
@@ -443,6 +443,16 @@ class OpenAIServing:
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.resolve_model(req.model)
         return {"prompt": self._decode(req.tokens)}
+
+
+_MIN_LOGPROB = -9999.0  # NOTE: JSON has no -inf; vLLM clamps the same way
+
+
+def _lp(x: float | None) -> float | None:
+    """A JSON-safe log-probability: -inf (a token masked out by top-p/top-k) and NaN become -9999."""
+    if x is None:
+        return None
+    return x if x >= _MIN_LOGPROB else _MIN_LOGPROB  # NOTE: NaN fails the comparison too
 
 
 def _sse(body: dict[str, Any]) -> str:
