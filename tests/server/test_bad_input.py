@@ -27,6 +27,7 @@ CASES = [
     ("body-is-array", "POST", CMPL, [1, 2, 3], 400, None),
     ("body-is-string", "POST", CHAT, "just a string", 400, None),
     ("prompt-wrong-type", "POST", CMPL, cmpl(prompt=123), 400, "prompt"),
+    ("n-over-max-num-seqs", "POST", CMPL, cmpl(n=100), 400, "n"),
     ("prompt-mixed-list", "POST", CMPL, cmpl(prompt=["a", 1]), 400, "prompt"),
     ("max-tokens-string", "POST", CMPL, cmpl(max_tokens="lots"), 400, "max_tokens"),
     ("messages-string", "POST", CHAT, chat(messages="hi"), 400, "messages"),

@@ -115,3 +115,17 @@ def test_load_128_streaming_clients_with_disconnects(server):
     assert delta("tokenmill:request_generation_tokens_sum") == reasons["length"] * MAX_TOKENS
     print(f"\n{NUM_CLIENTS} clients ({len(disconnected)} disconnected) in {elapsed:.1f} s; "
           f"{int(gen)} tokens generated; finish reasons {reasons}")
+
+
+def test_non_streaming_client_disconnect_aborts(server):
+    """A plain (non-SSE) request whose client goes away is aborted too, not run to the end."""
+    _wait_idle(server)
+    body = {"model": MODEL, "prompt": "Write a long essay about rivers.", "max_tokens": 450, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=2.0)
+    t0 = time.monotonic()
+    kv = _wait_idle(server, timeout=30)
+    # 450 tokens take far longer than this on CPU; being idle this soon means the request was aborted.
+    assert time.monotonic() - t0 < 8, kv
+    assert kv["num_blocks_free"] == kv["num_blocks_total"] and kv["integrity"] == "ok", kv

@@ -11,6 +11,8 @@ API_KEY_ENV = "TOKENMILL_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="Model to serve (same as --model), as in `tokenmill serve smollm2-135m`")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="Address to bind; 0.0.0.0 for every interface "
                    "(default: 127.0.0.1)")
@@ -37,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.model_tag is not None:
+        if args.model not in (args.model_tag, _default_model()):
+            raise ValueError(f"the positional model {args.model_tag!r} and --model {args.model!r} disagree")
+        args.model = args.model_tag
     config = engine_config_from_args(args)
     names = args.served_model_name or [config.model.model]
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -46,3 +52,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("tokenmill").setLevel(logging.INFO)
     return serve(engine, settings, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                  shutdown_timeout_s=args.shutdown_timeout)
+
+
+def _default_model() -> str:
+    from tokenmill.config import DEFAULT_MODEL_ALIAS
+    return DEFAULT_MODEL_ALIAS

@@ -105,6 +105,13 @@ class GateMiddleware:
         await self.app(scope, receive, send)
 
 
+_UNION_HINTS = {
+    "prompt": "expected a string, a list of strings, a list of token ids, or a list of token-id lists",
+    "stop": "expected a string or a list of strings",
+    "messages": "expected a list of messages {role, content}; content is a string or a list of text parts",
+}
+
+
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
@@ -128,6 +135,11 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         return _error_response(400, f"Missing required parameter: '{param}'.", "invalid_request_error",
                                param=param, code="missing_required_parameter")
     msg = first.get("msg", "invalid request")
+    field = loc[0] if loc else None
+    same_field = [e for e in errors if [str(x) for x in e.get("loc", ()) if x != "body"][:1] == loc[:1]]
+    if field in _UNION_HINTS and len(same_field) > 1:
+        msg = _UNION_HINTS[field]  # NOTE: one pydantic error per union member says little; say what fits
+        errors = [e for e in errors if e not in same_field] + [first]
     if param:
         msg = f"Invalid value for '{param}': {msg}"
     if len(errors) > 1:

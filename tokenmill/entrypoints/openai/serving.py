@@ -191,7 +191,7 @@ class OpenAIServing:
             for s in streams:
                 s.close()
             if isinstance(e, ValueError):
-                raise OpenAIError(str(e), param="prompt") from e
+                raise OpenAIError(str(e), param=_param_of_engine_error(str(e))) from e
             if isinstance(e, (EngineDeadError, RuntimeError)) and not isinstance(e, asyncio.CancelledError):
                 raise engine_unavailable(e) from e
             raise
@@ -443,6 +443,15 @@ class OpenAIServing:
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.resolve_model(req.model)
         return {"prompt": self._decode(req.tokens)}
+
+
+_ENGINE_ERROR_PARAMS = ("max_tokens", "n", "min_tokens", "stop_token_ids", "seed", "logprobs")
+
+
+def _param_of_engine_error(message: str) -> str:
+    """The request field an engine ValueError is about: its first word when that names a field."""
+    head = message.split(maxsplit=1)[0].rstrip(":,") if message else ""
+    return head if head in _ENGINE_ERROR_PARAMS else "prompt"
 
 
 _MIN_LOGPROB = -9999.0  # NOTE: JSON has no -inf; vLLM clamps the same way
