@@ -171,9 +171,11 @@ def part_a(model: str, repeats: int = 3) -> str:
 # ------------------------------------------------------------------------------------------ (d)
 
 @torch.inference_mode()
-def chunked_nll(model, arch, tokens: list[int], kv_dtype: torch.dtype, chunk: int, block_size: int = 16) -> tuple[float, int]:
-    """Sum of next-token NLL over one window, computed chunk by chunk through the paged cache, so
-    every chunk after the first attends to keys/values read back from the cache."""
+def paged_forward(model, arch, tokens: list[int], kv_dtype: torch.dtype, chunks: list[int],
+                  block_size: int = 16) -> tuple[float, int, list[int]]:
+    """Run tokens through the paged cache in the given chunk sizes (so every chunk after the first
+    attends to keys/values read back from the cache). Returns the summed next-token NLL, the number
+    of predicted tokens and the argmax prediction after every position."""
     from tokenmill.attention.kv_quant import cache_head_dim
     from tokenmill.attention.metadata import AttentionMetadata, forward_context
     n = len(tokens)
@@ -184,26 +186,32 @@ def chunked_nll(model, arch, tokens: list[int], kv_dtype: torch.dtype, chunk: in
         attn.kv_cache = c
     table_ = torch.arange(nb)[None]
     ids = torch.tensor(tokens)
-    nll, count = 0.0, 0
-    for start in range(0, n, chunk):
-        end = min(n, start + chunk)
+    nll, count, argmax = 0.0, 0, []
+    bounds = [0]
+    for c in chunks:
+        bounds.append(min(n, bounds[-1] + c))
+    for start, end in zip(bounds, bounds[1:]):
         m = end - start
+        if m == 0:
+            break
         meta = AttentionMetadata(
             num_decodes=1 if m == 1 else 0, num_prefills=0 if m == 1 else 1,
             slot_mapping=torch.arange(start, end), block_tables=table_, seq_lens=torch.tensor([end]),
             query_start_loc=torch.tensor([0, m]), seq_lens_cpu=[end], query_start_loc_cpu=[0, m],
             max_decode_seq_len=end if m == 1 else 0,
-            decode_mask=(torch.arange(nb * block_size) < end)[None, None, None, :] if m == 1 else None)
+            decode_mask=(torch.arange(math.ceil(end / block_size) * block_size) < end)[None, None, None, :]
+            if m == 1 else None)
         with forward_context(meta):
             hidden = model(ids[start:end], torch.arange(start, end))
         logits = model.compute_logits(hidden).float()
+        argmax += logits.argmax(-1).tolist()
         tgt = ids[start + 1:end + 1]
         lp = logits[:len(tgt)].log_softmax(-1)
         nll -= lp.gather(1, tgt[:, None]).sum().item()
         count += len(tgt)
     for attn in model.attention_layers():
         attn.kv_cache = None
-    return nll, count
+    return nll, count, argmax
 
 
 def part_d(model: str, num_prompts: int = 8, gen_tokens: int = 128, windows: int = 4, window_len: int = 512,
@@ -235,25 +243,41 @@ def part_d(model: str, num_prompts: int = 8, gen_tokens: int = 128, windows: int
     # greedy agreement over 128 tokens
     prompts = [r["conversations"][0]["value"] for r in map(json.loads, open(SHAREGPT))][:num_prompts]
     sp = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
-    outs = {d: [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] for d, llm in llms.items()}
+    results = {d: llm.generate(prompts, sp, use_tqdm=False) for d, llm in llms.items()}
+    outs = {d: [o.outputs[0].token_ids for o in r] for d, r in results.items()}
+    prompt_ids = [o.prompt_token_ids for o in results["auto"]]
     same = sum(a == b for x, y in zip(outs["auto"], outs["int8"]) for a, b in zip(x, y))
     prefix = []
     for x, y in zip(outs["auto"], outs["int8"]):
         k = next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
         prefix.append(k)
-    rows.append((f"greedy agreement with bf16 KV, {num_prompts} ShareGPT prompts x {gen_tokens} tokens",
-                 f"{same / (num_prompts * gen_tokens):.1%} of positions; {sum(k == gen_tokens for k in prefix)}/{num_prompts} "
-                 f"identical; mean common prefix {statistics.mean(prefix):.0f} tokens"))
+    rows.append((f"greedy, free-running: {num_prompts} ShareGPT prompts x {gen_tokens} tokens, int8 vs bf16 KV",
+                 f"{sum(k == gen_tokens for k in prefix)}/{num_prompts} identical; mean common prefix "
+                 f"{statistics.mean(prefix):.0f} tokens; same token at {same / (num_prompts * gen_tokens):.1%} of positions"))
     del llms
-    # WikiText-2 perplexity
     loaded = load_model(model, dtype=torch.bfloat16)
+    # teacher-forced: along each bf16-KV greedy continuation, one token per step (decode path reading
+    # the cache), does the int8-KV model pick the same next token?
+    agree = total = 0
+    for p_ids, out in zip(prompt_ids, outs["auto"]):
+        seq = list(p_ids) + list(out)
+        chunks = [len(p_ids)] + [1] * (len(out) - 1)
+        preds = {}
+        for name, dt in (("bf16", torch.bfloat16), ("int8", torch.int8)):
+            preds[name] = paged_forward(loaded.model, loaded.config, seq[:-1], dt, chunks)[2][len(p_ids) - 1:]
+        agree += sum(a == b for a, b in zip(preds["bf16"], preds["int8"]))
+        total += len(preds["bf16"])
+    rows.append((f"greedy, teacher-forced on the bf16 continuations ({total} decode steps)",
+                 f"int8 KV picks the bf16-KV token at {agree / total:.1%} of steps"))
+    # WikiText-2 perplexity
     text = "\n\n".join(json.loads(line)["text"] for line in open(WIKITEXT))
     ids = loaded.tokenizer.encode(text)
     ppl = {}
     for name, dt in (("bf16", torch.bfloat16), ("int8", torch.int8)):
         nll = cnt = 0
         for w in range(windows):
-            s, c = chunked_nll(loaded.model, loaded.config, ids[w * window_len:(w + 1) * window_len], dt, chunk)
+            s, c, _ = paged_forward(loaded.model, loaded.config, ids[w * window_len:(w + 1) * window_len], dt,
+                                    [chunk] * math.ceil(window_len / chunk))
             nll, cnt = nll + s, cnt + c
         ppl[name] = math.exp(nll / cnt)
     rows.append((f"WikiText-2 perplexity, bf16 KV / int8 KV ({windows} windows x {window_len} tokens, chunks of {chunk})",

@@ -185,13 +185,15 @@ def tiny_vocab8(tmp_path_factory, gguf_tokenizer):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_v8"), "llama", gguf_tokenizer, seed=3, vocab_size=8)
 
 
-def seq_logprob(model, prompt: list[int], tokens: list[int]) -> float:
-    """Dense (no paged cache) log p(tokens | prompt)."""
-    x = torch.tensor([prompt + tokens])
+def seq_logprobs(model, prompt: list[int], seqs: list[list[int]]) -> list[float]:
+    """Dense (no paged cache) log p(seq | prompt) for equal-length seqs, in one batched forward."""
+    x = torch.tensor([prompt + list(t) for t in seqs])                        # [B, T]
     with torch.inference_mode():
-        logits = model.compute_logits(model(x, torch.arange(x.shape[1])[None])[0])
-    lp = logits.log_softmax(-1)
-    return sum(lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens))
+        hidden = model(x, torch.arange(x.shape[1])[None].expand_as(x))       # [B, T, hidden]
+        lp = model.compute_logits(hidden.flatten(0, 1)).view(*x.shape, -1).log_softmax(-1)
+    n = len(seqs[0])
+    pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + n)
+    return lp[:, pos].gather(2, x[:, len(prompt):, None])[..., 0].sum(-1).tolist()
 
 
 def test_beam_search_exhaustive_equals_brute_force(tiny_vocab8):
@@ -200,14 +202,14 @@ def test_beam_search_exhaustive_equals_brute_force(tiny_vocab8):
     params = BeamSearchParams(beam_width=64, max_tokens=3, ignore_eos=True)
     (out,) = llm.beam_search([prompt], params)
     llm.check_integrity()
-    brute = sorted(((seq_logprob(llm.engine.model, prompt, list(t)), list(t))
-                    for t in itertools.product(range(8), repeat=3)), key=lambda x: -x[0])
+    seqs = [list(t) for t in itertools.product(range(8), repeat=3)]
+    brute = sorted(zip(seq_logprobs(llm.engine.model, prompt, seqs), seqs), key=lambda x: -x[0])
     # width 64 = 8^2 keeps every 2-token prefix alive, so the search is exhaustive
     assert len(out.sequences) == 64
     assert [s.score for s in out.sequences] == pytest.approx([lp / 3 for lp, _ in brute[:64]], abs=1e-4)
     assert out.sequences[0].tokens == brute[0][1]
-    for s in out.sequences:
-        assert s.cum_logprob == pytest.approx(seq_logprob(llm.engine.model, prompt, s.tokens), abs=1e-4)
+    dense = seq_logprobs(llm.engine.model, prompt, [s.tokens for s in out.sequences])
+    assert [s.cum_logprob for s in out.sequences] == pytest.approx(dense, abs=1e-4)
 
 
 def reference_beam_search(model, prompt, params: BeamSearchParams, eos: int) -> list[tuple[list[int], float]]:
