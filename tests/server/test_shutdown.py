@@ -69,3 +69,18 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tmp_path):
     assert "error" in long_["chunks"][-1] and "shutting down" in long_["chunks"][-1]["error"]["message"]
     assert all(c["choices"][0]["finish_reason"] is None for c in long_["chunks"][:-1] if c.get("choices"))
     assert "Application shutdown complete" in server.log()
+
+
+def test_model_load_failure_exits_nonzero(tmp_path):
+    """A model that cannot load: /health says why (503) while the server winds down, and it exits 1."""
+    import subprocess
+    import sys
+
+    from tests.server.conftest import REPO, free_port
+
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(port),
+                           "--model", str(tmp_path / "no-such-model.gguf")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "no-such-model.gguf" in proc.stdout + proc.stderr

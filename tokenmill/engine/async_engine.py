@@ -322,7 +322,7 @@ class AsyncEngine:
         if stream is not None:
             stream.close()
         else:
-            self._abort(RequestId(request_id))
+            self._send(_Abort(RequestId(request_id)))  # NOTE: unknown or finished: a no-op in the core
 
     async def run_on_engine(self, fn: Callable[[EngineCoreLike], Any]) -> Any:
         """Run fn(core) on the engine thread between two steps and return its result."""

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -37,7 +38,7 @@ from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
                                                    CompletionRequest, CompletionResponse, DetokenizeRequest,
                                                    DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                                                    TokenizeRequest, TokenizeResponse, UnsupportedParameterError)
-from tokenmill.entrypoints.openai.serving import OpenAIError, OpenAIServing, engine_unavailable
+from tokenmill.entrypoints.openai.serving import OpenAIError, OpenAIServing, SSEStream, engine_unavailable
 from tokenmill.metrics import EngineMetrics, StatLogger
 
 logger = logging.getLogger("tokenmill.server")
@@ -221,10 +222,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return _error_response(500, f"internal server error: {type(exc).__name__}", "server_error")
 
-    def respond(result: tuple[dict[str, Any] | None, AsyncIterator[str] | None]) -> Response:
+    def respond(result: tuple[dict[str, Any] | None, SSEStream | None]) -> Response:
         body, sse = result
         if sse is not None:
-            return StreamingResponse(sse, media_type="text/event-stream",
+            return StreamingResponse(sse.body, media_type="text/event-stream", background=BackgroundTask(sse.close),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(body)
 

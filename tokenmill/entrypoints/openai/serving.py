@@ -75,6 +75,22 @@ class _Usage:
 
 
 @dataclass
+class SSEStream:
+    """An SSE body and the engine requests behind it.
+
+    close() aborts whatever is unfinished; the server calls it after the response in every case,
+    since a body iterator cancelled before its first step never runs its own cleanup.
+    """
+
+    body: AsyncIterator[str]
+    streams: list[RequestStream]
+
+    async def close(self) -> None:
+        for s in self.streams:
+            s.close()
+
+
+@dataclass
 class _Finals:
     """Final outputs of all prompts of one HTTP request, by prompt index."""
 
@@ -215,8 +231,7 @@ class OpenAIServing:
             out.append(_Prompt(list(ids), self._tokenizer.decode(ids, skip_special_tokens=False) if req.echo else None))
         return out
 
-    async def create_completion(self, req: CompletionRequest) -> tuple[dict[str, Any] | None,
-                                                                       AsyncIterator[str] | None]:
+    async def create_completion(self, req: CompletionRequest) -> tuple[dict[str, Any] | None, SSEStream | None]:
         """Returns (response body, None) or (None, SSE iterator). Raises OpenAIError."""
         model = self.resolve_model(req.model)
         prompts = self._completion_prompts(req)
@@ -228,7 +243,8 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return None, self._stream_completion(req, model, request_id, created, prompts, streams, include_usage)
+            return None, SSEStream(
+                self._stream_completion(req, model, request_id, created, prompts, streams, include_usage), streams)
         finals = await _collect(streams)
         choices, usage = [], _Usage()
         for i, p in enumerate(prompts):
@@ -335,7 +351,7 @@ class OpenAIServing:
     # --- chat ----------------------------------------------------------------------------------
 
     async def create_chat_completion(self, req: ChatCompletionRequest) -> tuple[dict[str, Any] | None,
-                                                                             AsyncIterator[str] | None]:
+                                                                             SSEStream | None]:
         model = self.resolve_model(req.model)
         text = self._render_chat(req.messages, req.add_generation_prompt)
         ids = self._encode(text, False)
@@ -349,7 +365,8 @@ class OpenAIServing:
         top_n = req.top_logprobs or 0
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return None, self._stream_chat(req, model, request_id, created, streams[0], include_usage, top_n)
+            return None, SSEStream(
+                self._stream_chat(req, model, request_id, created, streams[0], include_usage, top_n), streams)
         out = (await _collect(streams)).outputs[0]
         choices = []
         for c in out.outputs:
