@@ -150,6 +150,7 @@ class BeamSearchRunner:
                     if g.is_done:
                         continue
                     for b in g.live:
+                        b.req.spec_token_ids = []  # beams verify no drafts: one token per round
                         self._collect(b)
                     if all(b.pending is not None for b in g.live):
                         self._select(g)
