@@ -63,7 +63,13 @@ static void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cach
     // enough requests to fill the threads, else one (request, KV head) pair.
     const int64_t hpt = B >= 2 * at::get_num_threads() ? Hkv : 1;   // KV heads per task
     const int64_t tasks_per_b = Hkv / hpt;
-    at::parallel_for(0, B * tasks_per_b, 1, [&](int64_t begin, int64_t end) {
+    // Small calls (e.g. one short sequence) run on the calling thread: a parallel region costs
+    // more than it saves there, and much more when the cores are shared with other processes.
+    int64_t total_tokens = 0;
+    for (int64_t b = 0; b < B; ++b) total_tokens += sp[b];
+    const int64_t num_tasks = B * tasks_per_b;
+    const int64_t grain = total_tokens * Hq * D < (int64_t(1) << 20) ? num_tasks : 1;
+    at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
         std::vector<float> qf(Hkv * G * D), acc(Hkv * G * D), s;
         float kf[512];
         for (int64_t task = begin; task < end; ++task) {
@@ -166,7 +172,7 @@ def _load():
             return None
         try:
             from torch.utils.cpp_extension import load_inline
-            _module = load_inline(name="tokenmill_cpu_kernels_v3", cpp_sources=[_CPP_DECL, _CPP_SOURCE],
+            _module = load_inline(name="tokenmill_cpu_kernels_v4", cpp_sources=[_CPP_DECL, _CPP_SOURCE],
                                   functions=["paged_decode"], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                                   extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as e:  # no compiler, no headers, ...: keep the reference path
