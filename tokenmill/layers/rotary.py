@@ -5,8 +5,9 @@ Scaling types from HF configs: default, linear (positions divided by factor) and
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -47,12 +48,27 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
         # [max_position, head_dim]: cos | sin, each half-width
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(), persistent=False)
+        self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cs = self.cos_sin[positions].unsqueeze(-2)  # [*, 1, head_dim]
+        half = self.head_dim // 2
+        return cs[..., :half], cs[..., half:]
+
+    @contextlib.contextmanager
+    def cached(self, positions: torch.Tensor) -> Iterator[None]:
+        """Within the block, calls with this same `positions` tensor reuse one gather of cos/sin
+        (one instance serves every layer: one gather per forward pass instead of one per layer)."""
+        self._cached = (positions, *self._cos_sin(positions))
+        try:
+            yield
+        finally:
+            self._cached = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [*], q: [*, num_heads, head_dim], k: [*, num_kv_heads, head_dim]."""
-        cs = self.cos_sin[positions].unsqueeze(-2)  # [*, 1, head_dim]
-        half = self.head_dim // 2
-        cos, sin = cs[..., :half], cs[..., half:]
+        c = self._cached
+        cos, sin = (c[1], c[2]) if c is not None and c[0] is positions else self._cos_sin(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -88,11 +88,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, backend, dtype)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary = rotary  # shared by every layer
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            h = layer(positions, h)
+        with self.rotary.cached(positions):
+            for layer in self.layers:
+                h = layer(positions, h)
         return self.norm(h)
 
 
