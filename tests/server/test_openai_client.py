@@ -141,19 +141,24 @@ def test_greedy_equals_offline_api(client, monkeypatch):
     from tokenmill import LLM, SamplingParams
     from tests.server.conftest import DEFAULT_ARGS
 
-    args = dict(zip(DEFAULT_ARGS[::2], DEFAULT_ARGS[1::2]))
-    monkeypatch.setenv("TOKENMILL_NUM_THREADS", "1")
-    llm = LLM(model=MODEL, max_model_len=int(args["--max-model-len"]), max_num_seqs=4,
-              kv_cache_memory_bytes=64 << 20)
-    params = SamplingParams(temperature=0, max_tokens=24)
-    prompts = [PROMPT, "def fibonacci(n):"]
-    offline = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    # NOTE: prompts the server has not seen: a prefix-cache hit computes the same logits through
+    # differently shaped matmuls, which may flip a near-tie; fresh prompts take identical paths.
+    prompts = ["Greedy check one: the three primary colors are", "# greedy check two\ndef fibonacci(n):"]
+    messages = [{"role": "system", "content": "Greedy check three. Answer briefly."},
+                {"role": "user", "content": "Name a fruit that is yellow."}]
     online = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
               for p in prompts]
-    assert online == offline
-    chat_offline = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0].text
-    chat_online = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24,
+    chat_online = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
                                                  temperature=0).choices[0].message.content
+
+    args = dict(zip(DEFAULT_ARGS[::2], DEFAULT_ARGS[1::2]))
+    monkeypatch.setenv("TOKENMILL_NUM_THREADS", "1")  # the server's thread count (same reduction order)
+    llm = LLM(model=MODEL, max_model_len=int(args["--max-model-len"]), max_num_seqs=4,
+              max_num_batched_tokens=int(args["--max-num-batched-tokens"]), kv_cache_memory_bytes=64 << 20)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    offline = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].text for p in prompts]
+    chat_offline = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    assert online == offline
     assert chat_online == chat_offline
 
 
