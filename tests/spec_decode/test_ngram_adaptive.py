@@ -65,7 +65,8 @@ def test_adaptive_gamma_reacts_to_acceptance_and_batch():
     assert ad.choose(256) < ad.choose(1)
     for _ in range(200):
         ad.observe_acceptance(10, 0)
-    assert [ad.choose(1) for _ in range(3)] == [0, 0, 1]   # off, with a probe every 3rd step
+    # Off, with a probe after 3 steps, then after 6 (backoff while probes keep failing).
+    assert [ad.choose(1) for _ in range(9)] == [0, 0, 1, 0, 0, 0, 0, 0, 1]
     assert AdaptiveGamma(5, adaptive=False).choose(512) == 5
 
 

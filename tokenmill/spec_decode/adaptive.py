@@ -12,7 +12,9 @@ batch B, with T(n) the target's time for a step of n tokens and c = (draft step 
 When the target is memory-bound (T flat in n, single stream) this is the seeds' E[T] / (γ c + 1);
 at large batch the verification tokens are no longer free and the ratio T(B(1+γ)) / T(B)
 grows, which is what lowers γ or switches speculation off. T(n) = a + b n is fitted by least
-squares to recent steps; α and c are exponentially weighted running estimates.
+squares to recent decode/verification steps; α and c are exponentially weighted running
+estimates. Speculation stays off unless the predicted gain is at least 5 %; while off, a γ = 1
+probe re-measures α after 16 steps, then 32, 64, ... (up to 256) while probes keep failing.
 """
 from __future__ import annotations
 
@@ -80,13 +82,16 @@ class AdaptiveGamma:
     """Chooses γ each step. Pinned (adaptive=False) it always answers gamma_max."""
 
     def __init__(self, gamma_max: int, adaptive: bool = True, alpha_prior: float = 0.6, prior_weight: float = 4.0,
-                 decay: float = 0.97, probe_interval: int = 16, window: int = 64) -> None:
+                 decay: float = 0.97, probe_interval: int = 16, window: int = 64, min_gain: float = 1.05) -> None:
         self.gamma_max = gamma_max
         self.adaptive = adaptive
         self.alpha_prior = alpha_prior
         self.prior_weight = prior_weight
         self.decay = decay
         self.probe_interval = probe_interval
+        self._interval = probe_interval
+        self.min_gain = min_gain
+        """Predicted speedup γ > 0 must reach; margin for the model's error (off below it)."""
         self.steps: deque[tuple[int, float]] = deque(maxlen=window)
         self.prior_cost = LinearCost(1e-2, 0.0)
         self._acc = 0.0
@@ -145,14 +150,17 @@ class AdaptiveGamma:
         if not self.adaptive or batch_size == 0:
             self.gamma = self.gamma_max
             return self.gamma
-        g = best_gamma(self.alpha, self.c, self.gamma_max, lambda g: self.verify_cost_ratio(batch_size, g))
+        g = best_gamma(self.alpha, self.c, self.gamma_max, lambda g: self.verify_cost_ratio(batch_size, g),
+                       self.min_gain)
         if g == 0:
             self._steps_off += 1
-            if self._steps_off >= self.probe_interval:  # re-measure α now and then
+            if self._steps_off >= self._interval:  # re-measure α now and then, less often each time
                 self._steps_off = 0
+                self._interval = min(2 * self._interval, 16 * self.probe_interval)
                 g = 1
         else:
             self._steps_off = 0
+            self._interval = self.probe_interval
         self.gamma = g
         return g
 

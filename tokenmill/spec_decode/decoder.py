@@ -55,7 +55,10 @@ class SpeculativeDecoder:
         self.proposer.on_schedule(sched)
         t0 = time.perf_counter()
         results = runner.execute(sched)
-        self.adaptive.observe_target_step(sched.num_tokens, time.perf_counter() - t0)
+        # The cost model T(n) is fitted to decode/verification steps only: prefill chunks take
+        # other kernels and would understate what extra verification tokens cost.
+        if all(s.num_new_tokens == 1 + s.num_spec_tokens for s in sched.scheduled):
+            self.adaptive.observe_target_step(sched.num_tokens, time.perf_counter() - t0)
         return results
 
     def verify(self, logits: torch.Tensor, sampling: list[ScheduledRequest], meta: SamplingMetadata,
