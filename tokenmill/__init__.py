@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tokenmill.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams"]
 __version__ = "0.1.0"
 
 
@@ -12,6 +12,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from tokenmill.engine.llm import LLM
         return LLM
+    if name == "BeamSearchParams":
+        from tokenmill.engine.beam_search import BeamSearchParams
+        return BeamSearchParams
     if name in ("RequestOutput", "CompletionOutput"):
         from tokenmill import outputs
         return getattr(outputs, name)
