@@ -47,7 +47,7 @@ def test_ablation_rows(tiny_llama, tmp_path):
     r = run_json(tmp_path, ["bench", "ablation", "--model", str(tiny_llama), *ENGINE, "--dataset-name", "random",
                             "--num-prompts", "4", "--input-len", "10", "--output-len", "5", "--range-ratio", "0.5",
                             "--only", "batching,chunked_prefill,prefix_caching", "--static-batch-size", "2",
-                            "--num-streams", "2", "--long-prompt-len", "100", "--chunk-budget", "32",
+                            "--num-streams", "2", "--long-prompt-len", "100", "--chunk-budget", "32", "--stream-tokens", "12",
                             "--shared-prefix-len", "48"])
     assert r["batching"]["speedup"] > 0
     assert r["chunked_prefill"]["on"]["max_num_batched_tokens"] == 32
