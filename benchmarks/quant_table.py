@@ -170,7 +170,10 @@ def main() -> None:
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads for the whole run.")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="tokenmill_quant_"))
     work.mkdir(parents=True, exist_ok=True)
     results = work / "results.jsonl"
