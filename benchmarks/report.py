@@ -21,14 +21,16 @@ def f(x, nd=1) -> str:
 def main() -> int:
     d = Path(sys.argv[1] if len(sys.argv) > 1 else "bench_out")
     out = []
-    for name in ("engine_vs_hf.json", "engine_vs_hf_fp32.json"):
+    for name in ("engine_vs_hf.json", "engine_vs_hf_tp128.json", "engine_vs_hf_fp32.json"):
         r = load(d, name)
         if not r:
             continue
         c = r["config"]
-        out.append(f"**tokenmill vs HF transformers {r['env'].get('torch', '')}**, {c['dtype']}, {c['threads']} threads, "
+        out.append(f"**tokenmill vs HF transformers** (torch {r['env'].get('torch', '')}), {c['dtype']}, {c['threads']} threads, "
                    f"load average at start {tuple(round(x, 1) for x in r['env']['loadavg'])} "
-                   f"(`python benchmarks/engine_vs_hf.py --num-threads {c['threads']} --dtype {c['dtype']}`):\n")
+                   f"(`python benchmarks/engine_vs_hf.py --num-threads {c['threads']} --dtype {c['dtype']}"
+                   + (f" --max-output-len {c['max_output_len']}" if c.get("max_output_len") else "")
+                   + (f" --skip {c['skip']}" if c.get("skip") else "") + "`):\n")
         out.append("| measure | tokenmill | HF transformers | ratio | target | met |")
         out.append("|---|---|---|---|---|---|")
         s = r.get("single_stream")
