@@ -39,7 +39,11 @@ ENGINE_GAUGES: tuple[StatRow, ...] = (
     StatRow("kv_cache_usage", "tokenmill:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent."),
     StatRow("num_blocks_total", "tokenmill:kv_cache_num_blocks", "Number of KV-cache blocks in the pool."),
     StatRow("num_blocks_free", "tokenmill:kv_cache_num_free_blocks", "Number of free KV-cache blocks."),
+    StatRow("spec_decode.mean_acceptance_length", "tokenmill:spec_decode_mean_acceptance_length",
+            "Mean tokens emitted per verified draft: 1 + accepted / drafts."),
 )
+
+_PER_POS_PREFIX = "num_accepted_tokens_per_pos_"
 
 ENGINE_COUNTERS: tuple[StatRow, ...] = (
     StatRow("prefix_cache_queries", "tokenmill:prefix_cache_queries",
@@ -95,6 +99,14 @@ class _EngineStatsCollector(Collector):
                 c = CounterMetricFamily(row.name, row.documentation, labels=["model_name"])
                 c.add_metric([self._model_name], value)
                 yield c
+        spec = getattr(stats, "spec_decode", None) or {}
+        per_pos = sorted((int(k[len(_PER_POS_PREFIX):]), v) for k, v in spec.items() if k.startswith(_PER_POS_PREFIX))
+        if per_pos:  # vLLM's per-position acceptance counter, one series per draft position
+            c = CounterMetricFamily("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted draft tokens at each draft position.", labels=["model_name", "position"])
+            for pos, v in per_pos:
+                c.add_metric([self._model_name, str(pos)], float(v))
+            yield c
 
     def describe(self) -> Iterable[Metric]:
         return []  # NOTE: names depend on the core's stats; skip registry duplicate checks
