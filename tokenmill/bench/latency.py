@@ -64,7 +64,7 @@ def run_latency(args: argparse.Namespace) -> dict:
             results["hf"] = res
             del hf
     if "llamacpp" in wanted:
-        reason = peers.llamacpp_available()
+        reason = peers.llamacpp_available(args.model)
         if reason:
             results["llamacpp"] = peers.absent(reason)
         else:
@@ -72,30 +72,18 @@ def run_latency(args: argparse.Namespace) -> dict:
             res, _ = measure(lc.timed_generate, prompt, args.output_len, args.num_iters)
             res["precision"] = "GGUF as shipped (Q4_1 for the default model)"
             results["llamacpp"] = res
-    for name in ("hf", "llamacpp"):
-        if results.get(name, {}).get("available", True) and name in results:
-            results[f"ratio_vs_{name}"] = ours["decode_tok_s"] / results[name]["decode_tok_s"]
+    peers.add_peer_ratios(results, "decode_tok_s")
     return results
 
 
 def print_latency(results: dict) -> None:
-    rows = []
-    for name in ("tokenmill", "hf", "llamacpp"):
-        r = results.get(name)
-        if r is None:
-            continue
-        if r.get("available") is False:
-            rows.append([name, "absent: " + r["reason"], "", "", "", ""])
-            continue
-        itl = r["itl_ms"]
-        rows.append([name, r["ttft_ms"], r["decode_tok_s"], itl["median"], itl["p90"], itl["p99"]])
+    rows = peers.engine_rows(results, lambda r: [r["ttft_ms"], r["decode_tok_s"], r["itl_ms"]["median"],
+                                                 r["itl_ms"]["p90"], r["itl_ms"]["p99"]], 5)
     c = results["config"]
     print(f"\nbatch 1, {c['input_len']} prompt tokens, {c['output_len']} new tokens, {c['dtype']}, "
           f"{c['threads']} threads (median of {c['num_iters']} runs)")
     print(format_table(["engine", "TTFT ms", "decode tok/s", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms"], rows))
-    for name in ("hf", "llamacpp"):
-        if f"ratio_vs_{name}" in results:
-            print(f"tokenmill / {name}: {results[f'ratio_vs_{name}']:.2f}x decode tok/s")
+    peers.print_peer_ratios(results, "decode tok/s")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,36 @@ def absent(reason: str) -> dict:
     return {"available": False, "reason": reason}
 
 
+PEERS = ("hf", "llamacpp")
+
+
+def add_peer_ratios(results: dict, metric: str) -> None:
+    """results["ratio_vs_<peer>"] = ours / peer on `metric`, for each peer that ran."""
+    for name in PEERS:
+        if name in results and results[name].get("available", True):
+            results[f"ratio_vs_{name}"] = results["tokenmill"][metric] / results[name][metric]
+
+
+def engine_rows(results: dict, cells, num_cells: int) -> list[list]:
+    """One table row per engine present: cells(result) for those that ran, 'absent' otherwise."""
+    rows = []
+    for name in ("tokenmill", *PEERS):
+        r = results.get(name)
+        if r is None:
+            continue
+        if r.get("available") is False:
+            rows.append([name, "absent: " + r["reason"]] + [""] * (num_cells - 1))
+        else:
+            rows.append([name, *cells(r)])
+    return rows
+
+
+def print_peer_ratios(results: dict, what: str) -> None:
+    for name in PEERS:
+        if f"ratio_vs_{name}" in results:
+            print(f"tokenmill / {name}: {results[f'ratio_vs_{name}']:.2f}x {what}")
+
+
 def hf_available() -> str | None:
     """None if transformers (+ accelerate) can load our GGUF, else the reason why not."""
     for pkg in ("transformers", "accelerate", "gguf"):
@@ -29,9 +59,12 @@ def hf_available() -> str | None:
     return None
 
 
-def llamacpp_available() -> str | None:
+def llamacpp_available(model: str = "smollm2-135m") -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed (pip install llama-cpp-python; it compiles llama.cpp)"
+    from tokenmill.models.loader import resolve_model_path
+    if resolve_model_path(model).suffix != ".gguf":
+        return f"llama.cpp reads GGUF files only; {model} is not one"
     return None
 
 

@@ -42,7 +42,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
         results["hf"] = peers.absent(reason) if reason else \
             peers.HFPeer(args.model, dtype).throughput(requests, args.hf_max_batch_size)
     if "llamacpp" in wanted:
-        reason = peers.llamacpp_available()
+        reason = peers.llamacpp_available(args.model)
         if reason:
             results["llamacpp"] = peers.absent(reason)
         else:
@@ -54,30 +54,19 @@ def run_throughput(args: argparse.Namespace) -> dict:
             results["llamacpp"] = peers.throughput_figures(requests, time.perf_counter() - t0) | {
                 "note": "llama-cpp-python runs one request at a time; for parallel slots use bench serve "
                         "against llama-server"}
-    for name in ("hf", "llamacpp"):
-        if results.get(name, {}).get("available", True) and name in results:
-            results[f"ratio_vs_{name}"] = results["tokenmill"]["output_tok_s"] / results[name]["output_tok_s"]
+    peers.add_peer_ratios(results, "output_tok_s")
     return results
 
 
 def print_throughput(results: dict) -> None:
-    rows = []
-    for name in ("tokenmill", "hf", "llamacpp"):
-        r = results.get(name)
-        if r is None:
-            continue
-        if r.get("available") is False:
-            rows.append([name, "absent: " + r["reason"], "", "", ""])
-            continue
-        rows.append([name, r["elapsed_s"], r["requests_per_s"], r["output_tok_s"], r["total_tok_s"]])
+    rows = peers.engine_rows(results, lambda r: [r["elapsed_s"], r["requests_per_s"], r["output_tok_s"],
+                                                 r["total_tok_s"]], 4)
     c = results["config"]
     r0 = results["tokenmill"]
     print(f"\n{c['num_prompts']} {c['dataset']} requests ({r0['prompt_tokens']} prompt + {r0['output_tokens']} output "
           f"tokens), {c['dtype']}, {c['threads']} threads")
     print(format_table(["engine", "elapsed s", "req/s", "output tok/s", "total tok/s"], rows))
-    for name in ("hf", "llamacpp"):
-        if f"ratio_vs_{name}" in results:
-            print(f"tokenmill / {name}: {results[f'ratio_vs_{name}']:.2f}x output tok/s")
+    peers.print_peer_ratios(results, "output tok/s")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -296,12 +296,7 @@ class OpenAIServing:
         offsets = [0] * len(states)
         usage = _Usage()
 
-        def chunk(choices: list[dict[str, Any]]) -> str:
-            body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
-                                    "model": model, "choices": choices}
-            if include_usage:
-                body["usage"] = None
-            return _sse(body)
+        chunk = _chunk_writer(request_id, "text_completion", created, model, include_usage)
 
         try:
             if req.echo:
@@ -402,12 +397,7 @@ class OpenAIServing:
                            stream: RequestStream, include_usage: bool, top_n: int) -> AsyncIterator[str]:
         states = [_ChoiceState() for _ in range(req.n)]
 
-        def chunk(choices: list[dict[str, Any]]) -> str:
-            body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                    "model": model, "choices": choices}
-            if include_usage:
-                body["usage"] = None
-            return _sse(body)
+        chunk = _chunk_writer(request_id, "chat.completion.chunk", created, model, include_usage)
 
         try:
             yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -483,6 +473,17 @@ def _lp(x: float | None) -> float | None:
 
 def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+def _chunk_writer(request_id: str, obj: str, created: int, model: str, include_usage: bool):
+    """choices -> one SSE event; with include_usage every chunk but the last carries usage: null."""
+    def chunk(choices: list[dict[str, Any]]) -> str:
+        body: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model,
+                                "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return _sse(body)
+    return chunk
 
 
 async def _collect(streams: list[RequestStream]) -> _Finals:
