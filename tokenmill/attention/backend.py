@@ -26,6 +26,8 @@ class AttentionBackend(Protocol):
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """No cache: q [..., T, Hq, D], k/v [..., T, Hkv, D] -> [..., T, Hq, D], causal."""
+    if q.dim() == 3:  # NOTE: 3-D inputs take SDPA's math path on CPU; a batch dim selects flash (~5x at T=2048)
+        return dense_causal_attention(q[None], k[None], v[None], scale)[0]
     qt, kt, vt = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
     out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
                                          enable_gqa=q.shape[-2] != k.shape[-2])
@@ -67,10 +69,10 @@ class TorchPagedAttention:
             else:
                 q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
                 mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, seq_len]
-            qt = q[start:end].transpose(0, 1)            # [Hq, n, D]
-            o = F.scaled_dot_product_attention(qt, kc.transpose(0, 1), vc.transpose(0, 1), attn_mask=mask,
-                                               scale=scale, enable_gqa=qt.shape[0] != kc.shape[1])
-            out[start:end] = o.transpose(0, 1)
+            qt = q[start:end].transpose(0, 1)[None]      # [1, Hq, n, D] (4-D: the flash path on CPU)
+            o = F.scaled_dot_product_attention(qt, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
+                                               attn_mask=mask, scale=scale, enable_gqa=qt.shape[1] != kc.shape[1])
+            out[start:end] = o[0].transpose(0, 1)
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
