@@ -76,9 +76,14 @@ class ModelConfig:
     """Torch device: cpu or cuda."""
     seed: int = 0
     """Seed of the engine's global random stream (requests without their own seed)."""
+    quantize_lm_head: str = "auto"
+    """RTN-quantize the LM head / tied embedding at load: auto (int8 for quantized checkpoints on CPU in
+    bf16/fp16), int8, int4 or none."""
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if self.quantize_lm_head not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"quantize_lm_head must be one of auto, none, int8, int4; got {self.quantize_lm_head!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.kv_quant import dequantize_kv, is_quantized, write_kv_int8
-from tokenmill.attention.cpu_kernels import paged_decode_attention
+from tokenmill.attention.cpu_kernels import paged_decode_attention, write_and_decode
 from tokenmill.attention.metadata import AttentionMetadata
 
 
@@ -47,6 +47,10 @@ class TorchPagedAttention:
         # q: [num_tokens, Hq, D]; k, v: [num_tokens, Hkv, D]
         if meta is None or kv_cache is None:
             return dense_causal_attention(q, k, v, scale)
+        if meta.num_prefills == 0 and meta.custom_mask is None:  # decode-only step: one C++ call when possible
+            out = write_and_decode(q, k, v, meta.slot_mapping, kv_cache, meta.block_tables, meta.seq_lens, scale)
+            if out is not None:
+                return out
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes

@@ -10,20 +10,15 @@ blocks, with one task per (request, KV head) on torch's intra-op thread pool:
         p[g, :] = softmax(s[g, :])               (float32)
         out[b, h*G + g] = sum_t p[g, t] * V[...same slot..., h]
 
-Built on first use with torch.utils.cpp_extension.load_inline (cached on disk, ~1 min the
-first time on 2 cores). If there is no compiler, the build fails, or TOKENMILL_NO_CPP_KERNELS=1
+Built on first use (layers/cpp_ext.py). If it cannot be built, or TOKENMILL_NO_CPP_KERNELS=1
 is set, `paged_decode_attention` returns None and callers keep the pure PyTorch path.
 Covered by an exact-oracle test against the reference path (tests/attention).
 """
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-logger = logging.getLogger("tokenmill")
+from tokenmill.layers import cpp_ext
 
 _CPP_SOURCE = r"""
 #include <torch/extension.h>
@@ -44,7 +39,7 @@ inline float to_f<at::BFloat16>(at::BFloat16 x) {
 template <typename scalar_t, int DC>
 static void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                         torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-    // q, out: [B, Hq, D] contiguous; k/v_cache: [num_blocks, bs, Hkv, D] (strided views ok:
+    // q: [B, Hq, D], heads and elements contiguous, rows may be strided; out: [B, Hq, D] contiguous; k/v_cache: [num_blocks, bs, Hkv, D] (strided views ok:
     // the innermost three dims must be contiguous); block_tables [B, nb] int64; seq_lens [B] int64.
     const int64_t B = q.size(0), Hq = q.size(1), D = DC > 0 ? DC : q.size(2);
     const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
@@ -52,6 +47,7 @@ static void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cach
     const int64_t kb_stride = k_cache.stride(0), vb_stride = v_cache.stride(0);
     const int64_t tok_stride = Hkv * D;
     const int64_t nb_max = block_tables.size(1);
+    const int64_t q_row = q.stride(0);
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
@@ -79,7 +75,7 @@ static void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cach
             s.assign(R * L, 0.f);
             for (int64_t r = 0; r < R; ++r)
                 for (int64_t d = 0; d < D; ++d)
-                    qf[r * D + d] = to_f(qp[(b * Hq + h0 * G + r) * D + d]) * fscale;
+                    qf[r * D + d] = to_f(qp[b * q_row + (h0 * G + r) * D + d]) * fscale;
             // pass 1: scores
             for (int64_t t = 0; t < L; ++t) {
                 const int64_t blk = tp[b * nb_max + t / bs];
@@ -129,15 +125,173 @@ static void decode_impl(torch::Tensor out, torch::Tensor q, torch::Tensor k_cach
     });
 }
 
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// Vectorized path for head_dim = 16 * NV (64, 128): K/V rows converted 16 lanes at a time,
+// the G query heads of one KV head scored together, exp by a Cephes-style polynomial.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+static inline __m512 exp16(__m512 x) {  // x <= 0 here (scores minus their max); rel. error ~1e-7
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+template <typename scalar_t, int NV>
+static void decode_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                          torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+    constexpr int D = 16 * NV;
+    constexpr int GMAX = 8;
+    const int64_t B = q.size(0), Hq = q.size(1), bs = k_cache.size(1), Hkv = k_cache.size(2);
+    const int64_t G = Hq / Hkv, q_row = q.stride(0), nb_max = block_tables.size(1);
+    const int64_t kb_stride = k_cache.stride(0), vb_stride = v_cache.stride(0), tok_stride = Hkv * D;
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    const int64_t* tp = block_tables.data_ptr<int64_t>();
+    const int64_t* sp = seq_lens.data_ptr<int64_t>();
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; ++b) work += sp[b];
+    work *= Hq * D;
+    const int64_t num_tasks = B * Hkv;
+    const int64_t grain = work < (int64_t(1) << 18) ? num_tasks : 1;   // small calls: no parallel region
+    at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
+        std::vector<float> s;
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = task / Hkv, h = task % Hkv, L = sp[b];
+            const int64_t Lp = (L + 15) / 16 * 16;
+            s.assign(G * Lp, -INFINITY);
+            __m512 qv[GMAX][NV];
+            for (int64_t g = 0; g < G; ++g)
+                for (int i = 0; i < NV; ++i)
+                    qv[g][i] = _mm512_mul_ps(load16(qp + b * q_row + (h * G + g) * D + 16 * i),
+                                             _mm512_set1_ps(static_cast<float>(scale)));
+            for (int64_t t = 0; t < L; ++t) {
+                const scalar_t* kr = kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride + h * D;
+                __m512 kv[NV];
+                for (int i = 0; i < NV; ++i) kv[i] = load16(kr + 16 * i);
+                for (int64_t g = 0; g < G; ++g) {
+                    __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+                    for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(qv[g][i], kv[i], acc);
+                    s[g * Lp + t] = _mm512_reduce_add_ps(acc);
+                }
+            }
+            float inv[GMAX];
+            for (int64_t g = 0; g < G; ++g) {
+                float* sr = s.data() + g * Lp;
+                __m512 m = _mm512_set1_ps(-INFINITY);
+                for (int64_t t = 0; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sr + t));
+                const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t t = 0; t < Lp; t += 16) {   // padding lanes are -inf: exp -> 0
+                    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + t), mx));
+                    e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_loadu_ps(sr + t), _mm512_set1_ps(-INFINITY),
+                                                                _CMP_EQ_OQ), e, _mm512_setzero_ps());
+                    _mm512_storeu_ps(sr + t, e);
+                    sum = _mm512_add_ps(sum, e);
+                }
+                const float tot = _mm512_reduce_add_ps(sum);
+                inv[g] = tot > 0.f ? 1.f / tot : 0.f;
+            }
+            __m512 acc[GMAX][NV];
+            for (int64_t g = 0; g < G; ++g)
+                for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+            for (int64_t t = 0; t < L; ++t) {
+                const scalar_t* vr = vp + tp[b * nb_max + t / bs] * vb_stride + (t % bs) * tok_stride + h * D;
+                __m512 vv[NV];
+                for (int i = 0; i < NV; ++i) vv[i] = load16(vr + 16 * i);
+                for (int64_t g = 0; g < G; ++g) {
+                    const __m512 w = _mm512_set1_ps(s[g * Lp + t]);
+                    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(w, vv[i], acc[g][i]);
+                }
+            }
+            float tmp[D];
+            for (int64_t g = 0; g < G; ++g) {
+                const __m512 sc = _mm512_set1_ps(inv[g]);
+                for (int i = 0; i < NV; ++i) _mm512_storeu_ps(tmp + 16 * i, _mm512_mul_ps(acc[g][i], sc));
+                scalar_t* o = op + (b * Hq + h * G + g) * D;
+                for (int d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(tmp[d]);
+            }
+        }
+    });
+}
+#define TOKENMILL_AVX512 1
+#endif
+
+template <typename scalar_t>
+static void write_impl(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+                       torch::Tensor slots) {
+    // k, v: [T, Hkv, D] (rows may be strided); token t goes to slot slots[t] of the caches.
+    const int64_t T = k.size(0), row = k.size(1) * k.size(2), bs = k_cache.size(1);
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t blk = sp[t] / bs, off = sp[t] % bs;
+        std::memcpy(kc + blk * k_cache.stride(0) + off * row, kp + t * k.stride(0), row * sizeof(scalar_t));
+        std::memcpy(vc + blk * v_cache.stride(0) + off * row, vp + t * v.stride(0), row * sizeof(scalar_t));
+    }
+}
+
+static bool inner_contiguous(const torch::Tensor& t) {  // [n, H, D]: heads and elements contiguous
+    return t.stride(2) == 1 && t.stride(1) == t.size(2);
+}
+
+void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+
+// Writes the step's new K/V into their slots, then attends (a decode-only batch: one token each).
+void write_and_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
+                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                      torch::Tensor seq_lens, double scale) {
+    TORCH_CHECK(inner_contiguous(k) && inner_contiguous(v), "k/v heads must be contiguous");
+    TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+    if (k.scalar_type() == at::kFloat) write_impl<float>(k_cache, v_cache, k, v, slots);
+    else if (k.scalar_type() == at::kBFloat16) write_impl<at::BFloat16>(k_cache, v_cache, k, v, slots);
+    else TORCH_CHECK(false, "write_and_decode: unsupported dtype");
+    paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+}
+
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-    TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q/out must be contiguous");
+    TORCH_CHECK(inner_contiguous(q) && out.is_contiguous(), "q heads / out must be contiguous");
     TORCH_CHECK(q.size(2) <= 512, "head_dim > 512");
     TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
                 k_cache.stride(1) == k_cache.size(2) * k_cache.size(3), "k_cache inner dims must be contiguous");
     TORCH_CHECK(v_cache.stride(3) == 1 && v_cache.stride(2) == v_cache.size(3) &&
                 v_cache.stride(1) == v_cache.size(2) * v_cache.size(3), "v_cache inner dims must be contiguous");
     const int64_t D = q.size(2);
+#ifdef TOKENMILL_AVX512
+    if ((D == 64 || D == 128) && q.size(1) / k_cache.size(2) <= 8) {
+        if (q.scalar_type() == at::kFloat) {
+            if (D == 64) decode_avx512<float, 4>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+            else decode_avx512<float, 8>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+            return;
+        }
+        if (q.scalar_type() == at::kBFloat16) {
+            if (D == 64) decode_avx512<at::BFloat16, 4>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+            else decode_avx512<at::BFloat16, 8>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+            return;
+        }
+    }
+#endif
     if (q.scalar_type() == at::kFloat) {
         if (D == 64) decode_impl<float, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
         else if (D == 128) decode_impl<float, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
@@ -153,32 +307,13 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
 """
 
 _CPP_DECL = ("void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, "
-             "torch::Tensor block_tables, torch::Tensor seq_lens, double scale);")
-
-_lock = threading.Lock()
-_module = None
-_failed = False
-
+             "torch::Tensor block_tables, torch::Tensor seq_lens, double scale);\n"
+             "void write_and_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, "
+             "torch::Tensor slots, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables, "
+             "torch::Tensor seq_lens, double scale);")
 
 def _load():
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    with _lock:
-        if _module is not None or _failed:
-            return _module
-        if os.environ.get("TOKENMILL_NO_CPP_KERNELS") == "1":
-            _failed = True
-            return None
-        try:
-            from torch.utils.cpp_extension import load_inline
-            _module = load_inline(name="tokenmill_cpu_kernels_v4", cpp_sources=[_CPP_DECL, _CPP_SOURCE],
-                                  functions=["paged_decode"], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                                  extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as e:  # no compiler, no headers, ...: keep the reference path
-            logger.warning("C++ decode-attention kernel unavailable (%s); using the PyTorch path", e)
-            _failed = True
-    return _module
+    return cpp_ext.load("tokenmill_cpu_kernels_v6", _CPP_DECL, _CPP_SOURCE, ["paged_decode", "write_and_decode"])
 
 
 def is_available() -> bool:
@@ -195,7 +330,26 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     mod = _load()
     if mod is None:
         return None
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    out = q.new_empty(q.shape)
     mod.paged_decode(out, q, kv_cache[0], kv_cache[1], block_tables.contiguous(), seq_lens.contiguous(), scale)
+    return out
+
+
+def write_and_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                     kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor | None:
+    """A decode-only step in one call: write k, v [B, Hkv, D] at slot_mapping [B], then attend as
+    `paged_decode_attention`. None (nothing written) when the kernel cannot serve the call."""
+    if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or kv_cache.dtype != q.dtype
+            or k.dtype != q.dtype or v.dtype != q.dtype or kv_cache.shape[-1] != q.shape[-1]
+            or any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (q, k, v))
+            or not (block_tables.is_contiguous() and seq_lens.is_contiguous() and slot_mapping.is_contiguous())):
+        return None
+    mod = _load()
+    if mod is None:
+        return None
+    out = q.new_empty(q.shape)
+    mod.write_and_decode(out, q, k, v, slot_mapping, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale)
     return out

@@ -96,7 +96,7 @@ class EngineCore:
         if os.environ.get("TOKENMILL_NUM_THREADS"):
             torch.set_num_threads(int(os.environ["TOKENMILL_NUM_THREADS"]))
         t0 = time.time()
-        loaded = load_model(mc.model, dtype=mc.torch_dtype, device=mc.device)
+        loaded = load_model(mc.model, dtype=mc.torch_dtype, device=mc.device, quantize_lm_head=mc.quantize_lm_head)
         self.model = loaded.model
         self.arch: ModelArchConfig = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from tokenmill.layers import fused_ops
 from tokenmill.layers.linear import Linear, UnquantizedLinearMethod
 
 logger = logging.getLogger("tokenmill")
@@ -29,13 +30,20 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
 
+_LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default if packed_linear_available() else None
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] -> [..., out], same values as F.linear(x, weight, bias)."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [None], "")
+    return _LINEAR_POINTWISE(x.contiguous(), packed, bias, "none", [None], "")
 
 
 class PackedBf16LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= fused_ops.SMALL_LINEAR_MAX_ROWS:  # decode: skip oneDNN's fixed cost
+            y = fused_ops.linear_small(x, layer.weight, layer.bias)
+            if y is not None:
+                return y
         return packed_linear(x, layer.packed_weight, layer.bias)
 
 
@@ -57,9 +65,10 @@ def prepack_bf16_linears(model: torch.nn.Module) -> int:
                 m.quant_method = _PACKED
                 n += 1
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-        if getattr(model, "lm_head", 1) is None and embed is not None and embed.weight.dtype == torch.bfloat16 \
-                and embed.weight.device.type == "cpu":
-            model.packed_lm_head = pack_weight(embed.weight)
+        table = getattr(embed, "weight", None)  # None when the table is quantized (quant/head.py)
+        if getattr(model, "lm_head", 1) is None and table is not None and table.dtype == torch.bfloat16 \
+                and table.device.type == "cpu":
+            model.packed_lm_head = pack_weight(table)
     except RuntimeError as e:  # an unusual oneDNN build: keep F.linear everywhere
         logger.warning("prepacking bf16 linears failed (%s); using F.linear", e)
         for m in model.modules():

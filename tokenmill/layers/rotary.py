@@ -12,6 +12,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from tokenmill.layers import fused_ops
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] after applying the configured scaling."""
@@ -69,11 +71,21 @@ class RotaryEmbedding(nn.Module):
         """positions: [*], q: [*, num_heads, head_dim], k: [*, num_kv_heads, head_dim]."""
         c = self._cached
         cos, sin = (c[1], c[2]) if c is not None and c[0] is positions else self._cos_sin(positions)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return fused_ops.rope_ref(q, cos, sin), fused_ops.rope_ref(k, cos, sin)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    def rotate_packed(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int,
+                      num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [..., (Hq + 2 Hkv) * D] (a packed projection's output, not used elsewhere) ->
+        q [..., Hq, D], k [..., Hkv, D] rotated, v [..., Hkv, D]. Rotates q and k in place in one
+        kernel call when it can (layers/fused_ops.py), else out of place."""
+        d = self.head_dim
+        q_size, kv_size = num_heads * d, num_kv_heads * d
+        lead = qkv.shape[:-1]
+        flat = qkv.reshape(-1, qkv.shape[-1])
+        if flat.data_ptr() == qkv.data_ptr() and fused_ops.rope_inplace(
+                flat, num_heads + num_kv_heads, d, self.cos_sin, positions.reshape(-1)):
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            return q.view(*lead, num_heads, d), k.view(*lead, num_kv_heads, d), v.view(*lead, num_kv_heads, d)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k = self(positions, q.reshape(*lead, num_heads, d), k.reshape(*lead, num_kv_heads, d))
+        return q, k, v.reshape(*lead, num_kv_heads, d)

@@ -43,15 +43,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x: [..., T, hidden]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        lead = q.shape[:-1]
-        q = q.reshape(*lead, self.num_heads, self.head_dim)
-        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
-        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k, v = self.rotary.rotate_packed(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads)
         o = self.backend.forward(q, k, v, self.kv_cache, get_forward_context(), self.scale)
-        return self.o_proj(o.reshape(*lead, self.q_size))
+        return self.o_proj(o.reshape(*q.shape[:-2], self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -75,8 +69,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, dtype)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, h = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(h)), h)
+        return h + self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -125,6 +119,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] in float32."""
         if self.lm_head is None:
+            as_head = getattr(self.model.embed_tokens, "as_lm_head", None)  # a quantized table (quant/head.py)
+            if as_head is not None:
+                return as_head(hidden).float()
             packed = getattr(self, "packed_lm_head", None)  # bf16 CPU: see layers/cpu_packed_linear.py
             if packed is not None:
                 from tokenmill.layers.cpu_packed_linear import packed_linear

@@ -58,7 +58,8 @@ class LoadedModel:
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               load_tokenizer: bool = True) -> LoadedModel:
+               load_tokenizer: bool = True, quantize_lm_head: str = "none") -> LoadedModel:
+    """quantize_lm_head: see ModelConfig.quantize_lm_head (quant/head.py); "auto" leaves float32 models alone."""
     path = resolve_model_path(model)
     if path.is_file():
         if path.suffix != ".gguf" and not _has_gguf_magic(path):
@@ -81,9 +82,21 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
         missing = expected - loaded
         if missing:
             raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    if quantize_lm_head != "none":
+        from tokenmill.quant.head import quantize_lm_head as quantize_head, resolve_bits
+        bits = resolve_bits(quantize_lm_head, checkpoint_weight_bits(net))
+        if quantize_lm_head == "auto" and (dtype == torch.float32 or torch.device(device).type != "cpu"):
+            bits = None  # only CPU has int kernels here; fp32 activations would dequantize the table every step
+        if bits is not None:
+            quantize_head(net, bits)
     net.eval()
     tok = source.tokenizer() if load_tokenizer else None
     return LoadedModel(model=net, config=cfg, tokenizer=tok, path=path)
+
+
+def checkpoint_weight_bits(net: torch.nn.Module) -> int | None:
+    """Bits of the quantized linears of a loaded model, None if it has none."""
+    return max((b for b in (getattr(m, "quant_bits", None) for m in net.modules()) if b is not None), default=None)
 
 
 def _reset_buffers(net: torch.nn.Module, device: str) -> None:

@@ -142,20 +142,21 @@ class Int4WeightOnlyMethod:
         w = (codes.reshape(n, g, k // g).to(dtype) - 8) * sz[:, :, 0].t()[..., None] + sz[:, :, 1].t()[..., None]
         return w.reshape(n, k)
 
+    def _kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
+        sz = layer.scales_and_zeros if layer.scales_and_zeros.dtype == x2.dtype else layer.scales_and_zeros.to(x2.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), layer.qweight, self.group_size, sz)
+
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])                                         # [M, K]
         if layer.col_perm is not None:
             x2 = x2[:, layer.col_perm]
-        cands: dict[str, Callable[[], torch.Tensor]] = {}
+        path = "dequant"
         if self.is_tinygemm and x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float16):
-            sz = layer.scales_and_zeros if layer.scales_and_zeros.dtype == x2.dtype else layer.scales_and_zeros.to(x2.dtype)
-            cands["kernel"] = lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2.contiguous(), layer.qweight, self.group_size, sz)
-        cands["dequant"] = lambda: F.linear(x2, self.dequantize(layer, x2.dtype))
-        path = self.force_path if self.force_path in cands else _choose(
-            ("int4", layer.out_features, layer.in_features, self.group_size, x2.dtype, _bucket(x2.shape[0])), cands)
-        y = cands[path]()
+            path = self.force_path or _choose(
+                ("int4", layer.out_features, layer.in_features, self.group_size, x2.dtype, _bucket(x2.shape[0])),
+                {"kernel": lambda: self._kernel(layer, x2), "dequant": lambda: F.linear(x2, self.dequantize(layer, x2.dtype))})
+        y = self._kernel(layer, x2) if path == "kernel" else F.linear(x2, self.dequantize(layer, x2.dtype))
         if layer.bias is not None:
             y = y + layer.bias
         return y.reshape(*lead, layer.out_features)
@@ -176,23 +177,24 @@ class Int8WeightOnlyMethod:
             w = w + layer.offsets.to(dtype)[..., None]
         return w.reshape(n, k)
 
+    @staticmethod
+    def _kernel(layer, x2: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), layer.qweight, layer.scales[:, 0].to(x2.dtype))
+        if layer.offsets is not None:  # asymmetric: sum_k x_k * offset_n
+            y = y + x2.sum(-1, keepdim=True) * layer.offsets[:, 0].to(x2.dtype)
+        return y
+
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])                                         # [M, K]
         if layer.col_perm is not None:
             x2 = x2[:, layer.col_perm]
-        cands: dict[str, Callable[[], torch.Tensor]] = {}
+        path = "dequant"
         if layer.scales.shape[1] == 1 and x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float16):
-            def kernel() -> torch.Tensor:
-                y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), layer.qweight, layer.scales[:, 0].to(x2.dtype))
-                if layer.offsets is not None:  # asymmetric: sum_k x_k * offset_n
-                    y = y + x2.sum(-1, keepdim=True) * layer.offsets[:, 0].to(x2.dtype)
-                return y
-            cands["kernel"] = kernel
-        cands["dequant"] = lambda: F.linear(x2, self.dequantize(layer, x2.dtype))
-        path = self.force_path if self.force_path in cands else _choose(
-            ("int8", layer.out_features, layer.in_features, self.group_size, x2.dtype, _bucket(x2.shape[0])), cands)
-        y = cands[path]()
+            path = self.force_path or _choose(
+                ("int8", layer.out_features, layer.in_features, self.group_size, x2.dtype, _bucket(x2.shape[0])),
+                {"kernel": lambda: self._kernel(layer, x2), "dequant": lambda: F.linear(x2, self.dequantize(layer, x2.dtype))})
+        y = self._kernel(layer, x2) if path == "kernel" else F.linear(x2, self.dequantize(layer, x2.dtype))
         if layer.bias is not None:
             y = y + layer.bias
         return y.reshape(*lead, layer.out_features)
@@ -257,3 +259,32 @@ def quantized_nbytes(module: torch.nn.Module) -> int:
         seen.add(id(t))
         total += t.numel() * t.element_size()
     return total
+
+
+def dequantize_rows(layer, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `rows` [R] of a quantized layer's weight -> [R, K] in `dtype`, original column order
+    (an embedding lookup in a quantized table: only these rows are unpacked)."""
+    method = layer.quant_method
+    n, k = layer.out_features, layer.in_features
+    r = rows.numel()
+    if isinstance(method, Int4WeightOnlyMethod):
+        if method.is_tinygemm:  # see the layout in the module docstring
+            j = rows % 64
+            byte = layer.qweight.view(n // 64, k, 32)[rows // 64, :, j % 32]            # [R, K]
+            codes = (byte >> (4 * (j // 32)).to(torch.uint8)[:, None]) & 15
+        else:
+            codes = _plain_unpack(layer.qweight[rows])
+        sz = layer.scales_and_zeros[:, rows].float()                                    # [G, R, 2]
+        g = sz.shape[0]
+        w = (codes.view(r, g, k // g).float() - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+    elif isinstance(method, Int8WeightOnlyMethod):
+        g = layer.scales.shape[1]
+        w = layer.qweight[rows].float().view(r, g, k // g) * layer.scales[rows].float()[..., None]
+        if layer.offsets is not None:
+            w = w + layer.offsets[rows].float()[..., None]
+    else:
+        raise TypeError(f"{type(method).__name__} is not a quantized linear method")
+    w = w.reshape(r, k)
+    if layer.col_perm is not None:
+        w = torch.empty_like(w).index_copy_(1, layer.col_perm, w)
+    return w.to(dtype)

@@ -25,6 +25,7 @@ from tokenmill.config import ModelArchConfig
 from tokenmill.core.scheduler import SamplerResult, ScheduledRequest, SchedulerOutput
 from tokenmill.layers.cpu_packed_linear import prepack_bf16_linears
 from tokenmill.layers.sampler import Sampler, SamplingMetadata
+from tokenmill.worker import cpu_decode
 from tokenmill.worker.kv_cache_ops import add_forked_samples, copy_blocks
 
 
@@ -65,6 +66,8 @@ class ModelRunner:
                           for _ in range(kv_spec.num_layers)]
         for attn, cache in zip(model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache
+        # Decode-only steps on CPU: a flat loop over the same kernels (worker/cpu_decode.py), or None.
+        self.decode_loop = cpu_decode.build(model, self.kv_caches) if device.type == "cpu" else None
         self.sampler = Sampler(seed, device=str(device))
         self.generators: dict[str, torch.Generator] = {}
         self.spec_verifier: Callable[..., dict[str, SamplerResult]] | None = None
@@ -84,8 +87,11 @@ class ModelRunner:
         meta, input_ids, positions, logits_indices, sampling = self._prepare(batch)
         if sched.forked:
             logits_indices, sampling = add_forked_samples(sched.forked, logits_indices, sampling)
-        with forward_context(meta):
-            hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
+        if self.decode_loop is not None and self.decode_loop.serves(meta, input_ids):
+            hidden = self.decode_loop(input_ids, positions, meta)
+        else:
+            with forward_context(meta):
+                hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]

@@ -1,0 +1,161 @@
+"""A flat decode loop for the Llama family on CPU: the same math as the modules, fewer Python hops.
+
+Why: after the fused kernels (layers/fused_ops.py) a single-stream decode step of the default
+model still spent ~95 us per layer in Python around the kernels (module calls, method dispatch,
+shape checks, views), ~3 ms of a ~8-10 ms step: as much as all int4 matmuls together. This loop
+calls the same kernels directly, with every per-layer decision (which linear kernel, which
+buffers) taken once when it is built:
+
+    h = embed(ids); res = None
+    for each layer:
+        x, res = norm(h)        or  add_norm(h, res)      (residual carried, as vLLM does)
+        qkv = linear(x);  rope(qkv) in place
+        write k, v to their slots and attend              (one C++ call)
+        h = o_proj(attn)
+        x, res = add_norm(h, res);  h = down(silu_and_mul(gate_up(x)))
+    return final_norm(h + res)
+
+`build` returns None (the runner keeps the module path) unless everything it needs is there:
+fused and attention C++ kernels, float32/bfloat16 activations and KV cache, no biases on the
+linears, no act-order column permutations. Only decode-only steps use it. The oracle is the
+module path: tests assert equal hidden states (tests/worker).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention import cpu_kernels
+from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.layers import fused_ops
+from tokenmill.layers.cpu_packed_linear import PackedBf16LinearMethod, packed_linear
+from tokenmill.layers.linear import Linear, UnquantizedLinearMethod
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: LinearFn
+    o: LinearFn
+    gate_up: LinearFn
+    down: LinearFn
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def _linear_fn(layer: Linear) -> LinearFn | None:
+    """A direct call for this layer's weights with the kernel its method would pick at one row."""
+    if layer.bias is not None or getattr(layer, "col_perm", None) is not None:
+        return None
+    method = layer.quant_method
+    if isinstance(method, PackedBf16LinearMethod):
+        w, packed = layer.weight, layer.packed_weight
+
+        def bf16(x: torch.Tensor) -> torch.Tensor:
+            y = fused_ops.linear_small(x, w, None) if x.shape[0] == 1 else None
+            return packed_linear(x, packed, None) if y is None else y
+        return bf16
+    if type(method) is UnquantizedLinearMethod:
+        w = layer.weight
+        return lambda x: F.linear(x, w)
+    if getattr(method, "is_tinygemm", False):  # int4 (quant/kernels.py)
+        op = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+        qweight, sz, gs = layer.qweight, layer.scales_and_zeros, method.group_size
+
+        def int4(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] == 1 and x.dtype == sz.dtype and x.dtype in (torch.bfloat16, torch.float16):
+                return op(x, qweight, gs, sz)  # the kernel the method measures fastest at one row
+            return method.apply(layer, x)
+        return int4
+    if hasattr(method, "force_path"):  # int8 and non-tinygemm int4: the method's own choice
+        return lambda x: method.apply(layer, x)
+    return None
+
+
+class CpuDecodeLoop:
+    def __init__(self, model: torch.nn.Module, layers: list[_Layer], rotary, dims: tuple[int, int, int],
+                 eps: float, scale: float) -> None:
+        self.model = model
+        self.layers = layers
+        self.cos_sin = rotary.cos_sin
+        self.num_heads, self.num_kv_heads, self.head_dim = dims
+        self.eps = eps
+        self.scale = scale
+        self.final_norm = model.model.norm.weight
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        ext, attn = fused_ops._ext(), cpu_kernels._load()
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = nh * d, nkv * d
+        n = input_ids.shape[0]
+        eps, scale = self.eps, self.scale
+        slots, tables, seq_lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
+        h = self.model.model.embed_tokens(input_ids)
+        res = None
+        for L in self.layers:
+            x = torch.empty_like(h)
+            if res is None:
+                ext.rms_norm(x, h, L.in_norm, eps)
+                res = h
+            else:
+                s = torch.empty_like(h)
+                ext.add_rms_norm(x, s, h, res, L.in_norm, eps)
+                res = s
+            qkv = L.qkv(x)
+            ext.rope_inplace(qkv, nh + nkv, d, self.cos_sin, positions)
+            q = qkv[:, :q_size].view(n, nh, d)
+            k = qkv[:, q_size:q_size + kv_size].view(n, nkv, d)
+            v = qkv[:, q_size + kv_size:].view(n, nkv, d)
+            o = q.new_empty(n, nh, d)
+            attn.write_and_decode(o, q, k, v, slots, L.k_cache, L.v_cache, tables, seq_lens, scale)
+            h = L.o(o.view(n, q_size))
+            x, s = torch.empty_like(h), torch.empty_like(h)
+            ext.add_rms_norm(x, s, h, res, L.post_norm, eps)
+            res = s
+            gu = L.gate_up(x)
+            a = gu.new_empty(n, gu.shape[1] // 2)
+            ext.silu_mul(a, gu)
+            h = L.down(a)
+        x, s = torch.empty_like(h), torch.empty_like(h)
+        ext.add_rms_norm(x, s, h, res, self.final_norm, eps)
+        return x
+
+    def serves(self, meta: AttentionMetadata, input_ids: torch.Tensor) -> bool:
+        return (meta.num_prefills == 0 and meta.custom_mask is None and input_ids.shape[0] == meta.num_decodes
+                and meta.block_tables.is_contiguous())
+
+
+def build(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> CpuDecodeLoop | None:
+    """The loop for `model` (a LlamaForCausalLM-shaped module) and its per-layer caches, or None."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not fused_ops.is_available() or not cpu_kernels.is_available():
+        return None
+    norm = getattr(inner, "norm", None)
+    dtype = norm.weight.dtype if norm is not None else None
+    if dtype not in (torch.float32, torch.bfloat16) or norm.weight.device.type != "cpu":
+        return None
+    out: list[_Layer] = []
+    try:
+        for layer, cache in zip(layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            if cache.dtype != dtype or cache.shape[-1] != attn.head_dim:  # int8 KV: module path
+                return None
+            fns = [_linear_fn(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(f is None for f in fns):
+                return None
+            out.append(_Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *fns,
+                              cache[0], cache[1]))
+        a0 = layers[0].self_attn
+        eps = layers[0].input_layernorm.eps
+    except AttributeError:  # not the Llama layout
+        return None
+    if a0.rotary.cos_sin.dtype != torch.float32:
+        return None
+    return CpuDecodeLoop(model, out, a0.rotary, (a0.num_heads, a0.num_kv_heads, a0.head_dim), eps, a0.scale)
