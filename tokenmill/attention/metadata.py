@@ -32,6 +32,11 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None   # [num_decodes, 1, 1, max_decode_len] bool, True = attend
     custom_mask: torch.Tensor | None = None
     """Seam for token trees: a [num_tokens, max_seq_len] mask replacing the causal rule."""
+    token_block_tables: torch.Tensor | None = None
+    """Set when every request has few new tokens (decodes, speculative verification): [num_tokens,
+    max_blocks], each token's request's block table, so each token can be attended as its own decode."""
+    token_seq_lens: torch.Tensor | None = None
+    """With token_block_tables: [num_tokens] keys each token sees (its position + 1; causal)."""
 
 
 _CONTEXT: list[AttentionMetadata] = []

@@ -133,7 +133,26 @@ static bool gemv_bf16(torch::Tensor y, torch::Tensor x, torch::Tensor w, c10::op
     const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
     const int64_t grain = N * K < (int64_t(1) << 17) ? N : 64;
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-        for (int64_t n = n0; n < n1; ++n) {
+        int64_t n = n0;
+        if (M == 1) {  // four rows at a time: four independent dot-product chains share each x load
+            for (; n + 4 <= n1; n += 4) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+                const uint16_t* w0 = wp + n * K;
+                for (int64_t k = 0; k < K; k += 32) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + k);
+                    a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_loadu_si512(w0 + k));
+                    a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_loadu_si512(w0 + K + k));
+                    a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512(w0 + 2 * K + k));
+                    a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_loadu_si512(w0 + 3 * K + k));
+                }
+                const __m512 accs[4] = {a0, a1, a2, a3};
+                for (int i = 0; i < 4; ++i) {
+                    const float b = bp ? static_cast<float>(bp[n + i]) : 0.f;
+                    yp[n + i] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(accs[i]) + b);
+                }
+            }
+        }
+        for (; n < n1; ++n) {
             __m512 acc[8];
             for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
             const uint16_t* wr = wp + n * K;
@@ -188,7 +207,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _ext():
-    return cpp_ext.load("tokenmill_fused_ops_v2", _DECLS, _SOURCE, _FUNCTIONS)
+    return cpp_ext.load("tokenmill_fused_ops_v3", _DECLS, _SOURCE, _FUNCTIONS)
 
 
 def is_available() -> bool:

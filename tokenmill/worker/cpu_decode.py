@@ -17,7 +17,8 @@ buffers) taken once when it is built:
 
 `build` returns None (the runner keeps the module path) unless everything it needs is there:
 fused and attention C++ kernels, float32/bfloat16 activations and KV cache, no biases on the
-linears, no act-order column permutations. Only decode-only steps use it. The oracle is the
+linears, no act-order column permutations. It serves steps where every request has at most a few
+new tokens (decodes and speculative verification; the runner then provides per-token metadata). The oracle is the
 module path: tests assert equal hidden states (tests/worker).
 """
 from __future__ import annotations
@@ -95,7 +96,9 @@ class CpuDecodeLoop:
         q_size, kv_size = nh * d, nkv * d
         n = input_ids.shape[0]
         eps, scale = self.eps, self.scale
-        slots, tables, seq_lens = meta.slot_mapping, meta.block_tables, meta.seq_lens
+        # One attention row per token: a request's k + 1 verification tokens attend causally, each
+        # as a decode over its own prefix (all of the step's K/V are written before any is read).
+        slots, tables, seq_lens = meta.slot_mapping, meta.token_block_tables, meta.token_seq_lens
         h = self.model.model.embed_tokens(input_ids)
         res = None
         for L in self.layers:
@@ -127,8 +130,7 @@ class CpuDecodeLoop:
         return x
 
     def serves(self, meta: AttentionMetadata, input_ids: torch.Tensor) -> bool:
-        return (meta.num_prefills == 0 and meta.custom_mask is None and input_ids.shape[0] == meta.num_decodes
-                and meta.block_tables.is_contiguous())
+        return meta.token_seq_lens is not None and meta.custom_mask is None
 
 
 def build(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> CpuDecodeLoop | None:

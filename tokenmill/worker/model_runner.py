@@ -49,6 +49,11 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.cache_head_dim * elem
 
 
+MAX_TOKENS_AS_DECODES = 9
+"""Steps where no request has more new tokens than this (decodes; verification of up to 8 drafts)
+also get per-token attention metadata, so the CPU decode loop can serve them."""
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, kv_spec: KVCacheSpec,
                  device: torch.device, seed: int = 0) -> None:
@@ -142,12 +147,18 @@ class ModelRunner:
             nb = -(-max_dec // bs)
             ar = torch.arange(nb * bs)
             decode_mask = (ar[None, :] < torch.tensor(seq_lens[:num_decodes])[:, None])[:, None, None, :].to(dev)
+        token_tables = token_lens = None
+        if max((s.num_new_tokens for s in batch), default=0) <= MAX_TOKENS_AS_DECODES:
+            req_of_token = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor([s.num_new_tokens for s in batch]))
+            token_tables = tables.index_select(0, req_of_token).to(dev)
+            token_lens = (torch.tensor(positions, dtype=torch.long) + 1).to(dev)
         meta = AttentionMetadata(
             num_decodes=num_decodes, num_prefills=len(batch) - num_decodes,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=tables.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
-            seq_lens_cpu=seq_lens, query_start_loc_cpu=qsl, max_decode_seq_len=max_dec, decode_mask=decode_mask)
+            seq_lens_cpu=seq_lens, query_start_loc_cpu=qsl, max_decode_seq_len=max_dec, decode_mask=decode_mask,
+            token_block_tables=token_tables, token_seq_lens=token_lens)
         return (meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
                 torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling)
