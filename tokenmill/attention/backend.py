@@ -97,8 +97,10 @@ class TorchPagedAttention:
         b, hq, d = q.shape
         hkv = kc.shape[2]
         qg = q.view(b, hkv, hq // hkv, d)                           # [B, Hkv, G, D]
-        o = F.scaled_dot_product_attention(qg, kc.transpose(1, 2), vc.transpose(1, 2),
-                                           attn_mask=meta.decode_mask, scale=scale)
+        mask = meta.decode_mask
+        if mask is None:  # the runner skips it when its decode loop serves decode steps
+            mask = (torch.arange(kc.shape[1], device=q.device)[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(qg, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask, scale=scale)
         return o.reshape(b, hq, d)
 
 

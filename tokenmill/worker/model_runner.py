@@ -142,16 +142,20 @@ class ModelRunner:
             tables[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
         dev = self.device
         max_dec = max(seq_lens[:num_decodes], default=0)
-        decode_mask = None
-        if num_decodes:
+        token_tables = token_lens = None
+        if max((s.num_new_tokens for s in batch), default=0) <= MAX_TOKENS_AS_DECODES:
+            if num_decodes == len(batch):  # one token each: the tables as they are
+                token_tables = tables.to(dev)
+            else:
+                req_of_token = torch.repeat_interleave(torch.arange(len(batch)),
+                                                       torch.tensor([s.num_new_tokens for s in batch]))
+                token_tables = tables.index_select(0, req_of_token).to(dev)
+            token_lens = torch.tensor(positions, dtype=torch.long, device=dev) + 1
+        decode_mask = None  # only the reference decode attention reads it; the decode loop never does
+        if num_decodes and (self.decode_loop is None or token_tables is None):
             nb = -(-max_dec // bs)
             ar = torch.arange(nb * bs)
             decode_mask = (ar[None, :] < torch.tensor(seq_lens[:num_decodes])[:, None])[:, None, None, :].to(dev)
-        token_tables = token_lens = None
-        if max((s.num_new_tokens for s in batch), default=0) <= MAX_TOKENS_AS_DECODES:
-            req_of_token = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor([s.num_new_tokens for s in batch]))
-            token_tables = tables.index_select(0, req_of_token).to(dev)
-            token_lens = (torch.tensor(positions, dtype=torch.long) + 1).to(dev)
         meta = AttentionMetadata(
             num_decodes=num_decodes, num_prefills=len(batch) - num_decodes,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
