@@ -9,6 +9,7 @@ from tokenmill.layers import fused_ops
 from tokenmill.quant.pipeline import QuantConfig, quantize_model
 from tokenmill.quant.save import save_quantized
 from tokenmill.models.loader import load_model
+from tokenmill.worker import cpu_decode
 
 pytestmark = pytest.mark.skipif(not fused_ops.is_available(), reason="C++ kernels could not be built here")
 
@@ -50,6 +51,27 @@ def test_loop_matches_module_path(tiny_llama, dtype):
     assert fast == slow
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpp_layer_loop_matches_module_path(tiny_llama, dtype, monkeypatch):
+    """A single stream takes the C++ layer loop (one call per step)."""
+    llm = LLM(model=str(tiny_llama), dtype=dtype, max_model_len=256, num_gpu_blocks_override=64,
+              enable_prefix_caching=False)
+    assert llm.engine.runner.decode_loop._stack is not None
+    calls = {"n": 0}
+    real = cpu_decode._stack_ext
+
+    def counting():
+        calls["n"] += 1
+        return real()
+    monkeypatch.setattr(cpu_decode, "_stack_ext", counting)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    fast = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert calls["n"] >= 23
+    llm.engine.runner.decode_loop = None
+    slow = llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert fast == slow
+
+
 def test_loop_matches_module_path_int4(tiny_llama, tmp_path):
     loaded = load_model(str(tiny_llama), dtype=torch.float32)
     qcfg = QuantConfig(method="rtn", bits=4, group_size=32)
@@ -58,8 +80,20 @@ def test_loop_matches_module_path_int4(tiny_llama, tmp_path):
                          tmp_path / "q", qcfg.sym)
     llm = LLM(model=str(out), dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=64,
               enable_prefix_caching=False, quantize_lm_head="none")
+    for m in llm.engine.model.modules():  # the module path's timed kernel choice, pinned for a deterministic test
+        if hasattr(getattr(m, "quant_method", None), "force_path"):
+            m.quant_method.force_path = "kernel"
     fast, slow = generate_both_ways(llm)
     assert fast == slow
+    runner = llm.engine.runner
+    loop = runner.decode_loop
+    assert loop._stack is not None  # int4 tinygemm layers run in the C++ layer loop too
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    one = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    runner.decode_loop = None
+    ref = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    runner.decode_loop = loop
+    assert one == ref
 
 
 def test_loop_declines_biases_and_int8_kv(tiny_qwen2, tiny_llama):

@@ -31,11 +31,75 @@ import torch.nn.functional as F
 
 from tokenmill.attention import cpu_kernels
 from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.layers import fused_ops
+from tokenmill.layers import cpp_ext, fused_ops
 from tokenmill.layers.cpu_packed_linear import PackedBf16LinearMethod, packed_linear
 from tokenmill.layers.linear import Linear, UnquantizedLinearMethod
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+_STACK_SOURCE = r"""
+// One decode step (a single token) through every layer, in C++: the loop of CpuDecodeLoop.__call__
+// without the Python between kernels. Per layer, 8 tensors then 4 linears of 3 tensors each:
+//   in_norm, post_norm, k_cache, v_cache, (unused x4), then for qkv, o, gate_up, down: (a, b, unused)
+// with a linear's kind in `kinds` (0: dense a = weight via at::linear, 1: bf16 GEMV a = weight,
+// 2: int4 tinygemm a = qweight, b = scales_and_zeros) and its group size in `groups`.
+static torch::Tensor stack_linear(int64_t kind, const torch::Tensor& x, const torch::Tensor& a,
+                                  const torch::Tensor& b, int64_t group) {
+    if (kind == 1) {
+        auto y = at::empty({x.size(0), a.size(0)}, x.options());
+        TORCH_CHECK(gemv_bf16(y, x, a, c10::nullopt), "decode_stack: GEMV refused its shape");
+        return y;
+    }
+    if (kind == 2) return at::_weight_int4pack_mm_for_cpu(x, a, group, b);
+    return at::linear(x, a);
+}
+
+torch::Tensor decode_stack(torch::Tensor h, torch::Tensor positions, torch::Tensor slots, torch::Tensor tables,
+                           torch::Tensor seq_lens, torch::Tensor cos_sin, std::vector<torch::Tensor> t,
+                           std::vector<int64_t> kinds, std::vector<int64_t> groups, torch::Tensor final_norm,
+                           int64_t nh, int64_t nkv, int64_t d, double eps, double scale) {
+    const int64_t n = h.size(0), q_size = nh * d, kv_size = nkv * d;
+    const int64_t num_layers = kinds.size() / 4;
+    torch::Tensor res;
+    for (int64_t l = 0; l < num_layers; ++l) {
+        const torch::Tensor* L = t.data() + l * 20;
+        auto x = at::empty_like(h);
+        if (l == 0) { rms_norm(x, h, L[0], eps); res = h; }
+        else { auto s = at::empty_like(h); add_rms_norm(x, s, h, res, L[0], eps); res = s; }
+        auto qkv = stack_linear(kinds[4 * l], x, L[8], L[9], groups[4 * l]);
+        rope_inplace(qkv, nh + nkv, d, cos_sin, positions);
+        auto q = qkv.narrow(1, 0, q_size).view({n, nh, d});
+        auto k = qkv.narrow(1, q_size, kv_size).view({n, nkv, d});
+        auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, nkv, d});
+        auto o = at::empty({n, nh, d}, h.options());
+        write_and_decode(o, q, k, v, slots, L[2], L[3], tables, seq_lens, scale);
+        h = stack_linear(kinds[4 * l + 1], o.view({n, q_size}), L[11], L[12], groups[4 * l + 1]);
+        x = at::empty_like(h);
+        auto s = at::empty_like(h);
+        add_rms_norm(x, s, h, res, L[1], eps);
+        res = s;
+        auto gu = stack_linear(kinds[4 * l + 2], x, L[14], L[15], groups[4 * l + 2]);
+        auto a = at::empty({n, gu.size(1) / 2}, h.options());
+        silu_mul(a, gu);
+        h = stack_linear(kinds[4 * l + 3], a, L[17], L[18], groups[4 * l + 3]);
+    }
+    auto x = at::empty_like(h);
+    auto s = at::empty_like(h);
+    add_rms_norm(x, s, h, res, final_norm, eps);
+    return x;
+}
+"""
+
+_STACK_DECL = ("torch::Tensor decode_stack(torch::Tensor h, torch::Tensor positions, torch::Tensor slots, "
+               "torch::Tensor tables, torch::Tensor seq_lens, torch::Tensor cos_sin, std::vector<torch::Tensor> t, "
+               "std::vector<int64_t> kinds, std::vector<int64_t> groups, torch::Tensor final_norm, int64_t nh, "
+               "int64_t nkv, int64_t d, double eps, double scale);")
+
+
+def _stack_ext():
+    """The C++ layer loop: one extension built from the fused-op and attention sources plus the loop."""
+    return cpp_ext.load("tokenmill_decode_stack_v1", _STACK_DECL,
+                        fused_ops._SOURCE + cpu_kernels._CPP_SOURCE + _STACK_SOURCE, ["decode_stack"])
 
 
 @dataclass
@@ -48,6 +112,21 @@ class _Layer:
     down: LinearFn
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    stack_linears: list[tuple[int, torch.Tensor, torch.Tensor, int] | None]
+    """(kind, a, b, group) of qkv, o, gate_up, down for the C++ loop (see _STACK_SOURCE), None if unsupported."""
+
+
+def _stack_linear(layer: Linear) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
+    """The C++ loop's encoding of this layer's one-row kernel (the one `_linear_fn` calls at one row)."""
+    method = layer.quant_method
+    empty = torch.empty(0)
+    if isinstance(method, PackedBf16LinearMethod) and layer.in_features % 32 == 0:
+        return 1, layer.weight, empty, 0
+    if type(method) is UnquantizedLinearMethod and layer.weight.dtype == torch.float32:
+        return 0, layer.weight, empty, 0
+    if getattr(method, "is_tinygemm", False) and layer.scales_and_zeros.dtype in (torch.bfloat16, torch.float16):
+        return 2, layer.qweight, layer.scales_and_zeros, method.group_size
+    return None
 
 
 def _linear_fn(layer: Linear) -> LinearFn | None:
@@ -89,6 +168,17 @@ class CpuDecodeLoop:
         self.eps = eps
         self.scale = scale
         self.final_norm = model.model.norm.weight
+        self._stack = None
+        if all(sl is not None for L in layers for sl in L.stack_linears) and _stack_ext() is not None:
+            tensors, kinds, groups = [], [], []
+            empty = torch.empty(0)
+            for L in layers:
+                tensors += [L.in_norm, L.post_norm, L.k_cache, L.v_cache] + [empty] * 4
+                for kind, a, b, g in L.stack_linears:
+                    tensors += [a, b, empty]
+                    kinds.append(kind)
+                    groups.append(g)
+            self._stack = (tensors, kinds, groups)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         ext, attn = fused_ops._ext(), cpu_kernels._load()
@@ -100,6 +190,10 @@ class CpuDecodeLoop:
         # as a decode over its own prefix (all of the step's K/V are written before any is read).
         slots, tables, seq_lens = meta.slot_mapping, meta.token_block_tables, meta.token_seq_lens
         h = self.model.model.embed_tokens(input_ids)
+        if n == 1 and self._stack is not None:  # single stream: the whole layer loop in one C++ call
+            tensors, kinds, groups = self._stack
+            return _stack_ext().decode_stack(h, positions, slots, tables, seq_lens, self.cos_sin, tensors, kinds,
+                                             groups, self.final_norm, nh, nkv, d, eps, scale)
         res = None
         for L in self.layers:
             x = torch.empty_like(h)
@@ -153,7 +247,8 @@ def build(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> CpuDecodeLoo
             if any(f is None for f in fns):
                 return None
             out.append(_Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *fns,
-                              cache[0], cache[1]))
+                              cache[0], cache[1],
+                              [_stack_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]))
         a0 = layers[0].self_attn
         eps = layers[0].input_layernorm.eps
     except AttributeError:  # not the Llama layout
