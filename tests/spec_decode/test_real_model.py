@@ -20,7 +20,9 @@ def target():
     return LLM("smollm2-135m", max_num_batched_tokens=64, num_gpu_blocks_override=64)
 
 
-@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4},
+# Pinned γ: this test is about identity while drafts are verified; whether speculation pays (and so
+# whether adaptive γ turns it on for a 40-token reply) depends on the machine's speed at the moment.
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
                                   {"method": "draft_model", "model": "smollm2-135m", "draft_num_layers": 8,
                                    "num_speculative_tokens": 3, "adaptive": False}])
 def test_greedy_identical_on_the_real_model(target, spec):

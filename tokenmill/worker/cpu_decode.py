@@ -41,7 +41,7 @@ _STACK_SOURCE = r"""
 // One decode step (a single token) through every layer, in C++: the loop of CpuDecodeLoop.__call__
 // without the Python between kernels. Per layer, 8 tensors then 4 linears of 3 tensors each:
 //   in_norm, post_norm, k_cache, v_cache, (unused x4), then for qkv, o, gate_up, down: (a, b, unused)
-// with a linear's kind in `kinds` (0: dense a = weight via at::linear, 1: bf16 GEMV a = weight,
+// with a linear's kind in `kinds` (0: float32 a = weight, GEMV for one row else at::linear, 1: bf16 GEMV a = weight,
 // 2: int4 tinygemm a = qweight, b = scales_and_zeros) and its group size in `groups`.
 static torch::Tensor stack_linear(int64_t kind, const torch::Tensor& x, const torch::Tensor& a,
                                   const torch::Tensor& b, int64_t group) {
@@ -51,6 +51,10 @@ static torch::Tensor stack_linear(int64_t kind, const torch::Tensor& x, const to
         return y;
     }
     if (kind == 2) return at::_weight_int4pack_mm_for_cpu(x, a, group, b);
+    if (x.size(0) == 1 && x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat) {
+        auto y = at::empty({1, a.size(0)}, x.options());
+        if (gemv_f32(y, x, a)) return y;
+    }
     return at::linear(x, a);
 }
 
@@ -98,7 +102,7 @@ _STACK_DECL = ("torch::Tensor decode_stack(torch::Tensor h, torch::Tensor positi
 
 def _stack_ext():
     """The C++ layer loop: one extension built from the fused-op and attention sources plus the loop."""
-    return cpp_ext.load("tokenmill_decode_stack_v1", _STACK_DECL,
+    return cpp_ext.load("tokenmill_decode_stack_v2", _STACK_DECL,
                         fused_ops._SOURCE + cpu_kernels._CPP_SOURCE + _STACK_SOURCE, ["decode_stack"])
 
 
@@ -143,7 +147,11 @@ def _linear_fn(layer: Linear) -> LinearFn | None:
         return bf16
     if type(method) is UnquantizedLinearMethod:
         w = layer.weight
-        return lambda x: F.linear(x, w)
+
+        def dense(x: torch.Tensor) -> torch.Tensor:
+            y = fused_ops.linear_small(x, w, None) if x.shape[0] == 1 else None
+            return F.linear(x, w) if y is None else y
+        return dense
     if getattr(method, "is_tinygemm", False):  # int4 (quant/kernels.py)
         op = torch.ops.aten._weight_int4pack_mm_for_cpu.default
         qweight, sz, gs = layer.qweight, layer.scales_and_zeros, method.group_size
