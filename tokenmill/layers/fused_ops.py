@@ -9,7 +9,7 @@ not arithmetic. Each function here replaces such a chain with one call:
     add_rms_norm(x, r, w)           s = r + x; (rms_norm(s, w), s)
     rope_inplace(qk, cos_sin, pos)  rotate-half RoPE on every head of qk's rows, in place
     silu_and_mul(x)                 silu(x[:, :d]) * x[:, d:]
-    linear_small(x, w, b)           x @ w.T + b for one bf16 row (single-stream decode), AVX512-BF16;
+    linear_small(x, w, b)           x @ w.T + b for a few bf16 rows (decode, verification), AVX512-BF16;
                                     float32: one row, no bias, AVX-512 FMAs (MKL's sgemv reads ~16 GB/s here)
 
 The last one exists because oneDNN's prepacked bf16 linear has a fixed cost of ~10 us per call
@@ -125,6 +125,31 @@ static void silu_mul_impl(torch::Tensor out, torch::Tensor x) {
 // y [M, N] = x [M, K] @ w[N, K]^T (+ bias), bf16 in and out, float32 accumulation with
 // vdpbf16ps, for a few rows (decode). Each weight row is read once for all M rows; output rows
 // split across threads in blocks when the matrix is large enough to pay for a parallel region.
+template <int M>
+static int64_t gemv_rows(const uint16_t* xp, const uint16_t* wp, at::BFloat16* yp, const at::BFloat16* bp,
+                         int64_t K, int64_t N, int64_t n, int64_t n1) {
+    for (; n + 2 <= n1; n += 2) {
+        __m512 a0[M], a1[M];
+        for (int m = 0; m < M; ++m) { a0[m] = _mm512_setzero_ps(); a1[m] = _mm512_setzero_ps(); }
+        const uint16_t* w0 = wp + n * K;
+        for (int64_t k = 0; k < K; k += 32) {
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + k);
+            const __m512bh v1 = (__m512bh)_mm512_loadu_si512(w0 + K + k);
+            for (int m = 0; m < M; ++m) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + m * K + k);
+                a0[m] = _mm512_dpbf16_ps(a0[m], xv, v0);
+                a1[m] = _mm512_dpbf16_ps(a1[m], xv, v1);
+            }
+        }
+        const float b0 = bp ? static_cast<float>(bp[n]) : 0.f, b1 = bp ? static_cast<float>(bp[n + 1]) : 0.f;
+        for (int m = 0; m < M; ++m) {
+            yp[m * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(a0[m]) + b0);
+            yp[m * N + n + 1] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(a1[m]) + b1);
+        }
+    }
+    return n;
+}
+
 static bool gemv_bf16(torch::Tensor y, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
     const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
     if (K % 32 != 0 || M > 8) return false;
@@ -152,6 +177,16 @@ static bool gemv_bf16(torch::Tensor y, torch::Tensor x, torch::Tensor w, c10::op
                     yp[n + i] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(accs[i]) + b);
                 }
             }
+        }
+        switch (M) {  // a few rows: two weight rows at a time against every input row, unrolled by M
+            case 2: n = gemv_rows<2>(xp, wp, yp, bp, K, N, n, n1); break;
+            case 3: n = gemv_rows<3>(xp, wp, yp, bp, K, N, n, n1); break;
+            case 4: n = gemv_rows<4>(xp, wp, yp, bp, K, N, n, n1); break;
+            case 5: n = gemv_rows<5>(xp, wp, yp, bp, K, N, n, n1); break;
+            case 6: n = gemv_rows<6>(xp, wp, yp, bp, K, N, n, n1); break;
+            case 7: n = gemv_rows<7>(xp, wp, yp, bp, K, N, n, n1); break;
+            case 8: n = gemv_rows<8>(xp, wp, yp, bp, K, N, n, n1); break;
+            default: break;
         }
         for (; n < n1; ++n) {
             __m512 acc[8];
@@ -251,7 +286,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _ext():
-    return cpp_ext.load("tokenmill_fused_ops_v4", _DECLS, _SOURCE, _FUNCTIONS)
+    return cpp_ext.load("tokenmill_fused_ops_v5", _DECLS, _SOURCE, _FUNCTIONS)
 
 
 def is_available() -> bool:
@@ -343,12 +378,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-SMALL_LINEAR_MAX_ROWS = 1  # measured: at 4 rows oneDNN is as fast or faster for the larger shapes
+SMALL_LINEAR_MAX_ROWS = 8
+SMALL_LINEAR_MAX_OUTPUTS = 5000
+"""Above one row the kernel's cost grows with rows x outputs (it turns compute-bound); measured here
+at 5 rows it beats oneDNN on [960|576, 576] and [576, 1536] weights but loses 2x on [3072, 576], and at
+2 rows it already loses on [3072, 576]. So: one row always, else rows x outputs <= 5000."""
 
 
 def linear_small(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [M, K] @ weight[N, K]^T + bias for M <= 8 bf16 rows on CPU, or None when the kernel does not
-    apply (other dtype or shape, K % 32 != 0, no AVX512-BF16); the caller then uses its own path.
+    """x [M, K] @ weight[N, K]^T + bias for a few bf16 rows on CPU (one, or up to 8 while M x N <= 5000),
+    or None when the kernel does not apply or would be slower (other dtype or shape, K % 32 != 0, no
+    AVX512-BF16); the caller then uses its own path.
     Float32 accumulation, one rounding to bf16 (like F.linear; sums run in another order)."""
     if (x.dtype == torch.float32 and weight.dtype == torch.float32 and bias is None and x.dim() == 2
             and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous() and x.device.type == "cpu"):
@@ -358,6 +398,7 @@ def linear_small(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         y = x.new_empty(1, weight.shape[0])
         return y if ext.linear_f32_small(y, x, weight) else None
     if (x.dim() != 2 or x.shape[0] > SMALL_LINEAR_MAX_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+            or (x.shape[0] > 1 and x.shape[0] * weight.shape[0] > SMALL_LINEAR_MAX_OUTPUTS)
             or not x.is_contiguous() or not weight.is_contiguous() or x.device.type != "cpu"
             or (bias is not None and bias.dtype != torch.bfloat16)):
         return None

@@ -142,7 +142,7 @@ def _linear_fn(layer: Linear) -> LinearFn | None:
         w, packed = layer.weight, layer.packed_weight
 
         def bf16(x: torch.Tensor) -> torch.Tensor:
-            y = fused_ops.linear_small(x, w, None) if x.shape[0] == 1 else None
+            y = fused_ops.linear_small(x, w, None)
             return packed_linear(x, packed, None) if y is None else y
         return bf16
     if type(method) is UnquantizedLinearMethod:
