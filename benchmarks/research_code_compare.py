@@ -164,13 +164,42 @@ def cmd_prepare(args) -> None:
 
 # ------------------------------------------------------------------------------ AutoAWQ (research venv)
 
+def _cpu_safe_awq_quantizer():
+    """AutoAWQ's quantizer with its scale-search snapshot made a real copy.
+
+    `AwqQuantizer._compute_best_scale` saves the inspected module's weights as
+    `{k: v.cpu() for k, v in module.state_dict().items()}` and restores them after every grid point.
+    On a GPU `.cpu()` copies; on the CPU it returns the same tensor, so the snapshot aliases the live
+    weights, the in-place `fc.weight.mul_(scales)` of the first grid point leaks into it, and every
+    scaled linear (q/k/v, gate/up, down) ends up multiplied by an extra, unfolded scale (WikiText-2
+    perplexity ~2.9e5 instead of ~25 on this model). Handing that method a module whose state_dict
+    returns clones restores the GPU behaviour without touching anything else.
+    """
+    from awq.quantize.quantizer import AwqQuantizer
+
+    class CpuSafeAwqQuantizer(AwqQuantizer):
+        def _compute_best_scale(self, x, w_mean, x_mean, module2inspect, linears2scale, fp16_output, kwargs={}):
+            live = module2inspect.state_dict
+            module2inspect.state_dict = lambda *a, **k: {n: t.clone() for n, t in live(*a, **k).items()}
+            try:
+                return super()._compute_best_scale(x, w_mean, x_mean, module2inspect, linears2scale,
+                                                   fp16_output, kwargs)
+            finally:
+                del module2inspect.state_dict            # back to the class method
+
+    return CpuSafeAwqQuantizer
+
+
 def cmd_autoawq(args) -> None:
     from awq import AutoAWQForCausalLM
+    from awq.quantize.quantizer import AwqQuantizer
     from awq.utils.calib_data import get_calib_dataset
 
     work = Path(args.work_dir)
     base, out = work / "base-hf", work / AWQ_DIR
     calib = torch.load(work / "calib.pt")
+    if args.awq_num_calib:
+        calib = calib[:args.awq_num_calib]
     windows = calib.tolist()
     # AutoAWQ keeps pre-tokenized samples of at most max_calib_seq_len tokens, concatenates the first
     # n_samples and re-splits them into max_calib_seq_len blocks: with 512-token windows that is the
@@ -180,13 +209,16 @@ def cmd_autoawq(args) -> None:
 
     model = AutoAWQForCausalLM.from_pretrained(str(base), torch_dtype=torch.float32, device_map="cpu")
     quant_config = {"zero_point": True, "q_group_size": GROUP, "w_bit": BITS, "version": "GEMM"}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model.quantize(None, quant_config=quant_config, calib_data=windows, max_calib_samples=len(windows),
-                   max_calib_seq_len=calib.shape[1], duo_scaling=not args.awq_no_duo)
-    seconds = time.perf_counter() - t0
+                   max_calib_seq_len=calib.shape[1], duo_scaling=not args.awq_no_duo,
+                   quantizer_cls=AwqQuantizer if args.awq_no_cpu_fix else _cpu_safe_awq_quantizer())
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     model.save_quantized(str(out))
     copy_tokenizer(base, out)
     append_result(work, {"key": f"quantize|autoawq|{BITS}|{GROUP}", "dir": str(out), "quant_seconds": seconds,
+                         "quant_cpu_seconds": cpu_seconds, "num_calib": len(windows),
+                         "cpu_fix": not args.awq_no_cpu_fix,
                          "config": {**quant_config, "duo_scaling": not args.awq_no_duo, "apply_clip": True,
                                     "dtype": "float32"},
                          "threads": torch.get_num_threads(),
@@ -232,14 +264,15 @@ def cmd_autogptq(args) -> None:
     model = LlamaGPTQForCausalLM(hf, False, qcfg)
     examples = [{"input_ids": row.unsqueeze(0), "attention_mask": torch.ones(1, row.numel(), dtype=torch.long)}
                 for row in calib]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     # batch_size only groups windows into one forward (same length, no padding); the Hessians are the same.
     model.quantize(examples, batch_size=args.gptq_batch, use_triton=False, cache_examples_on_gpu=False)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     model.save_quantized(str(out), use_safetensors=True)
     copy_tokenizer(base, out)
     save_file({k: v.contiguous() for k, v in reference.items()}, str(work / f"{GPTQ_DIR}.reference.safetensors"))
     append_result(work, {"key": f"quantize|autogptq|{BITS}|{GROUP}", "dir": str(out), "quant_seconds": seconds,
+                         "quant_cpu_seconds": cpu_seconds, "num_calib": calib.shape[0],
                          "config": qcfg.to_dict(), "batch_size": args.gptq_batch, "dtype": "float32",
                          "zero_point_stats": zero_stats, "threads": torch.get_num_threads(),
                          "versions": versions("torch", "transformers", "auto-gptq", "accelerate")})
@@ -251,7 +284,8 @@ def _their_dequantized(kind: str, tensors: dict[str, torch.Tensor], in_f: int, o
     """W [out, in] float32 as the research package itself reads one checkpoint layer."""
     if kind == "awq":
         from awq.utils.packing_utils import dequantize_gemm
-        return dequantize_gemm(tensors["qweight"], tensors["qzeros"], tensors["scales"], BITS, GROUP).float().t()
+        w = dequantize_gemm(tensors["qweight"], tensors["qzeros"], tensors["scales"], BITS, GROUP)   # [in, out]
+        return w.float().t().contiguous()
     from auto_gptq.nn_modules.qlinear.qlinear_cuda_old import QuantLinear
     ql = QuantLinear(BITS, GROUP, in_f, out_f, bias=False, use_cuda_fp16=False, weight_dtype=torch.float32)
     ql.qweight, ql.qzeros, ql.g_idx = tensors["qweight"], tensors["qzeros"], tensors["g_idx"]
@@ -360,13 +394,44 @@ def _weight_agreement(qdir: Path, reference_file: Path) -> dict:
             "layers_with_mismatch": mismatched_layers, "mismatched_weights": n_bad, "weights": n_elems}
 
 
+def strip_zero_biases(qdir: Path) -> tuple[Path, int]:
+    """A copy of qdir without the all-zero `<layer>.bias` tensors AutoGPTQ writes for every quantized
+    layer (its QuantLinear is always built with a bias buffer, even for bias-free Llama linears).
+    Returns (copy, number of tensors dropped); raises if any such bias is not zero."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dst = qdir.with_name(qdir.name + "-zero-bias-stripped")
+    dst.mkdir(exist_ok=True)
+    dropped = 0
+    for f in qdir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+            continue
+        kept = {}
+        with safe_open(str(f), framework="pt") as st:
+            names = set(st.keys())
+            for name in names:
+                t = st.get_tensor(name)
+                if name.endswith(".bias") and name[:-len("bias")] + "qweight" in names:
+                    if bool(t.any()):
+                        raise ValueError(f"{f}: {name} is not zero; it cannot be dropped")
+                    dropped += 1
+                    continue
+                kept[name] = t
+            metadata = st.metadata()
+        save_file(kept, str(dst / f.name), metadata=metadata)
+    return dst, dropped
+
+
 def cmd_evaluate(args) -> None:
     from tokenmill.eval.perplexity import evaluate_perplexity
     from tokenmill.models.loader import load_model
 
     work = Path(args.work_dir)
     ids = torch.load(work / "wikitext2_ids.pt")
-    targets = [("autoawq", AWQ_DIR), ("autogptq", GPTQ_DIR)]
+    targets = [(label, d) for label, d in (("autoawq", AWQ_DIR), ("autogptq", GPTQ_DIR))
+               if not args.only or label in args.only]
     if args.eval_baseline:
         targets.insert(0, ("fp32", "base-hf"))
     for label, dirname in targets:
@@ -379,16 +444,24 @@ def cmd_evaluate(args) -> None:
         try:
             loaded = load_model(str(qdir), dtype=torch.float32, load_tokenizer=False)
         except Exception as e:  # the finding is the error itself
-            append_result(work, {**row, "load_error": f"{type(e).__name__}: {e}"})
-            continue
+            row["load_error"] = f"{type(e).__name__}: {e}"
+            if "bias for a layer built without one" not in str(e):
+                append_result(work, row)
+                continue
+            # AutoGPTQ's zero biases: evaluate an otherwise identical copy without them.
+            stripped, n = strip_zero_biases(qdir)
+            row.update({"evaluated_dir": str(stripped), "zero_biases_dropped": n})
+            t0 = time.perf_counter()
+            loaded = load_model(str(stripped), dtype=torch.float32, load_tokenizer=False)
         row["load_seconds"] = time.perf_counter() - t0
         for ref_name in (f"{dirname}.reference.safetensors", f"{dirname}.their_dequant.safetensors"):
             agreement = _weight_agreement(qdir, work / ref_name)
             if agreement:
                 row.setdefault("weight_agreement", []).append(agreement)
-        if args.crosscheck_windows:
-            short = evaluate_perplexity(loaded.model, ids, 2048, args.crosscheck_windows, progress=False)
-            row[f"ppl_first_{args.crosscheck_windows}"] = short.perplexity
+        for k in sorted(set(args.prefix_windows + [args.crosscheck_windows]) - {0}):
+            if k < args.ppl_windows:    # the first k windows too: comparable with crosscheck and shorter runs
+                short = evaluate_perplexity(loaded.model, ids, 2048, k, progress=False)
+                row[f"ppl_first_{k}"] = short.perplexity
         res = evaluate_perplexity(loaded.model, ids, 2048, args.ppl_windows)
         row.update({"ppl": res.perplexity, "mean_nll": res.mean_nll, "windows": res.num_windows,
                     "total_windows": res.total_windows, "eval_seconds": res.seconds,
@@ -426,7 +499,9 @@ def cmd_all(args) -> None:
     cmd_prepare(args)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "BUILD_CUDA_EXT": "0"}
     common = ["--work-dir", str(work), "--threads", str(args.threads), "--gptq-batch", str(args.gptq_batch),
-              "--crosscheck-windows", str(args.crosscheck_windows)] + (["--awq-no-duo"] if args.awq_no_duo else [])
+              "--crosscheck-windows", str(args.crosscheck_windows)] + (["--awq-no-duo"] if args.awq_no_duo else []) \
+        + (["--awq-no-cpu-fix"] if args.awq_no_cpu_fix else []) \
+        + (["--awq-num-calib", str(args.awq_num_calib)] if args.awq_num_calib else [])
     for step in ("autoawq", "autogptq", "crosscheck"):
         rc = subprocess.call([args.research_python, __file__, step, *common], env=env)
         if rc != 0:
@@ -446,7 +521,15 @@ def main() -> None:
     ap.add_argument("--crosscheck-windows", type=int, default=2, help="Windows for the transformers cross-check.")
     ap.add_argument("--gptq-batch", type=int, default=8, help="Calibration windows per AutoGPTQ forward.")
     ap.add_argument("--awq-no-duo", action="store_true", help="AutoAWQ with duo_scaling=False (the paper's s).")
+    ap.add_argument("--awq-no-cpu-fix", action="store_true",
+                    help="Run AutoAWQ's quantizer unpatched (reproduces its CPU aliasing bug; see _cpu_safe_awq_quantizer).")
+    ap.add_argument("--awq-num-calib", type=int, default=None,
+                    help="Use only the first N calibration windows for AutoAWQ (it is ~10x the CPU cost of GPTQ).")
     ap.add_argument("--eval-baseline", action="store_true", help="Also score the converted fp32 HF dir.")
+    ap.add_argument("--prefix-windows", type=int, nargs="*", default=[8],
+                    help="evaluate: also report the perplexity of the first K windows (e.g. to match a shorter run).")
+    ap.add_argument("--only", nargs="*", choices=["autoawq", "autogptq"], default=None,
+                    help="evaluate: only these checkpoints.")
     ap.add_argument("--ours-results", default=None, help="results.jsonl of benchmarks/quant_table.py to compare.")
     ap.add_argument("--research-python", default=None, help="python of the research venv (step all).")
     ap.add_argument("--threads", type=int, default=1)

@@ -58,3 +58,26 @@ def test_truncated_quantized_checkpoint_is_clear_error(tmp_path):
     save_file(t, str(out / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="up_proj lacks"):
         load_model(str(out), load_tokenizer=False)
+
+
+def test_autogptq_zero_biases_load_and_nonzero_biases_are_refused(tmp_path):
+    """AutoGPTQ writes an all-zero `bias` next to every quantized layer, also for models without
+    biases: those load (and change nothing); a real bias on a bias-free architecture is an error."""
+    model = make_tiny_model()
+    qcfg = QuantConfig(method="rtn", bits=4, group_size=32)
+    rep = quantize_model(model, qcfg, progress=False)
+    out = save_quantized(model, model.config, None, rep.weights, "gptq", tmp_path / "q", False)
+    from safetensors.torch import load_file, save_file
+    t = load_file(str(out / "model.safetensors"))
+    plain = load_model(str(out), load_tokenizer=False).model
+    for name in [n for n in t if n.endswith(".qweight")]:
+        prefix = name.removesuffix(".qweight")
+        t[f"{prefix}.bias"] = torch.zeros(t[f"{prefix}.scales"].shape[1], dtype=torch.float16)
+    save_file(t, str(out / "model.safetensors"))
+    with_zero = load_model(str(out), load_tokenizer=False).model
+    ids = calib_ids(2, 16, seed=4)
+    assert torch.equal(_logits(plain, ids), _logits(with_zero, ids))
+    t["model.layers.0.self_attn.k_proj.bias"][0] = 0.5
+    save_file(t, str(out / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="bias for a layer built without one"):
+        load_model(str(out), load_tokenizer=False)
