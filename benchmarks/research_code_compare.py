@@ -20,10 +20,15 @@ Steps (all outputs under --work-dir, results appended as JSON lines to <work-dir
                                AutoGPTQ's QuantLinear CPU path) put into a transformers fp32 Llama, and the
                                perplexity of the first --crosscheck-windows windows with transformers' forward
   evaluate   [tokenmill venv]  tokenmill.models.loader.load_model(<dir>) on each checkpoint, WikiText-2
-                               perplexity (2048-token windows, --ppl-windows of them, fp32), the same first
-                               windows as crosscheck, and how far tokenmill's decoded weights are from the
-                               research code's own reading of the checkpoint
-  all        [tokenmill venv]  the five above in order, the research steps via --research-python
+                               perplexity (evaluate_perplexity, 2048-token windows, --ppl-windows of them, fp32;
+                               also the first --prefix-windows / --crosscheck-windows windows), and how far
+                               tokenmill's decoded weights are from the research code's own weights. A load
+                               error is recorded; for AutoGPTQ's all-zero biases (see below) the checkpoint is
+                               then evaluated from a copy without them (<dir>-zero-bias-stripped)
+  ours       [tokenmill venv]  optional: our pipeline (--method gptq|awq) on exactly the same windows, e.g.
+                               the first --awq-num-calib of them, AWQ with duo_scaling like AutoAWQ's default
+  all        [tokenmill venv]  prepare, autoawq, autogptq, crosscheck, evaluate in order, the research steps
+                               via --research-python
 
 Making the research environment (CPU only; torch 2.13.0 is the CPU build available locally, any other
 torch spec would pull a CUDA build, so torch goes first and the two packages go in with --no-deps):
@@ -50,14 +55,33 @@ Run (from the repository root; 1 thread, niced, as on the shared 2-core machine)
     /tmp/rc/venv/bin/python benchmarks/research_code_compare.py autoawq --work-dir W
     /tmp/rc/venv/bin/python benchmarks/research_code_compare.py autogptq --work-dir W
     /tmp/rc/venv/bin/python benchmarks/research_code_compare.py crosscheck --work-dir W
-    .venv/bin/python benchmarks/research_code_compare.py evaluate --work-dir W [--ours-results /tmp/qt40/results.jsonl]
+    .venv/bin/python benchmarks/research_code_compare.py evaluate --work-dir W [--ours-results RESULTS.jsonl]
+    .venv/bin/python benchmarks/research_code_compare.py ours --work-dir W --method awq --awq-num-calib 8
+
+  --ours-results takes the results.jsonl of benchmarks/quant_table.py (same --ppl-windows) and appends
+  the relative differences ours vs theirs.
 
 CPU workarounds applied at run time in the research process only (their files are not changed):
   * AutoGPTQ: `BaseGPTQForCausalLM.from_pretrained` refuses to run without CUDA, so the wrapper is built
     directly around a transformers model; its hard-coded `CUDA_0` device is pointed at the CPU; and
     `torch.cuda.synchronize` (called unconditionally in `GPTQ.fasterquant`) is made a no-op.
-  * AutoAWQ runs as is (it picks the CPU itself); the model is loaded in float32 (their default is
-    float16) so that the calibration activations match our fp32 pipeline and CPU matmuls stay fast.
+  * AutoAWQ: the model is loaded in float32 (their default is float16) so that the calibration
+    activations match our fp32 pipeline and CPU matmuls stay fast. Unpatched, AutoAWQ 0.2.9 produces a
+    broken model on the CPU (perplexity ~2.9e5 here): its scale search snapshots weights with `.cpu()`,
+    which is a copy on a GPU but an alias on the CPU. `_cpu_safe_awq_quantizer` passes a quantizer
+    subclass (AutoAWQ's own `quantizer_cls` hook) that makes that snapshot a copy;
+    --awq-no-cpu-fix reproduces the bug.
+
+What tokenmill meets in these checkpoints:
+  * AutoGPTQ always builds its QuantLinear with a bias buffer, so a bias-free Llama checkpoint carries an
+    all-zero `<layer>.bias` per quantized linear; tokenmill's loader rejects it ("checkpoint has a bias
+    for a layer built without one"). Scales are stored in the model's dtype (float32 here, float16 on a
+    GPU); lm_head.weight is stored although tied.
+  * AutoAWQ GEMM checkpoints load as they are.
+
+Cost: on one CPU thread AutoGPTQ takes ~17 CPU-minutes on 128 x 512 tokens; AutoAWQ ~20 CPU-minutes on
+8 x 512 and about 16x that on 128 x 512 (its grid search runs the attention / MLP 20 times per group
+over all calibration tokens), hence --awq-num-calib.
 """
 from __future__ import annotations
 
@@ -480,16 +504,47 @@ def compare(work: Path, ours_file: Path, windows: int) -> None:
     theirs = {json.loads(l)["key"]: json.loads(l) for l in (work / "results.jsonl").read_text().splitlines()
               if l.strip()}
     for method, label in (("gptq", "autogptq"), ("awq", "autoawq")):
-        mine = ours.get(f"ppl|{method}|{BITS}|{GROUP}|{windows}|128x512")
+        calib = theirs.get(f"quantize|{label}|{BITS}|{GROUP}", {}).get("num_calib", 128)
+        mine = ours.get(f"ppl|{method}|{BITS}|{GROUP}|{windows}|{calib}x512")
         other = theirs.get(f"ppl|{label}|tokenmill|{windows}")
         if not mine or not other or "ppl" not in other:
             print(f"{method}: ours {'found' if mine else 'missing'}, theirs {'found' if other else 'missing'}")
             continue
         rel = (mine["ppl"] - other["ppl"]) / other["ppl"]
-        append_result(work, {"key": f"compare|{method}|{BITS}|{GROUP}|{windows}", "ours_ppl": mine["ppl"],
+        append_result(work, {"key": f"compare|{method}|{BITS}|{GROUP}|{windows}|{calib}x512", "ours_ppl": mine["ppl"],
                              "theirs_ppl": other["ppl"], "relative_difference": rel, "within_1pct": abs(rel) <= 0.01,
                              "ours_quant_seconds": mine.get("quant_seconds"),
                              "fp32_ppl": ours.get(f"ppl|fp32|0|0|{windows}|0x512", {}).get("ppl")})
+
+
+def cmd_ours(args) -> None:
+    """Our pipeline on exactly the windows given to the research code (like-for-like when a research run
+    used fewer windows than benchmarks/quant_table.py's 128): quantize in memory, then the same perplexity."""
+    from tokenmill.eval.perplexity import evaluate_perplexity
+    from tokenmill.models.loader import load_model
+    from tokenmill.quant.pipeline import QuantConfig, quantize_model
+
+    work = Path(args.work_dir)
+    ids = torch.load(work / "wikitext2_ids.pt")
+    calib = torch.load(work / "calib.pt")
+    n = args.awq_num_calib if (args.method == "awq" and args.awq_num_calib) else calib.shape[0]
+    cfg = QuantConfig(method=args.method, bits=BITS, group_size=GROUP, sym=False, desc_act=False, damp_percent=0.01,
+                      awq_duo_scaling=args.method == "awq" and not args.awq_no_duo)
+    loaded = load_model(args.model, dtype=torch.float32)
+    t0, c0 = time.perf_counter(), time.process_time()
+    report = quantize_model(loaded.model, cfg, calib[:n])
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    row = {"key": f"ours|{args.method}|{BITS}|{GROUP}|{args.ppl_windows}|{n}x{calib.shape[1]}",
+           "quant_seconds": seconds, "quant_cpu_seconds": cpu_seconds, "reported_seconds": report.seconds,
+           "config": {k: getattr(cfg, k) for k in ("bits", "group_size", "sym", "desc_act", "damp_percent",
+                                                   "awq_duo_scaling", "awq_clip", "format")}}
+    for k in sorted(set(args.prefix_windows) - {0}):
+        if k < args.ppl_windows:
+            row[f"ppl_first_{k}"] = evaluate_perplexity(loaded.model, ids, 2048, k, progress=False).perplexity
+    res = evaluate_perplexity(loaded.model, ids, 2048, args.ppl_windows)
+    row.update({"ppl": res.perplexity, "windows": res.num_windows, "eval_seconds": res.seconds,
+                "threads": torch.get_num_threads()})
+    append_result(work, row)
 
 
 # ------------------------------------------------------------------------------------------------- all
@@ -511,7 +566,8 @@ def cmd_all(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("step", choices=["prepare", "autoawq", "autogptq", "crosscheck", "evaluate", "all"])
+    ap.add_argument("step", choices=["prepare", "autoawq", "autogptq", "crosscheck", "evaluate", "ours", "all"])
+    ap.add_argument("--method", choices=["gptq", "awq"], default="awq", help="ours: which of our methods to run.")
     ap.add_argument("--work-dir", required=True)
     ap.add_argument("--data-dir", default=str(DEFAULT_DATA), help="C4 and WikiText-2 jsonl files (../shared/data).")
     ap.add_argument("--model", default=MODEL)
@@ -522,7 +578,8 @@ def main() -> None:
     ap.add_argument("--gptq-batch", type=int, default=8, help="Calibration windows per AutoGPTQ forward.")
     ap.add_argument("--awq-no-duo", action="store_true", help="AutoAWQ with duo_scaling=False (the paper's s).")
     ap.add_argument("--awq-no-cpu-fix", action="store_true",
-                    help="Run AutoAWQ's quantizer unpatched (reproduces its CPU aliasing bug; see _cpu_safe_awq_quantizer).")
+                    help="Run AutoAWQ's quantizer unpatched (reproduces its CPU aliasing bug, see "
+                         "_cpu_safe_awq_quantizer).")
     ap.add_argument("--awq-num-calib", type=int, default=None,
                     help="Use only the first N calibration windows for AutoAWQ (it is ~10x the CPU cost of GPTQ).")
     ap.add_argument("--eval-baseline", action="store_true", help="Also score the converted fp32 HF dir.")
@@ -536,12 +593,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
-    if args.step in ("prepare", "evaluate", "all"):
+    if args.step in ("prepare", "evaluate", "ours", "all"):
         sys.path.insert(0, str(REPO))
     if args.step == "all" and not args.research_python:
         ap.error("step all needs --research-python")
     {"prepare": cmd_prepare, "autoawq": cmd_autoawq, "autogptq": cmd_autogptq, "crosscheck": cmd_crosscheck,
-     "evaluate": cmd_evaluate, "all": cmd_all}[args.step](args)
+     "evaluate": cmd_evaluate, "ours": cmd_ours, "all": cmd_all}[args.step](args)
 
 
 if __name__ == "__main__":
