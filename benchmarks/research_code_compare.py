@@ -74,9 +74,10 @@ CPU workarounds applied at run time in the research process only (their files ar
 
 What tokenmill meets in these checkpoints:
   * AutoGPTQ always builds its QuantLinear with a bias buffer, so a bias-free Llama checkpoint carries an
-    all-zero `<layer>.bias` per quantized linear; tokenmill's loader rejects it ("checkpoint has a bias
-    for a layer built without one"). Scales are stored in the model's dtype (float32 here, float16 on a
-    GPU); lm_head.weight is stored although tied.
+    all-zero `<layer>.bias` per quantized linear (210 here). The loader before commit 20099a2 rejected it
+    ("checkpoint has a bias for a layer built without one"); evaluate then falls back to a copy without
+    those tensors. Scales are stored in the model's dtype (float32 here, float16 on a GPU);
+    lm_head.weight is stored although tied.
   * AutoAWQ GEMM checkpoints load as they are.
 
 Cost: on one CPU thread AutoGPTQ takes ~17 CPU-minutes on 128 x 512 tokens; AutoAWQ ~20 CPU-minutes on
@@ -377,7 +378,7 @@ def cmd_crosscheck(args) -> None:
                     for name in st.keys():
                         if name in sd and not name.endswith((".qweight", ".qzeros", ".scales", ".g_idx")):
                             sd[name].copy_(st.get_tensor(name).float())
-        save_file(theirs, str(work / f"{dirname}.their_dequant.safetensors"))
+        save_file({k: v.contiguous() for k, v in theirs.items()}, str(work / f"{dirname}.their_dequant.safetensors"))
         t0 = time.perf_counter()
         append_result(work, {"key": f"crosscheck|{kind}|transformers|{n}", "ppl": hf_window_ppl(hf, ids, 2048, n),
                              "windows": n, "seconds": time.perf_counter() - t0,
@@ -534,7 +535,8 @@ def cmd_ours(args) -> None:
     t0, c0 = time.perf_counter(), time.process_time()
     report = quantize_model(loaded.model, cfg, calib[:n])
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    row = {"key": f"ours|{args.method}|{BITS}|{GROUP}|{args.ppl_windows}|{n}x{calib.shape[1]}",
+    variant = ("|duo" if cfg.awq_duo_scaling else "|noduo") if args.method == "awq" else ""
+    row = {"key": f"ours|{args.method}|{BITS}|{GROUP}|{args.ppl_windows}|{n}x{calib.shape[1]}{variant}",
            "quant_seconds": seconds, "quant_cpu_seconds": cpu_seconds, "reported_seconds": report.seconds,
            "config": {k: getattr(cfg, k) for k in ("bits", "group_size", "sym", "desc_act", "damp_percent",
                                                    "awq_duo_scaling", "awq_clip", "format")}}
