@@ -6,6 +6,7 @@ import torch
 
 from tokenmill.layers.linear import Linear
 from tokenmill.quant.grid import quantize_groupwise
+from tokenmill.quant import cpu_int4
 from tokenmill.quant.kernels import install_quantized, tinygemm_layout_ok, tinygemm_unpack
 
 
@@ -24,8 +25,46 @@ def test_tinygemm_layout_self_check():
     assert torch.equal(tinygemm_unpack(packed, 192, 576).int(), codes)
 
 
+def _decode_k64(packed: torch.Tensor) -> torch.Tensor:
+    """An independent reader of the k64 layout: byte (n, 32c + j) holds codes (n, 64c + j) low and (n, 64c + 32 + j) high."""
+    n, half = packed.shape
+    out = torch.empty(n, half * 2, dtype=torch.int64)
+    for b in range(half):
+        c, j = divmod(b, 32)
+        out[:, 64 * c + j] = packed[:, b].long() & 15
+        out[:, 64 * c + 32 + j] = packed[:, b].long() >> 4
+    return out
+
+
+def test_k64_layout_round_trip():
+    codes = torch.randint(0, 16, (24, 192), generator=torch.Generator().manual_seed(3))
+    packed = cpu_int4.pack(codes)
+    assert packed.shape == (24, 96) and packed.dtype == torch.uint8
+    assert torch.equal(_decode_k64(packed), codes)
+    assert torch.equal(cpu_int4.unpack(packed).long(), codes)
+
+
+@pytest.mark.skipif(not cpu_int4.available(), reason="int4 k64 kernel needs AVX512-BF16 and a C++ compiler")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
+@pytest.mark.parametrize("out,cols,gs", [(192, 576, 64), (70, 256, 128), (576, 1536, 64)])
+def test_k64_kernel_matches_dequantized_reference(rows, out, cols, gs):
+    """Every row-block shape of the kernel (R x M unrolls, a ragged tail of output rows) against
+    the float32 product with the bf16-stored scales."""
+    g = torch.Generator().manual_seed(rows)
+    layer = _layer(out, cols, torch.bfloat16, bias=True)
+    qw = quantize_groupwise(layer.weight.data.float(), 4, gs, False)
+    install_quantized(layer, qw)
+    assert layer.quant_method.layout == "k64"
+    layer.quant_method.force_path = "kernel"
+    x = torch.randn(rows, cols, generator=g).bfloat16()
+    ref = x.float() @ layer.quant_method.dequantize(layer, torch.float32).t() + layer.bias.float()
+    y = layer(x).float()
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
 CASES = [  # bits, out, in, group, sym, act_order
-    (4, 192, 576, 64, True, False),
+    (4, 192, 576, 64, True, False),    # k64 where the CPU has AVX512-BF16, else tinygemm
+    (4, 70, 256, 128, False, True),    # k64 with N % 64 != 0 and act-order
     (4, 128, 256, 32, False, True),
     (3, 64, 128, 64, False, False),
     (4, 80, 128, 32, True, False),     # N % 64 != 0 -> plain nibble layout, dequant only
@@ -60,6 +99,6 @@ def test_quantized_linear_matches_reference(bits, out, cols, gs, sym, act_order,
 def test_int4_kernel_is_selected_for_bf16_decode():
     layer = _layer(192, 576, torch.bfloat16)
     install_quantized(layer, quantize_groupwise(layer.weight.data.float(), 4, 64, True))
-    assert layer.quant_method.is_tinygemm
+    assert layer.quant_method.layout == ("k64" if cpu_int4.available() else "tinygemm")
     assert layer.qweight.numel() == 192 * 576 // 2  # 4 bits per weight
     layer(torch.randn(1, 576, dtype=torch.bfloat16))  # runs the measurement; either path is valid

@@ -4,8 +4,10 @@
 `layer.quant_method`. Each call then takes one of two paths, chosen per (shape, activation dtype,
 batch-size bucket) by timing both on the first call of that kind:
 
-  * "kernel":  torch's CPU weight-only kernels, `_weight_int4pack_mm_for_cpu` (groups of 32..256)
-               and `_weight_int8pack_mm` (per output channel), bf16/fp16 activations;
+  * "kernel":  int4: our AVX512-BF16 kernel (quant/cpu_int4.py, layout "k64": K and the group size
+               multiples of 64, bf16 activations), else torch's `_weight_int4pack_mm_for_cpu`
+               (layout "tinygemm": N % 64 == 0, groups of 32..256, bf16/fp16 activations);
+               int8: `_weight_int8pack_mm` (per output channel), bf16/fp16 activations;
   * "dequant": dequantize the packed buffers to the activation dtype, then one dense matmul. Always
                valid (any group size, g_idx, device) and exact in float32; it is the fallback and,
                through `QuantizedWeight.dequantize`, the oracle of the tests.
@@ -13,12 +15,13 @@ batch-size bucket) by timing both on the first call of that kind:
 Measured here (2 cores, AMX): the int4 kernel wins at a few rows with bf16 activations; with
 fp32 activations it is 10-40x slower than a dense fp32 matmul, so fp32 always dequantizes.
 
-Int4 buffers (one copy serves both paths):
+Int4 buffers (one copy serves both paths), in one of three layouts (`method.layout`):
 
-    qweight           [N, K / 2] uint8   tinygemm CPU layout: per block of 64 output rows, a [K, 32]
-                                         byte grid, byte (k, j) = code[j, k] | code[j + 32, k] << 4;
-                                         "plain" layout (N % 64 != 0, CUDA): byte (n, k) = code[n, 2k] | code[n, 2k+1] << 4
-    scales_and_zeros  [K / gs, N, 2]     w = (code - 8) * scale + zero   (tinygemm's affine form)
+    qweight           [N, K / 2] uint8   "k64": byte (n, 32c + j) = code[n, 64c + j] | code[n, 64c + 32 + j] << 4;
+                                         "tinygemm" (torch's CPU layout): per block of 64 output rows, a
+                                         [K, 32] byte grid, byte (k, j) = code[j, k] | code[j + 32, k] << 4;
+                                         "plain" (anything else, CUDA): byte (n, k) = code[n, 2k] | code[n, 2k+1] << 4
+    scales_and_zeros  [G, N, 2]          ([N, G, 2] for "k64")  w = (code - 8) * scale + zero  (tinygemm's affine form)
     col_perm          [K] int64 | None   act-order: x[..., col_perm] makes every group contiguous
 
 Int8 buffers:
@@ -35,6 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tokenmill.quant import cpu_int4
 from tokenmill.quant.grid import QuantizedWeight
 
 _INT4_KERNEL_GROUPS = (32, 64, 128, 256)
@@ -125,25 +129,57 @@ def _column_perm(qw: QuantizedWeight) -> torch.Tensor | None:
     return perm
 
 
+INT4_LAYOUTS = ("k64", "tinygemm", "plain")
+
+
 class Int4WeightOnlyMethod:
     """int4 (or 2/3-bit codes, which fit the same nibbles) weight-only linear."""
 
-    def __init__(self, group_size: int, is_tinygemm: bool) -> None:
+    def __init__(self, group_size: int, layout: str) -> None:
+        assert layout in INT4_LAYOUTS
         self.group_size = group_size
-        self.is_tinygemm = is_tinygemm
+        self.layout = layout
         self.force_path: str | None = None
+
+    @property
+    def is_tinygemm(self) -> bool:
+        return self.layout == "tinygemm"
+
+    def codes(self, layer) -> torch.Tensor:
+        """[N, K] codes (0..15) in the permuted column order."""
+        n, k = layer.out_features, layer.in_features
+        if self.layout == "k64":
+            return cpu_int4.unpack(layer.qweight)
+        return tinygemm_unpack(layer.qweight, n, k) if self.is_tinygemm else _plain_unpack(layer.qweight)
+
+    def scales_and_zeros(self, layer) -> torch.Tensor:
+        """[G, N, 2] (scale, zero) whatever the layout stores."""
+        sz = layer.scales_and_zeros
+        return sz.transpose(0, 1) if self.layout == "k64" else sz
 
     def dequantize(self, layer, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] weight in the permuted column order (matches x[..., col_perm])."""
         n, k = layer.out_features, layer.in_features
-        codes = tinygemm_unpack(layer.qweight, n, k) if self.is_tinygemm else _plain_unpack(layer.qweight)
-        sz = layer.scales_and_zeros.to(dtype)                                 # [G, N, 2]
+        codes = self.codes(layer)
+        sz = self.scales_and_zeros(layer).to(dtype)                            # [G, N, 2]
         g = sz.shape[0]
         w = (codes.reshape(n, g, k // g).to(dtype) - 8) * sz[:, :, 0].t()[..., None] + sz[:, :, 1].t()[..., None]
         return w.reshape(n, k)
 
+    def kernel_serves(self, x2: torch.Tensor) -> bool:
+        if x2.device.type != "cpu":
+            return False
+        if self.layout == "k64":
+            return x2.dtype == torch.bfloat16
+        return self.is_tinygemm and x2.dtype in (torch.bfloat16, torch.float16)
+
     def _kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
         sz = layer.scales_and_zeros if layer.scales_and_zeros.dtype == x2.dtype else layer.scales_and_zeros.to(x2.dtype)
+        if self.layout == "k64":
+            y = cpu_int4.linear(x2, layer.qweight, sz, self.group_size)
+            if y is None:
+                raise RuntimeError("int4 k64 kernel refused the call")
+            return y
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), layer.qweight, self.group_size, sz)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
@@ -152,7 +188,7 @@ class Int4WeightOnlyMethod:
         if layer.col_perm is not None:
             x2 = x2[:, layer.col_perm]
         path = "dequant"
-        if self.is_tinygemm and x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float16):
+        if self.kernel_serves(x2):
             path = self.force_path or _choose(
                 ("int4", layer.out_features, layer.in_features, self.group_size, x2.dtype, _bucket(x2.shape[0])),
                 {"kernel": lambda: self._kernel(layer, x2), "dequant": lambda: F.linear(x2, self.dequantize(layer, x2.dtype))})
@@ -228,15 +264,20 @@ def install_quantized(layer, qw: QuantizedWeight, dtype: torch.dtype | None = No
     if layer.bias is not None:
         layer.bias.data = layer.bias.data.to(dtype)
     if qw.bits <= 4:
-        is_tinygemm = (device.type == "cpu" and n % 64 == 0 and gs in _INT4_KERNEL_GROUPS and tinygemm_layout_ok())
-        if is_tinygemm:
+        sz = torch.stack([s.t(), ((8 - z) * s).t()], dim=-1)                     # [G, N, 2]
+        if device.type == "cpu" and cpu_int4.layout_ok(k, gs) and cpu_int4.available():
+            layout = "k64"
+            packed = cpu_int4.pack(codes)
+            sz = sz.transpose(0, 1)                                              # [N, G, 2]
+        elif device.type == "cpu" and n % 64 == 0 and gs in _INT4_KERNEL_GROUPS and tinygemm_layout_ok():
+            layout = "tinygemm"
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
         else:
+            layout = "plain"
             packed = _plain_pack(codes.to(torch.uint8))
-        sz = torch.stack([s.t(), ((8 - z) * s).t()], dim=-1)                     # [G, N, 2]
         layer.register_buffer("qweight", packed.to(device), persistent=False)
         layer.register_buffer("scales_and_zeros", sz.to(dtype).contiguous().to(device), persistent=False)
-        layer.quant_method = Int4WeightOnlyMethod(qw.group_size if qw.group_size > 0 else k, is_tinygemm)
+        layer.quant_method = Int4WeightOnlyMethod(gs, layout)
     elif qw.bits <= 8:
         offsets = None if bool((qw.zeros == 128).all()) else ((128 - z) * s).to(dtype)
         layer.register_buffer("qweight", (codes.to(torch.int16) - 128).to(torch.int8).contiguous().to(device),
@@ -272,9 +313,11 @@ def dequantize_rows(layer, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tens
             j = rows % 64
             byte = layer.qweight.view(n // 64, k, 32)[rows // 64, :, j % 32]            # [R, K]
             codes = (byte >> (4 * (j // 32)).to(torch.uint8)[:, None]) & 15
+        elif method.layout == "k64":
+            codes = cpu_int4.unpack(layer.qweight[rows])
         else:
             codes = _plain_unpack(layer.qweight[rows])
-        sz = layer.scales_and_zeros[:, rows].float()                                    # [G, R, 2]
+        sz = method.scales_and_zeros(layer)[:, rows].float()                            # [G, R, 2]
         g = sz.shape[0]
         w = (codes.view(r, g, k // g).float() - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
     elif isinstance(method, Int8WeightOnlyMethod):

@@ -34,6 +34,7 @@ from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.layers import cpp_ext, fused_ops
 from tokenmill.layers.cpu_packed_linear import PackedBf16LinearMethod, packed_linear
 from tokenmill.layers.linear import Linear, UnquantizedLinearMethod
+from tokenmill.quant import cpu_int4
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -42,7 +43,8 @@ _STACK_SOURCE = r"""
 // without the Python between kernels. Per layer, 8 tensors then 4 linears of 3 tensors each:
 //   in_norm, post_norm, k_cache, v_cache, (unused x4), then for qkv, o, gate_up, down: (a, b, unused)
 // with a linear's kind in `kinds` (0: float32 a = weight, GEMV for one row else at::linear, 1: bf16 GEMV a = weight,
-// 2: int4 tinygemm a = qweight, b = scales_and_zeros) and its group size in `groups`.
+// 2: int4 tinygemm a = qweight, b = scales_and_zeros, 3: int4 k64 (quant/cpu_int4.py), same tensors) and its
+// group size in `groups`.
 static torch::Tensor stack_linear(int64_t kind, const torch::Tensor& x, const torch::Tensor& a,
                                   const torch::Tensor& b, int64_t group) {
     if (kind == 1) {
@@ -51,6 +53,11 @@ static torch::Tensor stack_linear(int64_t kind, const torch::Tensor& x, const to
         return y;
     }
     if (kind == 2) return at::_weight_int4pack_mm_for_cpu(x, a, group, b);
+    if (kind == 3) {
+        auto y = at::empty({x.size(0), a.size(0)}, x.options());
+        TORCH_CHECK(int4_linear(y, x, a, b, c10::nullopt, group), "decode_stack: int4 kernel refused its shape");
+        return y;
+    }
     if (x.size(0) == 1 && x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat) {
         auto y = at::empty({1, a.size(0)}, x.options());
         if (gemv_f32(y, x, a)) return y;
@@ -102,8 +109,8 @@ _STACK_DECL = ("torch::Tensor decode_stack(torch::Tensor h, torch::Tensor positi
 
 def _stack_ext():
     """The C++ layer loop: one extension built from the fused-op and attention sources plus the loop."""
-    return cpp_ext.load("tokenmill_decode_stack_v2", _STACK_DECL,
-                        fused_ops._SOURCE + cpu_kernels._CPP_SOURCE + _STACK_SOURCE, ["decode_stack"])
+    return cpp_ext.load("tokenmill_decode_stack_v3", _STACK_DECL,
+                        fused_ops._SOURCE + cpu_kernels._CPP_SOURCE + cpu_int4.SOURCE + _STACK_SOURCE, ["decode_stack"])
 
 
 @dataclass
@@ -128,6 +135,8 @@ def _stack_linear(layer: Linear) -> tuple[int, torch.Tensor, torch.Tensor, int] 
         return 1, layer.weight, empty, 0
     if type(method) is UnquantizedLinearMethod and layer.weight.dtype == torch.float32:
         return 0, layer.weight, empty, 0
+    if getattr(method, "layout", None) == "k64" and layer.scales_and_zeros.dtype == torch.bfloat16 and cpu_int4.available():
+        return 3, layer.qweight, layer.scales_and_zeros, method.group_size
     if getattr(method, "is_tinygemm", False) and layer.scales_and_zeros.dtype in (torch.bfloat16, torch.float16):
         return 2, layer.qweight, layer.scales_and_zeros, method.group_size
     return None
@@ -152,6 +161,16 @@ def _linear_fn(layer: Linear) -> LinearFn | None:
             y = fused_ops.linear_small(x, w, None) if x.shape[0] == 1 else None
             return F.linear(x, w) if y is None else y
         return dense
+    if getattr(method, "layout", None) == "k64":  # int4, our kernel (quant/cpu_int4.py)
+        qweight, sz, gs = layer.qweight, layer.scales_and_zeros, method.group_size
+
+        def int4_k64(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] == 1:
+                y = cpu_int4.linear(x, qweight, sz, gs)
+                if y is not None:
+                    return y
+            return method.apply(layer, x)
+        return int4_k64
     if getattr(method, "is_tinygemm", False):  # int4 (quant/kernels.py)
         op = torch.ops.aten._weight_int4pack_mm_for_cpu.default
         qweight, sz, gs = layer.qweight, layer.scales_and_zeros, method.group_size
