@@ -1,27 +1,37 @@
-"""Peer engines measured in the same run: Hugging Face transformers and llama.cpp.
+"""Peer engines measured in the same run: Hugging Face transformers and llama.cpp, the latter both
+in-process (llama-cpp-python, one request at a time) and as llama-server with parallel slots.
 
-Both are optional. `hf_available()` / `llamacpp_available()` say whether they can run here; a
-benchmark reports an absent peer as {"available": false, "reason": ...} instead of failing.
-llama.cpp is used through the llama-cpp-python package (never installed by us: it compiles for a
-long time on small machines).
+All are optional. `hf_available()` / `llamacpp_available()` / `llamaserver_available()` say whether
+they can run here; a benchmark reports an absent peer as {"available": false, "reason": ...} instead
+of failing. llama-cpp-python is never installed by us (it compiles for a long time on small
+machines); llama-server is a binary built by scripts/build_llama_server.sh.
 """
 from __future__ import annotations
 
+import http.client
 import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from tokenmill.bench.common import SampleRequest
+from tokenmill.bench.common import REPO_ROOT, SampleRequest
 
 
 def absent(reason: str) -> dict:
     return {"available": False, "reason": reason}
 
 
-PEERS = ("hf", "llamacpp")
+PEERS = ("hf", "llamacpp", "llamaserver")
+"""Result keys of the peers, in table order; a benchmark fills in only those it ran."""
 
 
 def add_peer_ratios(results: dict, metric: str) -> None:
@@ -65,6 +75,24 @@ def llamacpp_available(model: str = "smollm2-135m") -> str | None:
     from tokenmill.models.loader import resolve_model_path
     if resolve_model_path(model).suffix != ".gguf":
         return f"llama.cpp reads GGUF files only; {model} is not one"
+    return None
+
+
+def llamaserver_available(model: str = "smollm2-135m", binary: str | os.PathLike | None = None) -> str | None:
+    """None if llama-server can serve `model` here, else the reason why not."""
+    if find_llama_server(binary) is None:
+        explicit = binary or os.environ.get(LLAMA_SERVER_ENV)
+        if explicit:
+            return f"llama-server not found at {explicit} (from --llama-server or ${LLAMA_SERVER_ENV})"
+        return (f"llama-server not found (pass --llama-server PATH, set ${LLAMA_SERVER_ENV}, or build it into "
+                "../shared/tools/llama-server with scripts/build_llama_server.sh)")
+    from tokenmill.models.loader import ModelLoadError, resolve_model_path
+    try:
+        path = resolve_model_path(model)
+    except ModelLoadError as e:
+        return str(e)
+    if path.suffix != ".gguf":
+        return f"llama-server reads GGUF files only; {model} is not one"
     return None
 
 
@@ -191,6 +219,179 @@ class LlamaCppPeer:
             if len(toks) >= max_new_tokens:
                 break
         return timing, toks
+
+
+# ------------------------------------------------------- llama-server peer
+LLAMA_SERVER_ENV = "TOKENMILL_LLAMA_SERVER"
+
+
+DEFAULT_LLAMA_SERVER = REPO_ROOT.parent / "shared" / "tools" / "llama-server" / "llama-server"
+"""Where scripts/build_llama_server.sh puts the binary: ../shared/tools next to the repository."""
+
+
+def _executable(p: Path) -> bool:
+    return p.is_file() and os.access(p, os.X_OK)
+
+
+def find_llama_server(binary: str | os.PathLike | None = None) -> Path | None:
+    """The llama-server to run: `binary` if given, else $TOKENMILL_LLAMA_SERVER, else the copy next to
+    the repository, else `llama-server` on PATH. An explicit choice (argument or variable) that does
+    not exist gives None rather than silently measuring some other build."""
+    explicit = binary or os.environ.get(LLAMA_SERVER_ENV)
+    if explicit:
+        p = Path(explicit).expanduser()
+        if p.is_dir():
+            p = p / "llama-server"
+        elif not p.exists() and os.sep not in str(explicit):  # a bare command name: look it up on PATH
+            found = shutil.which(str(explicit))
+            p = Path(found) if found else p
+        return p if _executable(p) else None
+    if _executable(DEFAULT_LLAMA_SERVER):
+        return DEFAULT_LLAMA_SERVER
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def llama_server_command(binary: Path, model_path: Path, port: int, num_threads: int, slots: int,
+                         ctx_per_slot: int = 2048) -> list[str]:
+    """The server's command line. In this llama.cpp (0.3.36's) the unified KV cache is off unless
+    --parallel is left on auto, and then -c is split evenly: every slot gets c / N tokens (padded to
+    256). So -c N * ctx_per_slot gives each slot its own ctx_per_slot-token KV stream (2048: vLLM's
+    ShareGPT filter keeps prompt + reply <= 2048); --no-kv-unified says so explicitly. (With a unified
+    pool, -c is shared, and each slot's attention scans the used part of the whole pool, masked.)"""
+    return [str(binary), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port),
+            "-t", str(num_threads), "-tb", str(num_threads),
+            "--parallel", str(slots), "-c", str(slots * ctx_per_slot), "--no-kv-unified", "--cont-batching",
+            "--cache-ram", "0",  # no host-memory prompt cache: requests say cache_prompt: false anyway
+            "--no-webui"]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child just before exec: Linux sends it SIGTERM when the benchmark process dies,
+    even by SIGKILL, so a crashed run cannot leave a server holding the CPUs."""
+    import ctypes
+    import signal
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+class LlamaServerPeer:
+    """llama.cpp's llama-server with `slots` parallel slots (continuous batching across them) on the
+    same GGUF file and thread count: the multi-request llama.cpp baseline, which llama-cpp-python
+    (one request at a time) is not. Use it as a context manager: the server is stopped on exit,
+    also on errors."""
+
+    name = "llama-server"
+
+    def __init__(self, model: str, num_threads: int, slots: int = 16, binary: str | os.PathLike | None = None,
+                 ctx_per_slot: int = 2048, startup_timeout: float = 120.0) -> None:
+        from tokenmill.bench.serve import free_port
+        from tokenmill.models.loader import resolve_model_path
+        found = find_llama_server(binary)
+        if found is None:
+            raise RuntimeError(llamaserver_available(model, binary) or "llama-server not found")
+        self.binary = found
+        self.path = Path(resolve_model_path(model))
+        self.slots = slots
+        self.ctx_per_slot = ctx_per_slot
+        self.port = free_port()
+        env = dict(os.environ)
+        # Its .so files sit beside it (the build's RUNPATH points into the deleted build folder).
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(found.parent), env.get("LD_LIBRARY_PATH")]))
+        self.log = tempfile.NamedTemporaryFile("w+b", prefix="llama-server-", suffix=".log", delete=False)
+        cmd = llama_server_command(found, self.path, self.port, num_threads, slots, ctx_per_slot)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        try:
+            self._wait_healthy(startup_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _log_tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def _wait_healthy(self, timeout: float) -> None:
+        """/health answers 503 while the model loads and 200 once the slots are ready."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with code {self.proc.returncode} during startup:\n"
+                                   + self._log_tail())
+            try:
+                status, _ = self._request("GET", "/health", None, timeout=2.0)
+                if status == 200:
+                    return
+            except OSError:  # not listening yet
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"llama-server did not become healthy within {timeout:.0f}s:\n" + self._log_tail())
+
+    def _request(self, method: str, path: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
+        # http.client, not urllib: urllib would route 127.0.0.1 through an http_proxy from the environment.
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=None if body is None else json.dumps(body),
+                         headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def complete(self, prompt_ids: list[int], n_predict: int, timeout: float = 3600.0) -> dict:
+        """One greedy /completion on token ids, EOS ignored, no prompt cache reuse (llama-server's
+        native endpoint: it takes token ids and reports how many tokens it generated)."""
+        body = {"prompt": prompt_ids, "n_predict": n_predict, "ignore_eos": True, "temperature": 0.0,
+                "cache_prompt": False, "stream": False}
+        status, data = self._request("POST", "/completion", body, timeout)
+        if status != 200:
+            raise RuntimeError(f"/completion: HTTP {status}: {data[:300].decode(errors='replace')}")
+        return json.loads(data)
+
+    def throughput(self, requests: list[SampleRequest]) -> dict:
+        """Every request sent at once, one HTTP request in flight each: the server runs `slots` of them
+        at a time and queues the rest, the way vLLM's offline benchmark hands the engine the whole list.
+        Counts requested tokens (like the other engines) and reports outputs of another length."""
+        if not requests:
+            raise ValueError("no requests")
+        self.complete(requests[0].prompt_token_ids[:8], 1)  # warm-up, untimed
+
+        def one(r: SampleRequest) -> int | str:
+            try:
+                return int(self.complete(r.prompt_token_ids, r.output_len)["tokens_predicted"])
+            except Exception as e:  # noqa: BLE001 - reported with the results, not raised mid-run
+                return f"{type(e).__name__}: {e}"
+
+        with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+            t0 = time.perf_counter()
+            outs = list(pool.map(one, requests))
+            elapsed = time.perf_counter() - t0
+        mismatched = sum(1 for r, o in zip(requests, outs) if o != r.output_len)
+        errors = sorted({o for o in outs if isinstance(o, str)})
+        return throughput_figures(requests, elapsed) | {
+            "slots": self.slots, "ctx_per_slot": self.ctx_per_slot,
+            "generated_tokens": sum(o for o in outs if isinstance(o, int)),
+            "num_mismatched_outputs": mismatched, "errors": errors[:5]}
+
+    def stop(self) -> None:
+        """terminate, then kill if it has not exited within 10 s; removes the log file."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+    def __enter__(self) -> "LlamaServerPeer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def throughput_figures(requests: list[SampleRequest], elapsed: float) -> dict:

@@ -1,6 +1,7 @@
 """`tokenmill bench throughput`: offline throughput (every request submitted at once), vLLM's
-benchmark_throughput definitions, with Hugging Face transformers (static batches) and llama.cpp
-(llama-cpp-python, one request at a time) on the same requests, dtype and thread count."""
+benchmark_throughput definitions, with Hugging Face transformers (static batches), llama.cpp
+(llama-cpp-python, one request at a time) and llama-server (parallel slots, all requests sent at
+once) on the same requests, dtype and thread count."""
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dataset_args(p)
     g = p.add_argument_group("throughput")
     g.add_argument("--num-threads", type=int, default=None, help="torch / llama.cpp threads (default: torch's)")
-    g.add_argument("--peers", default="hf,llamacpp", help="Comma list of peers: hf, llamacpp, or none")
+    g.add_argument("--peers", default="hf,llamacpp,llamaserver",
+                   help="Comma list of peers: hf, llamacpp, llamaserver, or none (absent ones are reported)")
     g.add_argument("--hf-max-batch-size", type=int, default=64, help="HF static batch size (default: 64)")
+    g.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama-server binary (default: $TOKENMILL_LLAMA_SERVER, ../shared/tools/llama-server/"
+                        "llama-server next to the repository, then PATH)")
+    g.add_argument("--llama-server-slots", type=int, default=16,
+                   help="llama-server --parallel slots, 2048 tokens of KV each (default: 16)")
     g.add_argument("--output-json", default=None, help="Write the results here")
 
 
@@ -52,10 +59,27 @@ def run_throughput(args: argparse.Namespace) -> dict:
             for r in requests:
                 lc.timed_generate(r.prompt_token_ids, r.output_len)
             results["llamacpp"] = peers.throughput_figures(requests, time.perf_counter() - t0) | {
-                "note": "llama-cpp-python runs one request at a time; for parallel slots use bench serve "
-                        "against llama-server"}
+                "note": "llama-cpp-python runs one request at a time; the llamaserver peer has parallel slots"}
+    if "llamaserver" in wanted:
+        results["llamaserver"] = llamaserver_throughput(args, requests, threads)
     peers.add_peer_ratios(results, "output_tok_s")
     return results
+
+
+def llamaserver_throughput(args: argparse.Namespace, requests, threads: int) -> dict:
+    """The llama-server peer's figures, or why it is absent. A server that fails to start is reported
+    the same way, so the engines already measured are not lost."""
+    reason = peers.llamaserver_available(args.model, args.llama_server)
+    if reason:
+        return peers.absent(reason)
+    try:
+        server = peers.LlamaServerPeer(args.model, threads, slots=args.llama_server_slots, binary=args.llama_server)
+    except RuntimeError as e:
+        # One line for the table; the server's log tail goes to the JSON.
+        first, *log_tail = (str(e) or type(e).__name__).splitlines()
+        return peers.absent(f"llama-server failed to start: {first}") | {"log_tail": log_tail}
+    with server:
+        return server.throughput(requests) | {"binary": str(server.binary)}
 
 
 def print_throughput(results: dict) -> None:
@@ -67,6 +91,12 @@ def print_throughput(results: dict) -> None:
           f"tokens), {c['dtype']}, {c['threads']} threads")
     print(format_table(["engine", "elapsed s", "req/s", "output tok/s", "total tok/s"], rows))
     peers.print_peer_ratios(results, "output tok/s")
+    ls = results.get("llamaserver", {})
+    if ls.get("available", True) and "slots" in ls:
+        print(f"llama-server: {ls['slots']} parallel slots")
+        if ls["num_mismatched_outputs"]:
+            print(f"WARNING: llama-server returned {ls['num_mismatched_outputs']} outputs of another length than "
+                  f"requested (its figures count requested tokens); errors: {ls['errors']}")
 
 
 def run(args: argparse.Namespace) -> int:

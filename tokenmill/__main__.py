@@ -1,0 +1,4 @@
+"""`python -m tokenmill ...` = the `tokenmill` command."""
+from tokenmill.entrypoints.cli import main
+
+raise SystemExit(main())
