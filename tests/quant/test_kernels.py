@@ -102,3 +102,18 @@ def test_int4_kernel_is_selected_for_bf16_decode():
     assert layer.quant_method.layout == ("k64" if cpu_int4.available() else "tinygemm")
     assert layer.qweight.numel() == 192 * 576 // 2  # 4 bits per weight
     layer(torch.randn(1, 576, dtype=torch.bfloat16))  # runs the measurement; either path is valid
+
+
+@pytest.mark.skipif(not cpu_int4.available(), reason="needs AVX512-BF16 and a C++ compiler")
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("sym", [True, False])
+def test_int8_gemv_matches_dequantized_reference(rows, sym):
+    layer = _layer(200, 576, torch.bfloat16, bias=False)
+    qw = quantize_groupwise(layer.weight.data.float(), 8, -1, sym)
+    install_quantized(layer, qw)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    y = cpu_int4.int8_linear(x, layer.qweight, layer.scales, layer.offsets)
+    assert y is not None and y.shape == (rows, 200)
+    ref = x.float() @ layer.quant_method.dequantize(layer, torch.float32).t()
+    assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    assert cpu_int4.int8_linear(torch.randn(9, 576).bfloat16(), layer.qweight, layer.scales, layer.offsets) is None

@@ -7,7 +7,8 @@ batch-size bucket) by timing both on the first call of that kind:
   * "kernel":  int4: our AVX512-BF16 kernel (quant/cpu_int4.py, layout "k64": K and the group size
                multiples of 64, bf16 activations), else torch's `_weight_int4pack_mm_for_cpu`
                (layout "tinygemm": N % 64 == 0, groups of 32..256, bf16/fp16 activations);
-               int8: `_weight_int8pack_mm` (per output channel), bf16/fp16 activations;
+               int8 (per output channel): our GEMV for up to 8 bf16 rows (quant/cpu_int4.py), else
+               `_weight_int8pack_mm`, bf16/fp16 activations;
   * "dequant": dequantize the packed buffers to the activation dtype, then one dense matmul. Always
                valid (any group size, g_idx, device) and exact in float32; it is the fallback and,
                through `QuantizedWeight.dequantize`, the oracle of the tests.
@@ -215,6 +216,10 @@ class Int8WeightOnlyMethod:
 
     @staticmethod
     def _kernel(layer, x2: torch.Tensor) -> torch.Tensor:
+        if x2.shape[0] <= cpu_int4.INT8_MAX_ROWS:  # our GEMV (quant/cpu_int4.py) reads ~2x faster at a few rows
+            y = cpu_int4.int8_linear(x2, layer.qweight, layer.scales, layer.offsets)
+            if y is not None:
+                return y
         y = torch.ops.aten._weight_int8pack_mm(x2.contiguous(), layer.qweight, layer.scales[:, 0].to(x2.dtype))
         if layer.offsets is not None:  # asymmetric: sum_k x_k * offset_n
             y = y + x2.sum(-1, keepdim=True) * layer.offsets[:, 0].to(x2.dtype)
