@@ -172,6 +172,26 @@ bool int8_linear(torch::Tensor y, torch::Tensor x, torch::Tensor qweight, torch:
     const float* xp = xf.data();
     const int64_t grain = N * K < (int64_t(1) << 17) ? N : 64;
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        if (M == 1) {  // one row: four independent FMA chains (two were latency-bound)
+            for (int64_t n = n0; n < n1; ++n) {
+                const int8_t* w = qp + n * K;
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t k = 0; k < K; k += 64) {
+                    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k)))),
+                                         _mm512_loadu_ps(xp + k), a0);
+                    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k + 16)))),
+                                         _mm512_loadu_ps(xp + k + 16), a1);
+                    a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k + 32)))),
+                                         _mm512_loadu_ps(xp + k + 32), a2);
+                    a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + k + 48)))),
+                                         _mm512_loadu_ps(xp + k + 48), a3);
+                }
+                const float sc = static_cast<float>(sp[n]), of = op ? static_cast<float>(op[n]) : 0.f;
+                yp[n] = static_cast<at::BFloat16>(
+                    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))) * sc + of * xsum[0]);
+            }
+            return;
+        }
         for (int64_t n = n0; n < n1; ++n) {
             const int8_t* w = qp + n * K;
             __m512 acc[8][2];
@@ -218,7 +238,7 @@ bool int8_linear(torch::Tensor y, torch::Tensor x, torch::Tensor qweight, torch:
                  c10::optional<torch::Tensor> offsets);
 """
 
-_NAME = "tokenmill_int4_gemv_v4"
+_NAME = "tokenmill_int4_gemv_v5"
 
 
 def _ext():
