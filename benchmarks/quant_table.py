@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -73,24 +74,34 @@ def speed_part(args, work: Path, results: Path, done: dict) -> None:
         quantize_to_dir("rtn", 4, 64, int4_dir, None)
     models = {"bf16": MODEL, "int8 (w8 per-channel)": str(int8_dir), "int4 (w4 g64)": str(int4_dir)}
     prompts = [f"Write a short story about a robot number {i} who learns to paint." for i in range(args.batch)]
+    # All three engines live at once and are timed in interleaved rounds (bf16, int8, int4, bf16, ...):
+    # the host's speed drifts by tens of percent within minutes, and a drift must hit every model alike.
+    # The figure kept is the median round.
+    llms, weight_bytes = {}, {}
     for label, path in models.items():
-        llm = LLM(model=path, dtype="bfloat16", max_num_seqs=max(args.batch, 1),
-                  max_model_len=512, enable_prefix_caching=False)
-        weight_bytes = quantized_nbytes(llm.engine.model)
-        sp = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
-        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
-        for batch in (1, args.batch):
-            key = f"speed|{label}|{batch}"
-            if key in done:
-                continue
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts[:batch], sp, use_tqdm=False)
-            dt = time.perf_counter() - t0
-            n = sum(len(o.outputs[0].token_ids) for o in outs)
-            append_result(results, {"key": key, "model": label, "batch": batch, "tokens": n, "seconds": dt,
-                                    "tok_per_s": n / dt, "weight_bytes": weight_bytes,
-                                    "loadavg": os.getloadavg()[0]})
-        del llm
+        llms[label] = LLM(model=path, dtype="bfloat16", max_num_seqs=max(args.batch, 1),
+                          max_model_len=512, enable_prefix_caching=False)
+        weight_bytes[label] = quantized_nbytes(llms[label].engine.model)
+        llms[label].generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                             use_tqdm=False)  # warm-up
+    sp = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    runs: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.speed_rounds):
+        for label, llm in llms.items():
+            for batch in (1, args.batch):
+                if f"speed|{label}|{batch}" in done:
+                    continue
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts[:batch], sp, use_tqdm=False)
+                dt = time.perf_counter() - t0
+                n = sum(len(o.outputs[0].token_ids) for o in outs)
+                runs.setdefault((label, batch), []).append(n / dt)
+    for (label, batch), tps in runs.items():
+        append_result(results, {"key": f"speed|{label}|{batch}", "model": label, "batch": batch,
+                                "tokens": batch * args.decode_tokens, "tok_per_s": statistics.median(tps),
+                                "rounds": tps, "weight_bytes": weight_bytes[label],
+                                "loadavg": os.getloadavg()[0]})
+    del llms
     print("kernel choices:", {str(k): v for k, v in measured_choices().items()})
 
 
@@ -167,6 +178,7 @@ def main() -> None:
     ap.add_argument("--bits", nargs="*", type=int, default=None, help="Subset of 3 4 8.")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--speed-rounds", type=int, default=3, help="Interleaved timing rounds; the median is kept.")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--render-only", action="store_true")
