@@ -214,6 +214,13 @@ static void decode_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
                         krow[i] = reinterpret_cast<const uint16_t*>(
                             kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride + h * D);
                     }
+                    // The blocks are scattered, so the hardware cannot run ahead: prefetch the next
+                    // 16 rows (read cold, this loop ran at ~10 GB/s without it).
+                    for (int64_t t = t0 + 16; t < std::min<int64_t>(t0 + 32, L); ++t) {
+                        const char* r = reinterpret_cast<const char*>(
+                            kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride + h * D);
+                        for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
+                    }
                     for (int64_t g = 0; g < G; ++g) {
                         const uint16_t* qg = reinterpret_cast<const uint16_t*>(qp + b * q_row + (h * G + g) * D);
                         __m512bh qb[NV / 2];
@@ -232,6 +239,11 @@ static void decode_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
             } else
 #endif
             for (int64_t t = 0; t < L; ++t) {
+                if (t + 16 < L) {  // prefetch 16 rows ahead, as in the bf16 loop
+                    const char* r = reinterpret_cast<const char*>(
+                        kp + tp[b * nb_max + (t + 16) / bs] * kb_stride + ((t + 16) % bs) * tok_stride + h * D);
+                    for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
+                }
                 const scalar_t* kr = kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride + h * D;
                 __m512 kv[NV];
                 for (int i = 0; i < NV; ++i) kv[i] = load16(kr + 16 * i);
@@ -262,6 +274,11 @@ static void decode_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
             for (int64_t g = 0; g < G; ++g)
                 for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
             for (int64_t t = 0; t < L; ++t) {
+                if (t + 16 < L) {  // prefetch the row 16 tokens ahead (scattered blocks, see above)
+                    const char* r = reinterpret_cast<const char*>(
+                        vp + tp[b * nb_max + (t + 16) / bs] * vb_stride + ((t + 16) % bs) * tok_stride + h * D);
+                    for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
+                }
                 const scalar_t* vr = vp + tp[b * nb_max + t / bs] * vb_stride + (t % bs) * tok_stride + h * D;
                 __m512 vv[NV];
                 for (int i = 0; i < NV; ++i) vv[i] = load16(vr + 16 * i);
@@ -363,7 +380,7 @@ _CPP_DECL = ("void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tenso
              "torch::Tensor seq_lens, double scale);")
 
 def _load():
-    return cpp_ext.load("tokenmill_cpu_kernels_v7", _CPP_DECL, _CPP_SOURCE, ["paged_decode", "write_and_decode"])
+    return cpp_ext.load("tokenmill_cpu_kernels_v9", _CPP_DECL, _CPP_SOURCE, ["paged_decode", "write_and_decode"])
 
 
 def is_available() -> bool:
