@@ -37,9 +37,11 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 class TorchPagedAttention:
     """Writes new K/V into their slots, then attends over each request's blocks.
 
-    Decodes are batched: their blocks are gathered into [num_decodes, max_len] and masked by
-    length. Prefill chunks run one request at a time with a causal mask offset by the
-    request's cached context (a chunk at positions [c, c + n) sees keys [0, c + n)).
+    On CPU (fp32/bf16 cache) every token of a step is attended by the C++ kernel as a decode over
+    its own prefix, one call per layer. Otherwise decodes are batched: their blocks are gathered into
+    [num_decodes, max_len] and masked by length. Prefill chunks run one request at a time with a
+    causal mask offset by the request's cached context (a chunk at positions [c, c + n) sees keys
+    [0, c + n)).
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
@@ -52,6 +54,10 @@ class TorchPagedAttention:
             if out is not None:
                 return out
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.custom_mask is None:  # CPU: every token of the step as its own decode over its prefix
+            out = paged_decode_attention(q, kv_cache, *_per_token_tables(meta), scale)
+            if out is not None:
+                return out
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
@@ -102,6 +108,28 @@ class TorchPagedAttention:
             mask = (torch.arange(kc.shape[1], device=q.device)[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
         o = F.scaled_dot_product_attention(qg, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask, scale=scale)
         return o.reshape(b, hq, d)
+
+
+def _per_token_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_tokens, max_blocks] block tables and [num_tokens] causal key counts: token j of a request
+    whose chunk ends at seq_len sees keys [0, seq_len - n + j + 1). Built once per step (cached on the
+    metadata) for the C++ kernel, which then serves prefill chunks and decodes in one call per layer.
+    On the 64-request offline benchmark (bf16) prefill attention took 1.74 s as one SDPA call per
+    request and 1.53 s this way. A side effect: a query row's attention no longer depends on how
+    its prompt was chunked."""
+    cached = getattr(meta, "_per_token", None)
+    if cached is not None:
+        return cached
+    if meta.token_block_tables is not None and meta.token_seq_lens is not None:
+        cached = (meta.token_block_tables, meta.token_seq_lens)
+    else:
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        counts = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(lens))])
+        tables = meta.block_tables.repeat_interleave(counts.to(meta.block_tables.device), dim=0)
+        seq = torch.cat([torch.arange(lens[i] - int(counts[i]) + 1, lens[i] + 1) for i in range(len(lens))])
+        cached = (tables.contiguous(), seq.to(meta.block_tables.device))
+    meta._per_token = cached
+    return cached
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
