@@ -20,7 +20,7 @@ import torch
 
 from tokenmill.layers import cpp_ext
 
-_CPP_SOURCE = r"""
+_CPP_SOURCE = cpp_ext.EXP16_SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <vector>
@@ -135,21 +135,6 @@ static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const at::BFloat16* p) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-static inline __m512 exp16(__m512 x) {  // x <= 0 here (scores minus their max); rel. error ~1e-7
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 // 16 vectors -> one vector of their 16 lane sums (lane i = sum of v[i]): a transpose-and-add tree,
@@ -380,7 +365,7 @@ _CPP_DECL = ("void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tenso
              "torch::Tensor seq_lens, double scale);")
 
 def _load():
-    return cpp_ext.load("tokenmill_cpu_kernels_v9", _CPP_DECL, _CPP_SOURCE, ["paged_decode", "write_and_decode"])
+    return cpp_ext.load("tokenmill_cpu_kernels_v10", _CPP_DECL, _CPP_SOURCE, ["paged_decode", "write_and_decode"])
 
 
 def is_available() -> bool:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from tokenmill.layers import cpp_ext
 
-_SOURCE = r"""
+_SOURCE = cpp_ext.EXP16_SOURCE + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -107,23 +107,6 @@ static void rope_impl(torch::Tensor qk, int64_t n_heads, int64_t D, torch::Tenso
 // out [N, d] = silu(x[:, :d]) * x[:, d:], x [N, 2d]; silu rounded to dtype first, as the reference.
 #if defined(__AVX512F__)
 #include <immintrin.h>
-// exp(x) for 16 floats: Cephes-style range reduction + degree-6 polynomial, rel. error ~1e-7
-// (std::exp's is ~1e-7 too); overflow gives +inf, underflow 0.
-static inline __m512 silu_exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
 static inline __m512 silu_ld16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 silu_ld16(const at::BFloat16* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -154,7 +137,7 @@ static void silu_mul_impl(torch::Tensor out, torch::Tensor x) {
 #if defined(__AVX512F__)
         for (; j + 16 <= d; j += 16) {
             const __m512 gv = silu_ld16(g + j);
-            const __m512 e = silu_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
             const __m512 sv = silu_round(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), (T*)nullptr);
             silu_st16(o + j, silu_round(_mm512_mul_ps(sv, silu_ld16(u + j)), (T*)nullptr));
         }
@@ -329,7 +312,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _ext():
-    return cpp_ext.load("tokenmill_fused_ops_v7", _DECLS, _SOURCE, _FUNCTIONS)
+    return cpp_ext.load("tokenmill_fused_ops_v8", _DECLS, _SOURCE, _FUNCTIONS)
 
 
 def is_available() -> bool:
