@@ -6,6 +6,7 @@ import math
 import os
 import platform
 import random
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,3 +170,14 @@ def set_threads(num_threads: int | None) -> int:
         torch.set_num_threads(num_threads)
         os.environ["TOKENMILL_NUM_THREADS"] = str(num_threads)
     return torch.get_num_threads()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """terminate a server a benchmark started, then kill it if it has not exited within `timeout` s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.bench.common import REPO_ROOT, SampleRequest
+from tokenmill.bench.common import REPO_ROOT, SampleRequest, stop_process
 
 
 def absent(reason: str) -> dict:
@@ -377,13 +377,7 @@ class LlamaServerPeer:
 
     def stop(self) -> None:
         """terminate, then kill if it has not exited within 10 s; removes the log file."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 10)
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
 

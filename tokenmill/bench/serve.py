@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tokenmill.bench.common import (SampleRequest, add_dataset_args, environment, format_table, requests_from_args,
+from tokenmill.bench.common import (SampleRequest, stop_process, add_dataset_args, environment, format_table, requests_from_args,
                                     summarize, write_json)
 
 
@@ -227,13 +227,7 @@ class LaunchedServer:
         raise RuntimeError(f"tokenmill serve did not become healthy within {timeout:.0f}s")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 30)
         if self.log is not subprocess.DEVNULL:
             self.log.close()
 

@@ -275,12 +275,17 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tenso
     if (x.dtype != torch.bfloat16 or scales_and_zeros.dtype != torch.bfloat16 or x.dim() != 2
             or x.device.type != "cpu" or (bias is not None and bias.dtype != torch.bfloat16)):
         return None
+    return _run("int4_linear", x, qweight.shape[0], qweight, scales_and_zeros, bias, group_size)
+
+
+def _run(kernel: str, x: torch.Tensor, n_out: int, *args) -> torch.Tensor | None:
+    """y [M, n_out] = ext.<kernel>(y, x, *args), or None when the extension is missing or refuses."""
     ext = _ext()
     if ext is None:
         return None
     x = x.contiguous()
-    y = x.new_empty(x.shape[0], qweight.shape[0])
-    return y if ext.int4_linear(y, x, qweight, scales_and_zeros, bias, group_size) else None
+    y = x.new_empty(x.shape[0], n_out)
+    return y if getattr(ext, kernel)(y, x, *args) else None
 
 
 INT8_MAX_ROWS = 8
@@ -293,11 +298,5 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > INT8_MAX_ROWS or x.device.type != "cpu"
             or scales.dtype != torch.bfloat16 or (offsets is not None and offsets.dtype != torch.bfloat16)):
         return None
-    ext = _ext()
-    if ext is None:
-        return None
-    x = x.contiguous()
-    y = x.new_empty(x.shape[0], qweight.shape[0])
-    ok = ext.int8_linear(y, x, qweight, scales.reshape(-1).contiguous(),
-                         None if offsets is None else offsets.reshape(-1).contiguous())
-    return y if ok else None
+    return _run("int8_linear", x, qweight.shape[0], qweight, scales.reshape(-1).contiguous(),
+                None if offsets is None else offsets.reshape(-1).contiguous())
