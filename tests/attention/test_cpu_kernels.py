@@ -52,3 +52,55 @@ def test_kernel_declines_what_it_does_not_serve():
     tables, seq = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
     assert cpu_kernels.paged_decode_attention(q, cache, tables, seq, 0.25) is None          # int8 cache
     assert cpu_kernels.paged_decode_attention(q.half(), cache.half(), tables, seq, 0.25) is None  # fp16
+
+
+def _causal_reference(q, cache, tables, seq_lens, q_start, q_len, scale):
+    """Float32 attention written out: each sequence's query rows are its last q_len positions."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    bs = cache.shape[2]
+    for s in range(len(seq_lens)):
+        L, n, a = int(seq_lens[s]), int(q_len[s]), int(q_start[s])
+        nb = -(-L // bs)
+        k = cache[0][tables[s, :nb]].flatten(0, 1)[:L].float()
+        v = cache[1][tables[s, :nb]].flatten(0, 1)[:L].float()
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        scores = torch.einsum("thd,lhd->htl", q[a:a + n].float(), k) * scale
+        visible = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
+        out[a:a + n] = torch.einsum("htl,lhd->thd", scores.masked_fill(~visible[None], float("-inf")).softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+def test_tiled_prefill_matches_reference(num_heads, num_kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(1)
+    block_size, num_blocks = 16, 80
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).bfloat16()
+    # whole prompts, chunks after cached context (300 keys, the last 100 new), a single token,
+    # lengths on and off the 16-key and 64-key tile edges
+    seq_lens, q_len = [37, 300, 16, 1, 129, 64], [37, 100, 5, 1, 64, 64]
+    tables = torch.zeros(len(seq_lens), 20, dtype=torch.long)
+    perm, used = torch.randperm(num_blocks, generator=gen), 0
+    for i, n in enumerate(seq_lens):
+        nb = -(-n // block_size)
+        tables[i, :nb] = perm[used:used + nb]
+        used += nb
+    # query rows strided (a view of a packed qkv tensor), 3 leading rows the kernel must not touch
+    total = 3 + sum(q_len)
+    q = torch.randn(total, num_heads + 2 * num_kv_heads, head_dim, generator=gen).bfloat16()[:, :num_heads]
+    q_start = torch.tensor([3 + sum(q_len[:i]) for i in range(len(q_len))])
+    args = (tables, torch.tensor(seq_lens), q_start, torch.tensor(q_len), head_dim ** -0.5)
+    out = torch.full((total, num_heads, head_dim), 7.0, dtype=torch.bfloat16)
+    got = cpu_kernels.paged_prefill_attention(q, cache, *args, out=out)
+    if got is None:
+        pytest.skip("the tiled prefill kernel needs AVX512-BF16")
+    ref = _causal_reference(q, cache, *args)
+    torch.testing.assert_close(got[3:].float(), ref[3:], atol=2e-2, rtol=2e-2)
+    assert bool((got[:3] == 7.0).all())
+
+
+def test_tiled_prefill_declines_fp32():
+    cache = torch.zeros(2, 2, 16, 1, 64)
+    one = torch.ones(1, dtype=torch.long)
+    assert cpu_kernels.paged_prefill_attention(torch.zeros(1, 1, 64), cache, torch.zeros(1, 1, dtype=torch.long),
+                                               one, torch.zeros(1, dtype=torch.long), one, 0.125) is None

@@ -285,6 +285,219 @@ static void decode_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
 #define TOKENMILL_AVX512 1
 #endif
 
+static bool inner_contiguous(const torch::Tensor& t) {  // [n, H, D]: heads and elements contiguous
+    return t.stride(2) == 1 && t.stride(1) == t.size(2);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <atomic>
+// Prefill attention for bf16 caches, tiled as in FlashAttention: a tile of RT query rows (token,
+// head pairs of one KV head) against 64 keys at a time, online softmax, both products by vdpbf16ps.
+// Per (query row, key) this costs ~4 vdpbf16ps plus the softmax, against ~12 instructions when
+// every prompt token is attended as its own decode (horizontal sums per key).
+//
+// Phase 1 packs each sequence's keys and values, 16 keys and one KV head per block of 8*D uint32:
+//   K block [D/2][16]: lane j of row p = (k[j][2p], k[j][2p+1])   -> q.k: broadcast a pair of q
+//   V block [8][D]:    lane d of row i = (v[2i][d], v[2i+1][d])   -> p.V: broadcast a pair of p
+// Keys past seq_len are zero and masked. Phase 2 runs (sequence, KV head, row tile) tasks, heaviest
+// first, taken from a shared counter so a long prompt's tail cannot leave a thread idle.
+// Numerics: scores and softmax in float32 as in the decode kernel; the probabilities are rounded
+// to bf16 for p.V (as GPU flash kernels do), so results agree with the decode path to bf16 accuracy,
+// not bit for bit.
+template <int NV>
+static void prefill_bf16(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                         torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor q_start,
+                         torch::Tensor q_len, double scale) {
+    constexpr int D = 16 * NV, P2 = D / 2, RT = 4, KT = 4, BLK = 8 * D;
+    const int64_t S = seq_lens.size(0), Hq = q.size(1), bs = k_cache.size(1), Hkv = k_cache.size(2);
+    const int64_t G = Hq / Hkv, q_row = q.stride(0), nb_max = block_tables.size(1);
+    const int64_t kb_stride = k_cache.stride(0), vb_stride = v_cache.stride(0), tok_stride = Hkv * D;
+    const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+    at::BFloat16* op = out.data_ptr<at::BFloat16>();
+    const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+    const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+    const int64_t* tp = block_tables.data_ptr<int64_t>();
+    const int64_t* sp = seq_lens.data_ptr<int64_t>();
+    const int64_t* qs = q_start.data_ptr<int64_t>();
+    const int64_t* ql = q_len.data_ptr<int64_t>();
+    std::vector<int64_t> boff(S + 1, 0);           // first packed 16-key block of each sequence
+    for (int64_t s = 0; s < S; ++s) boff[s + 1] = boff[s] + (sp[s] + 15) / 16;
+    const int64_t nblk = boff[S];
+    // + KT blocks of zeros at the end: a tile may read up to KT - 1 blocks past its sequence.
+    std::vector<uint32_t> kpack((nblk + KT) * Hkv * BLK, 0u), vpack((nblk + KT) * Hkv * BLK, 0u);
+    static const uint16_t zeros[512] = {0};
+
+    at::parallel_for(0, nblk, 8, [&](int64_t b0, int64_t b1) {
+        for (int64_t idx = b0; idx < b1; ++idx) {
+            const int64_t s = std::upper_bound(boff.begin(), boff.end(), idx) - boff.begin() - 1;
+            const int64_t t0 = (idx - boff[s]) * 16, nk = std::min<int64_t>(16, sp[s] - t0);
+            const uint16_t* krow[16];
+            const uint16_t* vrow[16];
+            for (int64_t j = 0; j < 16; ++j) {
+                if (j < nk) {
+                    const int64_t t = t0 + j, blk = tp[s * nb_max + t / bs];
+                    krow[j] = kp + blk * kb_stride + (t % bs) * tok_stride;
+                    vrow[j] = vp + blk * vb_stride + (t % bs) * tok_stride;
+                } else {
+                    krow[j] = vrow[j] = nullptr;
+                }
+            }
+            for (int64_t h = 0; h < Hkv; ++h) {
+                uint32_t* kd = kpack.data() + (idx * Hkv + h) * BLK;
+                for (int64_t j = 0; j < nk; ++j) {
+                    const uint32_t* src = reinterpret_cast<const uint32_t*>(krow[j] + h * D);
+                    for (int p = 0; p < P2; ++p) kd[p * 16 + j] = src[p];
+                }
+                uint32_t* vd = vpack.data() + (idx * Hkv + h) * BLK;
+                for (int i = 0; i < 8; ++i) {
+                    const uint16_t* a = 2 * i < nk ? vrow[2 * i] + h * D : zeros;
+                    const uint16_t* b = 2 * i + 1 < nk ? vrow[2 * i + 1] + h * D : zeros;
+                    for (int c = 0; c < NV; ++c) {
+                        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16 * c)));
+                        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 * c)));
+                        _mm512_storeu_si512(vd + i * D + 16 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                    }
+                }
+            }
+        }
+    });
+
+    struct Task { int64_t s, h, r0; };
+    std::vector<Task> tasks;
+    for (int64_t s = 0; s < S; ++s)
+        for (int64_t r0 = (ql[s] * G - 1) / RT * RT; r0 >= 0; r0 -= RT)   // last rows (most keys) first
+            for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({s, h, r0});
+    std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
+        return sp[a.s] - ql[a.s] + a.r0 / G > sp[b.s] - ql[b.s] + b.r0 / G; });
+    std::atomic<int64_t> next{0};
+    const int64_t ntasks = static_cast<int64_t>(tasks.size());
+    const __m512 sv = _mm512_set1_ps(static_cast<float>(scale));
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), ntasks), 1, [&](int64_t, int64_t) {
+        alignas(64) float O[RT][D];
+        alignas(64) uint32_t Pp[RT][KT * 8];
+        for (int64_t ti = next.fetch_add(1); ti < ntasks; ti = next.fetch_add(1)) {
+            const Task tk = tasks[ti];
+            const int64_t s = tk.s, h = tk.h, nrows = ql[s] * G, pos0 = sp[s] - ql[s];
+            const int nr = static_cast<int>(std::min<int64_t>(RT, nrows - tk.r0));
+            const uint32_t* qr[RT];
+            int64_t pos[RT];
+            for (int rr = 0; rr < RT; ++rr) {   // padding rows repeat the last real one
+                const int64_t r = tk.r0 + std::min(rr, nr - 1), i = r / G, g = r % G;
+                qr[rr] = reinterpret_cast<const uint32_t*>(qp + (qs[s] + i) * q_row + (h * G + g) * D);
+                pos[rr] = pos0 + i;
+            }
+            const int64_t kend = pos[RT - 1] + 1;   // keys [0, kend) are visible to some row
+            float m[RT];
+            __m512 lsum[RT];
+            for (int rr = 0; rr < RT; ++rr) {
+                m[rr] = -INFINITY;
+                lsum[rr] = _mm512_setzero_ps();
+                for (int d = 0; d < D; ++d) O[rr][d] = 0.f;
+            }
+            const uint32_t* kbase = kpack.data() + (boff[s] * Hkv + h) * BLK;
+            const uint32_t* vbase = vpack.data() + (boff[s] * Hkv + h) * BLK;
+            const int64_t hstride = Hkv * BLK;   // from one 16-key block to the next (same head)
+            for (int64_t t0 = 0; t0 < kend; t0 += 16 * KT) {
+                const int64_t kb0 = t0 / 16;
+                const int nsb = static_cast<int>(std::min<int64_t>(KT, (kend - t0 + 15) / 16));
+                __m512 acc[RT][KT];
+                for (int rr = 0; rr < RT; ++rr)
+                    for (int sb = 0; sb < KT; ++sb) acc[rr][sb] = _mm512_setzero_ps();
+                const uint32_t* kb = kbase + kb0 * hstride;
+                for (int p = 0; p < P2; ++p) {
+                    __m512bh kv[KT];
+                    for (int sb = 0; sb < KT; ++sb)
+                        kv[sb] = (__m512bh)_mm512_loadu_si512(kb + sb * hstride + p * 16);
+                    for (int rr = 0; rr < RT; ++rr) {
+                        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[rr][p]));
+                        for (int sb = 0; sb < KT; ++sb) acc[rr][sb] = _mm512_dpbf16_ps(acc[rr][sb], qb, kv[sb]);
+                    }
+                }
+                float alpha[RT];
+                for (int rr = 0; rr < RT; ++rr) {
+                    __mmask16 valid[KT];
+                    __m512 mx = _mm512_set1_ps(-INFINITY);
+                    for (int sb = 0; sb < KT; ++sb) {
+                        valid[sb] = _mm512_cmp_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(t0 + 16 * sb))),
+                                                          _mm512_set1_epi32(static_cast<int>(pos[rr])), _MM_CMPINT_LE);
+                        acc[rr][sb] = _mm512_mask_blend_ps(valid[sb], _mm512_set1_ps(-INFINITY), _mm512_mul_ps(acc[rr][sb], sv));
+                        mx = _mm512_max_ps(mx, acc[rr][sb]);
+                    }
+                    const float mt = _mm512_reduce_max_ps(mx);
+                    if (mt == -INFINITY) {   // no visible key in this tile for this row
+                        alpha[rr] = 1.f;
+                        for (int i = 0; i < KT * 8; ++i) Pp[rr][i] = 0u;
+                        continue;
+                    }
+                    const float mn = std::max(m[rr], mt);
+                    alpha[rr] = std::exp(m[rr] - mn);   // exp(-inf) = 0 on the first tile
+                    m[rr] = mn;
+                    const __m512 mv = _mm512_set1_ps(mn);
+                    __m512 e[KT];
+                    __m512 tot = _mm512_setzero_ps();
+                    for (int sb = 0; sb < KT; ++sb) {
+                        e[sb] = _mm512_maskz_mov_ps(valid[sb], exp16(_mm512_sub_ps(acc[rr][sb], mv)));
+                        tot = _mm512_add_ps(tot, e[sb]);
+                    }
+                    lsum[rr] = _mm512_fmadd_ps(lsum[rr], _mm512_set1_ps(alpha[rr]), tot);
+                    for (int sb = 0; sb < KT; sb += 2)
+                        _mm512_storeu_si512(Pp[rr] + sb * 8, (__m512i)_mm512_cvtne2ps_pbh(e[sb + 1], e[sb]));
+                }
+                for (int c0 = 0; c0 < NV; c0 += 4) {
+                    __m512 o[RT][4];
+                    for (int rr = 0; rr < RT; ++rr) {
+                        const __m512 a = _mm512_set1_ps(alpha[rr]);
+                        for (int c = 0; c < 4; ++c) o[rr][c] = _mm512_mul_ps(_mm512_load_ps(O[rr] + 16 * (c0 + c)), a);
+                    }
+                    for (int i = 0; i < nsb * 8; ++i) {   // key pairs (t0 + 2i, t0 + 2i + 1)
+                        const uint32_t* vr = vbase + (kb0 + i / 8) * hstride + (i % 8) * D + 16 * c0;
+                        __m512bh pb[RT];
+                        for (int rr = 0; rr < RT; ++rr) pb[rr] = (__m512bh)_mm512_set1_epi32(static_cast<int>(Pp[rr][i]));
+                        for (int c = 0; c < 4; ++c) {
+                            const __m512bh v = (__m512bh)_mm512_loadu_si512(vr + 16 * c);
+                            for (int rr = 0; rr < RT; ++rr) o[rr][c] = _mm512_dpbf16_ps(o[rr][c], pb[rr], v);
+                        }
+                    }
+                    for (int rr = 0; rr < RT; ++rr)
+                        for (int c = 0; c < 4; ++c) _mm512_store_ps(O[rr] + 16 * (c0 + c), o[rr][c]);
+                }
+            }
+            for (int rr = 0; rr < nr; ++rr) {
+                const int64_t r = tk.r0 + rr, i = r / G, g = r % G;
+                const float inv = 1.f / _mm512_reduce_add_ps(lsum[rr]);
+                at::BFloat16* dst = op + ((qs[s] + i) * Hq + h * G + g) * D;
+                for (int d = 0; d < D; ++d) dst[d] = static_cast<at::BFloat16>(O[rr][d] * inv);
+            }
+        }
+    });
+}
+#define TOKENMILL_PREFILL_BF16 1
+#endif
+
+bool paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor q_start,
+                   torch::Tensor q_len, double scale) {
+    // q: [T, Hq, D] bf16 (rows may be strided); out: [T, Hq, D] contiguous; for each sequence s its
+    // q_len[s] query tokens are rows q_start[s].. of q and the last positions of its seq_lens[s] keys.
+    // Returns false (nothing written) when this build or these shapes are not served.
+#ifdef TOKENMILL_PREFILL_BF16
+    const int64_t D = q.size(2);
+    if (q.scalar_type() != at::kBFloat16 || k_cache.scalar_type() != at::kBFloat16 ||
+        v_cache.scalar_type() != at::kBFloat16 || !(D == 64 || D == 128) || q.size(1) % k_cache.size(2) != 0)
+        return false;
+    TORCH_CHECK(inner_contiguous(q) && out.is_contiguous(), "q heads / out must be contiguous");
+    TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == D && k_cache.stride(1) == k_cache.size(2) * D &&
+                v_cache.stride(3) == 1 && v_cache.stride(2) == D && v_cache.stride(1) == v_cache.size(2) * D,
+                "k/v_cache inner dims must be contiguous");
+    if (D == 64) prefill_bf16<4>(out, q, k_cache, v_cache, block_tables, seq_lens, q_start, q_len, scale);
+    else prefill_bf16<8>(out, q, k_cache, v_cache, block_tables, seq_lens, q_start, q_len, scale);
+    return true;
+#else
+    return false;
+#endif
+}
+
 template <typename scalar_t>
 static void write_impl(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
                        torch::Tensor slots) {
@@ -302,9 +515,6 @@ static void write_impl(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tens
     }
 }
 
-static bool inner_contiguous(const torch::Tensor& t) {  // [n, H, D]: heads and elements contiguous
-    return t.stride(2) == 1 && t.stride(1) == t.size(2);
-}
 
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
@@ -362,10 +572,14 @@ _CPP_DECL = ("void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tenso
              "torch::Tensor block_tables, torch::Tensor seq_lens, double scale);\n"
              "void write_and_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, "
              "torch::Tensor slots, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables, "
-             "torch::Tensor seq_lens, double scale);")
+             "torch::Tensor seq_lens, double scale);\n"
+             "bool paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, "
+             "torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor q_start, torch::Tensor q_len, "
+             "double scale);")
 
 def _load():
-    return cpp_ext.load("tokenmill_cpu_kernels_v10", _CPP_DECL, _CPP_SOURCE, ["paged_decode", "write_and_decode"])
+    return cpp_ext.load("tokenmill_cpu_kernels_v11", _CPP_DECL, _CPP_SOURCE,
+                        ["paged_decode", "write_and_decode", "paged_prefill"])
 
 
 def is_available() -> bool:
@@ -405,3 +619,24 @@ def write_and_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_map
     out = q.new_empty(q.shape)
     mod.write_and_decode(out, q, k, v, slot_mapping, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale)
     return out
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Tiled prefill attention (bf16 cache, head_dim 64 or 128, AVX512-BF16 CPUs): for each sequence
+    s, the q_len[s] query rows starting at q_start[s] are the last positions of its seq_lens[s] keys
+    (causal). q [T, Hq, D]; block_tables [S, nb]; the three others [S] int64. Writes those rows of
+    `out` ([T, Hq, D], allocated when None) and returns it; None (nothing written) when the kernel
+    does not serve the call."""
+    if (q.device.type != "cpu" or q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16
+            or kv_cache.shape[-1] != q.shape[-1] or q.stride(2) != 1 or q.stride(1) != q.shape[2]):
+        return None
+    mod = _load()
+    if mod is None:
+        return None
+    if out is None:
+        out = q.new_empty(q.shape)
+    ok = mod.paged_prefill(out, q, kv_cache[0], kv_cache[1], block_tables.contiguous(), seq_lens.contiguous(),
+                           q_start.contiguous(), q_len.contiguous(), scale)
+    return out if ok else None
