@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-server, the multi-slot peer of `tokenmill bench throughput --peers llamaserver`.
+# Builds llama.cpp's llama-server, the multi-slot peer of `tokenmill bench throughput --peers llamaserver`,
+# and llama-quantize, which benchmarks/vs_llamacpp.py uses to write F16 and Q8_0 GGUFs of the model.
 # It uses the llama.cpp sources vendored in the llama-cpp-python 0.3.36 sdist, so the server and the
 # llamacpp peer (llama-cpp-python) run the same llama.cpp code.
 #
@@ -24,7 +25,7 @@ src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 # No curl/OpenSSL (the server only listens on 127.0.0.1 and never downloads models); -march=native.
 cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON
-cmake --build "$src/build" --target llama-server -j2
+cmake --build "$src/build" --target llama-server llama-quantize -j2
 
 mkdir -p "$dest"
 cp -a "$src/build/bin/." "$dest/"   # -a keeps the libfoo.so -> libfoo.so.0 links

@@ -72,9 +72,10 @@ def test_cpp_layer_loop_matches_module_path(tiny_llama, dtype, monkeypatch):
     assert fast == slow
 
 
-def test_loop_matches_module_path_int4(tiny_llama, tmp_path):
+@pytest.mark.parametrize("bits,group_size,kind", [(4, 32, None), (8, -1, 4)])
+def test_loop_matches_module_path_quantized(tiny_llama, tmp_path, bits, group_size, kind):
     loaded = load_model(str(tiny_llama), dtype=torch.float32)
-    qcfg = QuantConfig(method="rtn", bits=4, group_size=32)
+    qcfg = QuantConfig(method="rtn", bits=bits, group_size=group_size)
     report = quantize_model(loaded.model, qcfg, None, progress=False)
     out = save_quantized(loaded.model, loaded.config, loaded.tokenizer, report.weights, qcfg.resolved_format,
                          tmp_path / "q", qcfg.sym)
@@ -87,7 +88,9 @@ def test_loop_matches_module_path_int4(tiny_llama, tmp_path):
     assert fast == slow
     runner = llm.engine.runner
     loop = runner.decode_loop
-    assert loop._stack is not None  # int4 tinygemm layers run in the C++ layer loop too
+    assert loop._stack is not None  # quantized layers run in the C++ layer loop too
+    if kind is not None:
+        assert kind in loop._stack[1]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     one = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0].token_ids
     runner.decode_loop = None

@@ -41,12 +41,19 @@ LinearFn = Callable[[torch.Tensor], torch.Tensor]
 _STACK_SOURCE = r"""
 // One decode step (a single token) through every layer, in C++: the loop of CpuDecodeLoop.__call__
 // without the Python between kernels. Per layer, 8 tensors then 4 linears of 3 tensors each:
-//   in_norm, post_norm, k_cache, v_cache, (unused x4), then for qkv, o, gate_up, down: (a, b, unused)
+//   in_norm, post_norm, k_cache, v_cache, (unused x4), then for qkv, o, gate_up, down: (a, b, c)
 // with a linear's kind in `kinds` (0: float32 a = weight, GEMV for one row else at::linear, 1: bf16 GEMV a = weight,
-// 2: int4 tinygemm a = qweight, b = scales_and_zeros, 3: int4 k64 (quant/cpu_int4.py), same tensors) and its
+// 2: int4 tinygemm a = qweight, b = scales_and_zeros, 3: int4 k64 (quant/cpu_int4.py), same tensors,
+// 4: int8 per channel (quant/cpu_int4.py) a = qweight, b = scales [N], c = offsets [N] or empty) and its
 // group size in `groups`.
 static torch::Tensor stack_linear(int64_t kind, const torch::Tensor& x, const torch::Tensor& a,
-                                  const torch::Tensor& b, int64_t group) {
+                                  const torch::Tensor& b, const torch::Tensor& c, int64_t group) {
+    if (kind == 4) {
+        auto y = at::empty({x.size(0), a.size(0)}, x.options());
+        TORCH_CHECK(int8_linear(y, x, a, b, c.numel() ? c10::optional<torch::Tensor>(c) : c10::nullopt),
+                    "decode_stack: int8 kernel refused its shape");
+        return y;
+    }
     if (kind == 1) {
         auto y = at::empty({x.size(0), a.size(0)}, x.options());
         TORCH_CHECK(gemv_bf16(y, x, a, c10::nullopt), "decode_stack: GEMV refused its shape");
@@ -77,22 +84,22 @@ torch::Tensor decode_stack(torch::Tensor h, torch::Tensor positions, torch::Tens
         auto x = at::empty_like(h);
         if (l == 0) { rms_norm(x, h, L[0], eps); res = h; }
         else { auto s = at::empty_like(h); add_rms_norm(x, s, h, res, L[0], eps); res = s; }
-        auto qkv = stack_linear(kinds[4 * l], x, L[8], L[9], groups[4 * l]);
+        auto qkv = stack_linear(kinds[4 * l], x, L[8], L[9], L[10], groups[4 * l]);
         rope_inplace(qkv, nh + nkv, d, cos_sin, positions);
         auto q = qkv.narrow(1, 0, q_size).view({n, nh, d});
         auto k = qkv.narrow(1, q_size, kv_size).view({n, nkv, d});
         auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, nkv, d});
         auto o = at::empty({n, nh, d}, h.options());
         write_and_decode(o, q, k, v, slots, L[2], L[3], tables, seq_lens, scale);
-        h = stack_linear(kinds[4 * l + 1], o.view({n, q_size}), L[11], L[12], groups[4 * l + 1]);
+        h = stack_linear(kinds[4 * l + 1], o.view({n, q_size}), L[11], L[12], L[13], groups[4 * l + 1]);
         x = at::empty_like(h);
         auto s = at::empty_like(h);
         add_rms_norm(x, s, h, res, L[1], eps);
         res = s;
-        auto gu = stack_linear(kinds[4 * l + 2], x, L[14], L[15], groups[4 * l + 2]);
+        auto gu = stack_linear(kinds[4 * l + 2], x, L[14], L[15], L[16], groups[4 * l + 2]);
         auto a = at::empty({n, gu.size(1) / 2}, h.options());
         silu_mul(a, gu);
-        h = stack_linear(kinds[4 * l + 3], a, L[17], L[18], groups[4 * l + 3]);
+        h = stack_linear(kinds[4 * l + 3], a, L[17], L[18], L[19], groups[4 * l + 3]);
     }
     auto x = at::empty_like(h);
     auto s = at::empty_like(h);
@@ -109,7 +116,7 @@ _STACK_DECL = ("torch::Tensor decode_stack(torch::Tensor h, torch::Tensor positi
 
 def _stack_ext():
     """The C++ layer loop: one extension built from the fused-op and attention sources plus the loop."""
-    return cpp_ext.load("tokenmill_decode_stack_v7", _STACK_DECL,
+    return cpp_ext.load("tokenmill_decode_stack_v8", _STACK_DECL,
                         fused_ops._SOURCE + cpu_kernels._CPP_SOURCE + cpu_int4.SOURCE + _STACK_SOURCE, ["decode_stack"])
 
 
@@ -123,23 +130,37 @@ class _Layer:
     down: LinearFn
     k_cache: torch.Tensor
     v_cache: torch.Tensor
-    stack_linears: list[tuple[int, torch.Tensor, torch.Tensor, int] | None]
-    """(kind, a, b, group) of qkv, o, gate_up, down for the C++ loop (see _STACK_SOURCE), None if unsupported."""
+    stack_linears: list[tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor] | None]
+    """(kind, a, b, group, c) of qkv, o, gate_up, down for the C++ loop (see _STACK_SOURCE), None if unsupported."""
 
 
-def _stack_linear(layer: Linear) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
-    """The C++ loop's encoding of this layer's one-row kernel (the one `_linear_fn` calls at one row)."""
+def _stack_linear(layer: Linear) -> tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor] | None:
+    """The C++ loop's encoding (kind, a, b, group, c) of this layer's one-row kernel (the one
+    `_linear_fn` calls at one row)."""
     method = layer.quant_method
     empty = torch.empty(0)
     if isinstance(method, PackedBf16LinearMethod) and layer.in_features % 32 == 0:
-        return 1, layer.weight, empty, 0
+        return 1, layer.weight, empty, 0, empty
     if type(method) is UnquantizedLinearMethod and layer.weight.dtype == torch.float32:
-        return 0, layer.weight, empty, 0
+        return 0, layer.weight, empty, 0, empty
     if getattr(method, "layout", None) == "k64" and layer.scales_and_zeros.dtype == torch.bfloat16 and cpu_int4.available():
-        return 3, layer.qweight, layer.scales_and_zeros, method.group_size
+        return 3, layer.qweight, layer.scales_and_zeros, method.group_size, empty
     if getattr(method, "is_tinygemm", False) and layer.scales_and_zeros.dtype in (torch.bfloat16, torch.float16):
-        return 2, layer.qweight, layer.scales_and_zeros, method.group_size
+        return 2, layer.qweight, layer.scales_and_zeros, method.group_size, empty
+    if _int8_serves(layer):
+        offsets = layer.offsets
+        return (4, layer.qweight, layer.scales.reshape(-1).contiguous(), 0,
+                empty if offsets is None else offsets.reshape(-1).contiguous())
     return None
+
+
+def _int8_serves(layer: Linear) -> bool:
+    """Per-channel int8 weights our int8 GEMV takes at one bf16 row (quant/cpu_int4.int8_linear)."""
+    from tokenmill.quant.kernels import Int8WeightOnlyMethod
+    scales, offsets = getattr(layer, "scales", None), getattr(layer, "offsets", None)
+    return (isinstance(layer.quant_method, Int8WeightOnlyMethod) and scales is not None and scales.shape[-1] == 1
+            and scales.dtype == torch.bfloat16 and (offsets is None or offsets.dtype == torch.bfloat16)
+            and layer.in_features % 64 == 0 and cpu_int4.available())
 
 
 def _linear_fn(layer: Linear) -> LinearFn | None:
@@ -180,7 +201,17 @@ def _linear_fn(layer: Linear) -> LinearFn | None:
                 return op(x, qweight, gs, sz)  # the kernel the method measures fastest at one row
             return method.apply(layer, x)
         return int4
-    if hasattr(method, "force_path"):  # int8 and non-tinygemm int4: the method's own choice
+    if _int8_serves(layer):  # int8 per channel: our GEMV at one row, as the C++ loop (kind 4) calls it
+        qweight, scales, offsets = layer.qweight, layer.scales, layer.offsets
+
+        def int8(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] == 1:
+                y = cpu_int4.int8_linear(x, qweight, scales, offsets)
+                if y is not None:
+                    return y
+            return method.apply(layer, x)
+        return int8
+    if hasattr(method, "force_path"):  # grouped int8 and non-tinygemm int4: the method's own choice
         return lambda x: method.apply(layer, x)
     return None
 
@@ -201,8 +232,8 @@ class CpuDecodeLoop:
             empty = torch.empty(0)
             for L in layers:
                 tensors += [L.in_norm, L.post_norm, L.k_cache, L.v_cache] + [empty] * 4
-                for kind, a, b, g in L.stack_linears:
-                    tensors += [a, b, empty]
+                for kind, a, b, g, c in L.stack_linears:
+                    tensors += [a, b, c]
                     kinds.append(kind)
                     groups.append(g)
             self._stack = (tensors, kinds, groups)
