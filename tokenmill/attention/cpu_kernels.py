@@ -282,112 +282,6 @@ static void decode_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
         }
     });
 }
-#if defined(__AVX512BF16__)
-// The bf16 decode above with one task per request instead of per (request, KV head), for batches
-// that fill the threads several times over: each 16-token group of K rows and of V rows is read
-// whole (all KV heads, Hkv * D * 2 contiguous bytes per token) while it is in use, instead of one
-// head's slice of every row per task. Per (request, head) the arithmetic and its order are those
-// of decode_avx512, so results are bitwise the same.
-template <int NV>
-static void decode_bf16_whole_rows(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                   torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-    constexpr int D = 16 * NV;
-    constexpr int GMAX = 8;
-    const int64_t B = q.size(0), Hq = q.size(1), bs = k_cache.size(1), Hkv = k_cache.size(2);
-    const int64_t G = Hq / Hkv, q_row = q.stride(0), nb_max = block_tables.size(1);
-    const int64_t kb_stride = k_cache.stride(0), vb_stride = v_cache.stride(0), tok_stride = Hkv * D;
-    const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-    at::BFloat16* op = out.data_ptr<at::BFloat16>();
-    const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-    const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-    const int64_t* tp = block_tables.data_ptr<int64_t>();
-    const int64_t* sp = seq_lens.data_ptr<int64_t>();
-    const int64_t row_bytes = tok_stride * 2;
-    const __m512 sv = _mm512_set1_ps(static_cast<float>(scale));
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> s, accbuf(Hq * D);
-        for (int64_t b = begin; b < end; ++b) {
-            const int64_t L = sp[b], Lp = (L + 15) / 16 * 16;
-            s.assign(Hq * Lp, -INFINITY);
-            auto krow_of = [&](int64_t t) { return kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride; };
-            auto vrow_of = [&](int64_t t) { return vp + tp[b * nb_max + t / bs] * vb_stride + (t % bs) * tok_stride; };
-            for (int64_t t0 = 0; t0 < L; t0 += 16) {
-                const int64_t nt = std::min<int64_t>(16, L - t0);
-                const uint16_t* krow[16];
-                for (int64_t i = 0; i < nt; ++i) krow[i] = krow_of(t0 + i);
-                for (int64_t t = t0 + 16; t < std::min<int64_t>(t0 + 32, L); ++t) {
-                    const char* r = reinterpret_cast<const char*>(krow_of(t));
-                    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
-                }
-                for (int64_t r = 0; r < Hq; ++r) {   // query row r = h * G + g reads K head r / G
-                    const int64_t h = r / G;
-                    const uint16_t* qg = qp + b * q_row + r * D;
-                    __m512bh qb[NV / 2];
-                    for (int j = 0; j < NV / 2; ++j) qb[j] = (__m512bh)_mm512_loadu_si512(qg + 32 * j);
-                    __m512 acc[16];
-                    for (int64_t i = 0; i < 16; ++i) {
-                        acc[i] = _mm512_setzero_ps();
-                        if (i < nt)
-                            for (int j = 0; j < NV / 2; ++j)
-                                acc[i] = _mm512_dpbf16_ps(acc[i], qb[j], (__m512bh)_mm512_loadu_si512(krow[i] + h * D + 32 * j));
-                    }
-                    _mm512_mask_storeu_ps(s.data() + r * Lp + t0, static_cast<__mmask16>((1u << nt) - 1),
-                                          _mm512_mul_ps(hsum16(acc), sv));
-                }
-            }
-            float inv[64];
-            for (int64_t r = 0; r < Hq; ++r) {
-                float* sr = s.data() + r * Lp;
-                __m512 m = _mm512_set1_ps(-INFINITY);
-                for (int64_t t = 0; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sr + t));
-                const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t t = 0; t < Lp; t += 16) {
-                    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + t), mx));
-                    e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_loadu_ps(sr + t), _mm512_set1_ps(-INFINITY),
-                                                                _CMP_EQ_OQ), e, _mm512_setzero_ps());
-                    _mm512_storeu_ps(sr + t, e);
-                    sum = _mm512_add_ps(sum, e);
-                }
-                const float tot = _mm512_reduce_add_ps(sum);
-                inv[r] = tot > 0.f ? 1.f / tot : 0.f;
-            }
-            std::fill(accbuf.begin(), accbuf.end(), 0.f);
-            for (int64_t t0 = 0; t0 < L; t0 += 16) {
-                const int64_t t1 = std::min<int64_t>(t0 + 16, L);
-                for (int64_t t = t0 + 16; t < std::min<int64_t>(t0 + 32, L); ++t) {
-                    const char* r = reinterpret_cast<const char*>(vrow_of(t));
-                    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
-                }
-                for (int64_t h = 0; h < Hkv; ++h) {
-                    __m512 acc[GMAX][NV];
-                    for (int64_t g = 0; g < G; ++g)
-                        for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_loadu_ps(accbuf.data() + (h * G + g) * D + 16 * i);
-                    for (int64_t t = t0; t < t1; ++t) {
-                        const uint16_t* vr = vrow_of(t) + h * D;
-                        __m512 vv[NV];
-                        for (int i = 0; i < NV; ++i) vv[i] = load16(reinterpret_cast<const at::BFloat16*>(vr) + 16 * i);
-                        for (int64_t g = 0; g < G; ++g) {
-                            const __m512 w = _mm512_set1_ps(s[(h * G + g) * Lp + t]);
-                            for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(w, vv[i], acc[g][i]);
-                        }
-                    }
-                    for (int64_t g = 0; g < G; ++g)
-                        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(accbuf.data() + (h * G + g) * D + 16 * i, acc[g][i]);
-                }
-            }
-            float tmp[D];
-            for (int64_t r = 0; r < Hq; ++r) {
-                const __m512 sc = _mm512_set1_ps(inv[r]);
-                for (int i = 0; i < NV; ++i) _mm512_storeu_ps(tmp + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(accbuf.data() + r * D + 16 * i), sc));
-                at::BFloat16* o = op + (b * Hq + r) * D;
-                for (int d = 0; d < D; ++d) o[d] = static_cast<at::BFloat16>(tmp[d]);
-            }
-        }
-    });
-}
-#define TOKENMILL_WHOLE_ROWS 1
-#endif
 #define TOKENMILL_AVX512 1
 #endif
 
@@ -654,13 +548,6 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
             return;
         }
         if (q.scalar_type() == at::kBFloat16) {
-#ifdef TOKENMILL_WHOLE_ROWS
-            if (q.size(0) >= 4 * at::get_num_threads() && q.size(1) <= 64) {
-                if (D == 64) decode_bf16_whole_rows<4>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-                else decode_bf16_whole_rows<8>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-                return;
-            }
-#endif
             if (D == 64) decode_avx512<at::BFloat16, 4>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
             else decode_avx512<at::BFloat16, 8>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
             return;
@@ -691,7 +578,7 @@ _CPP_DECL = ("void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tenso
              "double scale);")
 
 def _load():
-    return cpp_ext.load("tokenmill_cpu_kernels_v12", _CPP_DECL, _CPP_SOURCE,
+    return cpp_ext.load("tokenmill_cpu_kernels_v13", _CPP_DECL, _CPP_SOURCE,
                         ["paged_decode", "write_and_decode", "paged_prefill"])
 
 
