@@ -156,6 +156,10 @@ static inline __m512 hsum16(const __m512* v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
+// How far ahead the decode loops prefetch K/V rows. Batch 64 x 100-700 tokens, bf16, read cold
+// (30 layers' caches in turn): 16 rows ahead 1,200 us per layer, 32: 1,000, 48: 930, 64: 960, 96: 1,050.
+constexpr int64_t PF_AHEAD = 48;
+
 template <typename scalar_t, int NV>
 static void decode_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
@@ -181,6 +185,14 @@ static void decode_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
             const int64_t b = task / Hkv, h = task % Hkv, L = sp[b];
             const int64_t Lp = (L + 15) / 16 * 16;
             s.assign(G * Lp, -INFINITY);
+            for (int64_t t = 0; t < std::min<int64_t>(PF_AHEAD, L); ++t) {   // the rows the loops start on
+                const char* kr = reinterpret_cast<const char*>(kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride + h * D);
+                const char* vr = reinterpret_cast<const char*>(vp + tp[b * nb_max + t / bs] * vb_stride + (t % bs) * tok_stride + h * D);
+                for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) {
+                    _mm_prefetch(kr + off, _MM_HINT_T0);
+                    _mm_prefetch(vr + off, _MM_HINT_T1);
+                }
+            }
             __m512 qv[GMAX][NV];
             for (int64_t g = 0; g < G; ++g)
                 for (int i = 0; i < NV; ++i)
@@ -199,9 +211,9 @@ static void decode_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
                         krow[i] = reinterpret_cast<const uint16_t*>(
                             kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride + h * D);
                     }
-                    // The blocks are scattered, so the hardware cannot run ahead: prefetch the next
-                    // 16 rows (read cold, this loop ran at ~10 GB/s without it).
-                    for (int64_t t = t0 + 16; t < std::min<int64_t>(t0 + 32, L); ++t) {
+                    // The blocks are scattered, so the hardware cannot run ahead: prefetch 16 rows,
+                    // PF_AHEAD rows ahead (read cold, this loop ran at ~10 GB/s without it).
+                    for (int64_t t = t0 + PF_AHEAD; t < std::min<int64_t>(t0 + PF_AHEAD + 16, L); ++t) {
                         const char* r = reinterpret_cast<const char*>(
                             kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride + h * D);
                         for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
@@ -224,9 +236,9 @@ static void decode_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
             } else
 #endif
             for (int64_t t = 0; t < L; ++t) {
-                if (t + 16 < L) {  // prefetch 16 rows ahead, as in the bf16 loop
+                if (t + PF_AHEAD < L) {  // prefetch PF_AHEAD rows ahead, as in the bf16 loop
                     const char* r = reinterpret_cast<const char*>(
-                        kp + tp[b * nb_max + (t + 16) / bs] * kb_stride + ((t + 16) % bs) * tok_stride + h * D);
+                        kp + tp[b * nb_max + (t + PF_AHEAD) / bs] * kb_stride + ((t + PF_AHEAD) % bs) * tok_stride + h * D);
                     for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
                 }
                 const scalar_t* kr = kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride + h * D;
@@ -259,9 +271,9 @@ static void decode_avx512(torch::Tensor out, torch::Tensor q, torch::Tensor k_ca
             for (int64_t g = 0; g < G; ++g)
                 for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
             for (int64_t t = 0; t < L; ++t) {
-                if (t + 16 < L) {  // prefetch the row 16 tokens ahead (scattered blocks, see above)
+                if (t + PF_AHEAD < L) {  // prefetch the row PF_AHEAD tokens ahead (scattered blocks, see above)
                     const char* r = reinterpret_cast<const char*>(
-                        vp + tp[b * nb_max + (t + 16) / bs] * vb_stride + ((t + 16) % bs) * tok_stride + h * D);
+                        vp + tp[b * nb_max + (t + PF_AHEAD) / bs] * vb_stride + ((t + PF_AHEAD) % bs) * tok_stride + h * D);
                     for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
                 }
                 const scalar_t* vr = vp + tp[b * nb_max + t / bs] * vb_stride + (t % bs) * tok_stride + h * D;
@@ -578,7 +590,7 @@ _CPP_DECL = ("void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tenso
              "double scale);")
 
 def _load():
-    return cpp_ext.load("tokenmill_cpu_kernels_v13", _CPP_DECL, _CPP_SOURCE,
+    return cpp_ext.load("tokenmill_cpu_kernels_v14", _CPP_DECL, _CPP_SOURCE,
                         ["paged_decode", "write_and_decode", "paged_prefill"])
 
 
