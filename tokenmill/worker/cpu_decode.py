@@ -47,30 +47,30 @@ _STACK_SOURCE = r"""
 // 4: int8 per channel (quant/cpu_int4.py) a = qweight, b = scales [N], c = offsets [N] or empty) and its
 // group size in `groups`.
 static torch::Tensor stack_linear(int64_t kind, const torch::Tensor& x, const torch::Tensor& a,
-                                  const torch::Tensor& b, const torch::Tensor& c, int64_t group) {
+                                  const torch::Tensor& b, const torch::Tensor& c, int64_t group, torch::Tensor y) {
+    // y: a buffer [n, N] for the kernels that write into one (kinds 0, 1, 3, 4); the result is y
+    // for those, a new tensor for the others.
     if (kind == 4) {
-        auto y = at::empty({x.size(0), a.size(0)}, x.options());
         TORCH_CHECK(int8_linear(y, x, a, b, c.numel() ? c10::optional<torch::Tensor>(c) : c10::nullopt),
                     "decode_stack: int8 kernel refused its shape");
         return y;
     }
     if (kind == 1) {
-        auto y = at::empty({x.size(0), a.size(0)}, x.options());
         TORCH_CHECK(gemv_bf16(y, x, a, c10::nullopt), "decode_stack: GEMV refused its shape");
         return y;
     }
     if (kind == 2) return at::_weight_int4pack_mm_for_cpu(x, a, group, b);
     if (kind == 3) {
-        auto y = at::empty({x.size(0), a.size(0)}, x.options());
         TORCH_CHECK(int4_linear(y, x, a, b, c10::nullopt, group), "decode_stack: int4 kernel refused its shape");
         return y;
     }
-    if (x.size(0) == 1 && x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat) {
-        auto y = at::empty({1, a.size(0)}, x.options());
-        if (gemv_f32(y, x, a)) return y;
-    }
+    if (x.size(0) == 1 && x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat && gemv_f32(y, x, a)) return y;
     return at::linear(x, a);
 }
+
+// Output features of a linear's weight tensor `a` (kind 2's tinygemm packing has no such row count:
+// it allocates its own output, so its buffer is never used).
+static int64_t stack_out_features(int64_t kind, const torch::Tensor& a) { return kind == 2 ? 1 : a.size(0); }
 
 torch::Tensor decode_stack(torch::Tensor h, torch::Tensor positions, torch::Tensor slots, torch::Tensor tables,
                            torch::Tensor seq_lens, torch::Tensor cos_sin, std::vector<torch::Tensor> t,
@@ -78,33 +78,41 @@ torch::Tensor decode_stack(torch::Tensor h, torch::Tensor positions, torch::Tens
                            int64_t nh, int64_t nkv, int64_t d, double eps, double scale) {
     const int64_t n = h.size(0), q_size = nh * d, kv_size = nkv * d;
     const int64_t num_layers = kinds.size() / 4;
+    // Buffers allocated once per step and reused by every layer (~300 small allocations fewer).
+    const auto opts = h.options();
+    auto x = at::empty_like(h);
+    torch::Tensor sums[2] = {at::empty_like(h), at::empty_like(h)};   // the residual stream, alternating
+    auto o = at::empty({n, nh, d}, opts);
+    auto o_flat = o.view({n, q_size});
+    auto qkv_buf = at::empty({n, stack_out_features(kinds[0], t[8])}, opts);
+    auto h_attn = at::empty({n, stack_out_features(kinds[1], t[11])}, opts);
+    auto gu_buf = at::empty({n, stack_out_features(kinds[2], t[14])}, opts);
+    auto act = at::empty({n, std::max<int64_t>(gu_buf.size(1) / 2, 1)}, opts);
+    auto h_mlp = at::empty({n, stack_out_features(kinds[3], t[17])}, opts);
     torch::Tensor res;
+    int cur = 0;
     for (int64_t l = 0; l < num_layers; ++l) {
         const torch::Tensor* L = t.data() + l * 20;
-        auto x = at::empty_like(h);
         if (l == 0) { rms_norm(x, h, L[0], eps); res = h; }
-        else { auto s = at::empty_like(h); add_rms_norm(x, s, h, res, L[0], eps); res = s; }
-        auto qkv = stack_linear(kinds[4 * l], x, L[8], L[9], L[10], groups[4 * l]);
+        else { add_rms_norm(x, sums[cur], h, res, L[0], eps); res = sums[cur]; cur ^= 1; }
+        auto qkv = stack_linear(kinds[4 * l], x, L[8], L[9], L[10], groups[4 * l], qkv_buf);
         rope_inplace(qkv, nh + nkv, d, cos_sin, positions);
         auto q = qkv.narrow(1, 0, q_size).view({n, nh, d});
         auto k = qkv.narrow(1, q_size, kv_size).view({n, nkv, d});
         auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, nkv, d});
-        auto o = at::empty({n, nh, d}, h.options());
         write_and_decode(o, q, k, v, slots, L[2], L[3], tables, seq_lens, scale);
-        h = stack_linear(kinds[4 * l + 1], o.view({n, q_size}), L[11], L[12], L[13], groups[4 * l + 1]);
-        x = at::empty_like(h);
-        auto s = at::empty_like(h);
-        add_rms_norm(x, s, h, res, L[1], eps);
-        res = s;
-        auto gu = stack_linear(kinds[4 * l + 2], x, L[14], L[15], L[16], groups[4 * l + 2]);
-        auto a = at::empty({n, gu.size(1) / 2}, h.options());
+        h = stack_linear(kinds[4 * l + 1], o_flat, L[11], L[12], L[13], groups[4 * l + 1], h_attn);
+        add_rms_norm(x, sums[cur], h, res, L[1], eps);
+        res = sums[cur];
+        cur ^= 1;
+        auto gu = stack_linear(kinds[4 * l + 2], x, L[14], L[15], L[16], groups[4 * l + 2], gu_buf);
+        auto a = gu.size(1) / 2 == act.size(1) ? act : at::empty({n, gu.size(1) / 2}, opts);
         silu_mul(a, gu);
-        h = stack_linear(kinds[4 * l + 3], a, L[17], L[18], L[19], groups[4 * l + 3]);
+        h = stack_linear(kinds[4 * l + 3], a, L[17], L[18], L[19], groups[4 * l + 3], h_mlp);
     }
-    auto x = at::empty_like(h);
-    auto s = at::empty_like(h);
-    add_rms_norm(x, s, h, res, final_norm, eps);
-    return x;
+    auto out = at::empty_like(h);   // returned: a fresh tensor, never a buffer
+    add_rms_norm(out, sums[cur], h, res, final_norm, eps);
+    return out;
 }
 """
 
@@ -116,7 +124,7 @@ _STACK_DECL = ("torch::Tensor decode_stack(torch::Tensor h, torch::Tensor positi
 
 def _stack_ext():
     """The C++ layer loop: one extension built from the fused-op and attention sources plus the loop."""
-    return cpp_ext.load("tokenmill_decode_stack_v8", _STACK_DECL,
+    return cpp_ext.load("tokenmill_decode_stack_v9", _STACK_DECL,
                         fused_ops._SOURCE + cpu_kernels._CPP_SOURCE + cpu_int4.SOURCE + _STACK_SOURCE, ["decode_stack"])
 
 
