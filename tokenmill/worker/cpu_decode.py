@@ -171,6 +171,20 @@ def _int8_serves(layer: Linear) -> bool:
             and layer.in_features % 64 == 0 and cpu_int4.available())
 
 
+def _one_row_then_method(one_row: Callable[[torch.Tensor], torch.Tensor | None], layer: Linear) -> LinearFn:
+    """`one_row` (our kernel, as the C++ loop calls it) for a single row when it serves the call,
+    else the layer's quant method with its own per-shape choice."""
+    method = layer.quant_method
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            y = one_row(x)
+            if y is not None:
+                return y
+        return method.apply(layer, x)
+    return fn
+
+
 def _linear_fn(layer: Linear) -> LinearFn | None:
     """A direct call for this layer's weights with the kernel its method would pick at one row."""
     if layer.bias is not None or getattr(layer, "col_perm", None) is not None:
@@ -192,14 +206,7 @@ def _linear_fn(layer: Linear) -> LinearFn | None:
         return dense
     if getattr(method, "layout", None) == "k64":  # int4, our kernel (quant/cpu_int4.py)
         qweight, sz, gs = layer.qweight, layer.scales_and_zeros, method.group_size
-
-        def int4_k64(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[0] == 1:
-                y = cpu_int4.linear(x, qweight, sz, gs)
-                if y is not None:
-                    return y
-            return method.apply(layer, x)
-        return int4_k64
+        return _one_row_then_method(lambda x: cpu_int4.linear(x, qweight, sz, gs), layer)
     if getattr(method, "is_tinygemm", False):  # int4 (quant/kernels.py)
         op = torch.ops.aten._weight_int4pack_mm_for_cpu.default
         qweight, sz, gs = layer.qweight, layer.scales_and_zeros, method.group_size
@@ -211,14 +218,7 @@ def _linear_fn(layer: Linear) -> LinearFn | None:
         return int4
     if _int8_serves(layer):  # int8 per channel: our GEMV at one row, as the C++ loop (kind 4) calls it
         qweight, scales, offsets = layer.qweight, layer.scales, layer.offsets
-
-        def int8(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[0] == 1:
-                y = cpu_int4.int8_linear(x, qweight, scales, offsets)
-                if y is not None:
-                    return y
-            return method.apply(layer, x)
-        return int8
+        return _one_row_then_method(lambda x: cpu_int4.int8_linear(x, qweight, scales, offsets), layer)
     if hasattr(method, "force_path"):  # grouped int8 and non-tinygemm int4: the method's own choice
         return lambda x: method.apply(layer, x)
     return None
