@@ -103,3 +103,22 @@ def test_loop_declines_biases_and_int8_kv(tiny_qwen2, tiny_llama):
     assert LLM(model=str(tiny_qwen2), max_model_len=128, num_gpu_blocks_override=32).engine.runner.decode_loop is None
     llm = LLM(model=str(tiny_llama), max_model_len=128, num_gpu_blocks_override=32, kv_cache_dtype="int8")
     assert llm.engine.runner.decode_loop is None
+
+
+def test_cpp_layer_loop_serves_small_batches(tiny_llama, monkeypatch):
+    """Steps of a few tokens on bf16 weights (here 3 decodes at once) also run in the C++ loop, with
+    each linear's kernel chosen as the Python loop chooses it, so tokens match the module path."""
+    llm = LLM(model=str(tiny_llama), dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=64,
+              enable_prefix_caching=False)
+    assert llm.engine.runner.decode_loop._stack_multi
+    sizes: list[int] = []
+    real = cpu_decode._stack_ext()
+
+    class Spy:
+        def decode_stack(self, h, *args):
+            sizes.append(h.shape[0])
+            return real.decode_stack(h, *args)
+    monkeypatch.setattr(cpu_decode, "_stack_ext", lambda: Spy())
+    fast, slow = generate_both_ways(llm)
+    assert max(sizes) == len(PROMPTS)
+    assert fast == slow

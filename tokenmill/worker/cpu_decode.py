@@ -39,10 +39,12 @@ from tokenmill.quant import cpu_int4
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 _STACK_SOURCE = r"""
-// One decode step (a single token) through every layer, in C++: the loop of CpuDecodeLoop.__call__
-// without the Python between kernels. Per layer, 8 tensors then 4 linears of 3 tensors each:
+// One decode step (one token, or up to 8 tokens on bf16/float32 weights: a small batch of decodes or
+// a verification) through every layer, in C++: the loop of CpuDecodeLoop.__call__ without the Python
+// between kernels. Per layer, 8 tensors then 4 linears of 3 tensors each:
 //   in_norm, post_norm, k_cache, v_cache, (unused x4), then for qkv, o, gate_up, down: (a, b, c)
-// with a linear's kind in `kinds` (0: float32 a = weight, GEMV for one row else at::linear, 1: bf16 GEMV a = weight,
+// with a linear's kind in `kinds` (0: float32 a = weight, GEMV for one row else at::linear, 1: bf16 a = weight,
+// c = its oneDNN-prepacked copy, group = the rows x outputs limit of the GEMV above one row,
 // 2: int4 tinygemm a = qweight, b = scales_and_zeros, 3: int4 k64 (quant/cpu_int4.py), same tensors,
 // 4: int8 per channel (quant/cpu_int4.py) a = qweight, b = scales [N], c = offsets [N] or empty) and its
 // group size in `groups`.
@@ -56,8 +58,19 @@ static torch::Tensor stack_linear(int64_t kind, const torch::Tensor& x, const to
         return y;
     }
     if (kind == 1) {
-        TORCH_CHECK(gemv_bf16(y, x, a, c10::nullopt), "decode_stack: GEMV refused its shape");
-        return y;
+        // As fused_ops.linear_small chooses: the GEMV for one row, or up to 8 rows while rows x outputs
+        // <= group (SMALL_LINEAR_MAX_OUTPUTS); else oneDNN with the prepacked weight c.
+        if (x.size(0) == 1 || x.size(0) * a.size(0) <= group) {
+            TORCH_CHECK(gemv_bf16(y, x, a, c10::nullopt), "decode_stack: GEMV refused its shape");
+            return y;
+        }
+        static auto packed_linear = c10::Dispatcher::singleton()
+            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                              c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+        c10::List<std::optional<at::Scalar>> scalars;
+        scalars.push_back(std::nullopt);
+        return packed_linear.call(x, c, std::nullopt, "none", scalars, std::nullopt);
     }
     if (kind == 2) return at::_weight_int4pack_mm_for_cpu(x, a, group, b);
     if (kind == 3) {
@@ -124,7 +137,7 @@ _STACK_DECL = ("torch::Tensor decode_stack(torch::Tensor h, torch::Tensor positi
 
 def _stack_ext():
     """The C++ layer loop: one extension built from the fused-op and attention sources plus the loop."""
-    return cpp_ext.load("tokenmill_decode_stack_v9", _STACK_DECL,
+    return cpp_ext.load("tokenmill_decode_stack_v10", _STACK_DECL,
                         fused_ops._SOURCE + cpu_kernels._CPP_SOURCE + cpu_int4.SOURCE + _STACK_SOURCE, ["decode_stack"])
 
 
@@ -148,7 +161,7 @@ def _stack_linear(layer: Linear) -> tuple[int, torch.Tensor, torch.Tensor, int, 
     method = layer.quant_method
     empty = torch.empty(0)
     if isinstance(method, PackedBf16LinearMethod) and layer.in_features % 32 == 0:
-        return 1, layer.weight, empty, 0, empty
+        return 1, layer.weight, empty, fused_ops.SMALL_LINEAR_MAX_OUTPUTS, layer.packed_weight
     if type(method) is UnquantizedLinearMethod and layer.weight.dtype == torch.float32:
         return 0, layer.weight, empty, 0, empty
     if getattr(method, "layout", None) == "k64" and layer.scales_and_zeros.dtype == torch.bfloat16 and cpu_int4.available():
@@ -245,6 +258,10 @@ class CpuDecodeLoop:
                     kinds.append(kind)
                     groups.append(g)
             self._stack = (tensors, kinds, groups)
+        # Above one token, only where the C++ loop picks each linear's kernel exactly as the Python loop
+        # does (bf16: fused_ops.linear_small's rule; float32: at::linear). Quantized methods choose
+        # per shape by timing, so their multi-token steps stay in Python.
+        self._stack_multi = self._stack is not None and all(k in (0, 1) for k in self._stack[1])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         ext, attn = fused_ops._ext(), cpu_kernels._load()
@@ -256,7 +273,8 @@ class CpuDecodeLoop:
         # as a decode over its own prefix (all of the step's K/V are written before any is read).
         slots, tables, seq_lens = meta.slot_mapping, meta.token_block_tables, meta.token_seq_lens
         h = self.model.model.embed_tokens(input_ids)
-        if n == 1 and self._stack is not None:  # single stream: the whole layer loop in one C++ call
+        if self._stack is not None and (n == 1 or (n <= fused_ops.SMALL_LINEAR_MAX_ROWS and self._stack_multi)):
+            # the whole layer loop in one C++ call: a single stream, or a few tokens on bf16/fp32 weights
             tensors, kinds, groups = self._stack
             return _stack_ext().decode_stack(h, positions, slots, tables, seq_lens, self.cos_sin, tensors, kinds,
                                              groups, self.final_norm, nh, nkv, d, eps, scale)
