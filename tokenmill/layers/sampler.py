@@ -29,7 +29,7 @@ _ARGMAX_SOURCE = r"""
 #endif
 // Row-wise argmax of a contiguous float32 [M, N] tensor with torch's rule: the first index of the
 // maximum, and the first NaN if the row has one. Two passes per row (the maximum, then its first
-// index), rows in parallel. torch's argmax ran ~0.6 G elements/s here: ~5 ms for 64 x 49,152 logits.
+// index), rows in parallel. For 64 x 49,152 logits here: torch's argmax 0.86 ms, this 0.10 ms.
 torch::Tensor argmax_rows(torch::Tensor x) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "argmax_rows: [M, N] float32");
     const int64_t M = x.size(0), N = x.size(1);
