@@ -303,6 +303,7 @@ static bool inner_contiguous(const torch::Tensor& t) {  // [n, H, D]: heads and 
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <atomic>
+#include <memory>
 // Prefill attention for bf16 caches, tiled as in FlashAttention: a tile of RT query rows (token,
 // head pairs of one KV head) against 64 keys at a time, online softmax, both products by vdpbf16ps.
 // Per (query row, key) this costs ~4 vdpbf16ps plus the softmax, against ~12 instructions when
@@ -335,8 +336,15 @@ static void prefill_bf16(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
     std::vector<int64_t> boff(S + 1, 0);           // first packed 16-key block of each sequence
     for (int64_t s = 0; s < S; ++s) boff[s + 1] = boff[s] + (sp[s] + 15) / 16;
     const int64_t nblk = boff[S];
-    // + KT blocks of zeros at the end: a tile may read up to KT - 1 blocks past its sequence.
-    std::vector<uint32_t> kpack((nblk + KT) * Hkv * BLK, 0u), vpack((nblk + KT) * Hkv * BLK, 0u);
+    // + KT blocks of zeros at the end: a tile may read up to KT - 1 blocks past its sequence. Every
+    // other entry is written by the packing below (key lanes past seq_len as zeros), so only that
+    // tail is cleared here.
+    const int64_t pack_len = (nblk + KT) * Hkv * BLK, tail = nblk * Hkv * BLK;
+    std::unique_ptr<uint32_t[]> kbuf(new uint32_t[pack_len]), vbuf(new uint32_t[pack_len]);
+    std::fill(kbuf.get() + tail, kbuf.get() + pack_len, 0u);
+    std::fill(vbuf.get() + tail, vbuf.get() + pack_len, 0u);
+    const uint32_t* kpack_data = kbuf.get();
+    const uint32_t* vpack_data = vbuf.get();
     static const uint16_t zeros[512] = {0};
 
     at::parallel_for(0, nblk, 8, [&](int64_t b0, int64_t b1) {
@@ -355,12 +363,14 @@ static void prefill_bf16(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
                 }
             }
             for (int64_t h = 0; h < Hkv; ++h) {
-                uint32_t* kd = kpack.data() + (idx * Hkv + h) * BLK;
+                uint32_t* kd = kbuf.get() + (idx * Hkv + h) * BLK;
                 for (int64_t j = 0; j < nk; ++j) {
                     const uint32_t* src = reinterpret_cast<const uint32_t*>(krow[j] + h * D);
                     for (int p = 0; p < P2; ++p) kd[p * 16 + j] = src[p];
                 }
-                uint32_t* vd = vpack.data() + (idx * Hkv + h) * BLK;
+                for (int64_t j = nk; j < 16; ++j)
+                    for (int p = 0; p < P2; ++p) kd[p * 16 + j] = 0u;
+                uint32_t* vd = vbuf.get() + (idx * Hkv + h) * BLK;
                 for (int i = 0; i < 8; ++i) {
                     const uint16_t* a = 2 * i < nk ? vrow[2 * i] + h * D : zeros;
                     const uint16_t* b = 2 * i + 1 < nk ? vrow[2 * i + 1] + h * D : zeros;
@@ -407,8 +417,8 @@ static void prefill_bf16(torch::Tensor out, torch::Tensor q, torch::Tensor k_cac
                 lsum[rr] = _mm512_setzero_ps();
                 for (int d = 0; d < D; ++d) O[rr][d] = 0.f;
             }
-            const uint32_t* kbase = kpack.data() + (boff[s] * Hkv + h) * BLK;
-            const uint32_t* vbase = vpack.data() + (boff[s] * Hkv + h) * BLK;
+            const uint32_t* kbase = kpack_data + (boff[s] * Hkv + h) * BLK;
+            const uint32_t* vbase = vpack_data + (boff[s] * Hkv + h) * BLK;
             const int64_t hstride = Hkv * BLK;   // from one 16-key block to the next (same head)
             for (int64_t t0 = 0; t0 < kend; t0 += 16 * KT) {
                 const int64_t kb0 = t0 / 16;
