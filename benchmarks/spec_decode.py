@@ -36,11 +36,14 @@ SHAREGPT = REPO.parent / "shared" / "data" / "sharegpt_v3_first_exchange_5000.js
 
 
 def sharegpt_prompts(tokenizer, n: int, max_prompt_tokens: int, seed: int = 0) -> list[list[int]]:
-    """n chat-templated first human turns of at most max_prompt_tokens tokens (fixed seed)."""
+    """n chat-templated first human turns of at most max_prompt_tokens tokens (fixed seed), from
+    the front of the shuffled file; `tokenmill train-eagle` trains on rows 1000 onward of the
+    same order, so a trained head never saw these prompts."""
     rows = [json.loads(line) for line in open(SHAREGPT)]
     random.Random(seed).shuffle(rows)
     out = []
-    for r in rows:
+    for i, r in enumerate(rows):
+        assert i < 1000, "benchmark prompts would overlap the EAGLE training rows"
         text = r["conversations"][0]["value"]
         ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}], True),
                                add_special_tokens=False)
@@ -111,7 +114,8 @@ def main() -> None:
     ap.add_argument("--batch-max-tokens", type=int, default=None, help="tokens per request at batch 8/32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (sets TOKENMILL_NUM_THREADS)")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 (target and draft)")
-    ap.add_argument("--proposers", default="ngram,draft", help="comma-separated subset of ngram,draft")
+    ap.add_argument("--proposers", default="ngram,draft", help="comma-separated subset of ngram,draft,eagle")
+    ap.add_argument("--eagle", default=None, help="EAGLE head directory (tokenmill train-eagle); adds proposer eagle")
     args = ap.parse_args()
     if args.threads:
         os.environ["TOKENMILL_NUM_THREADS"] = str(args.threads)
@@ -138,6 +142,8 @@ def main() -> None:
     methods = {"ngram": {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1},
                f"draft ({args.draft_layers}-layer self-draft)": {"method": "draft_model", "model": args.model,
                                                                   "draft_num_layers": args.draft_layers}}
+    if args.eagle:
+        methods["eagle (trained head)"] = {"method": "eagle", "model": args.eagle}
     wanted = set(args.proposers.split(","))
     methods = {k: v for k, v in methods.items() if k.split(" ")[0] in wanted}
     best: dict[str, tuple[float, int]] = {}

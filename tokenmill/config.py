@@ -139,11 +139,11 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    """Proposer: ngram or draft_model."""
+    """Proposer: ngram, draft_model, or eagle (a trained EAGLE head; see `tokenmill train-eagle`)."""
     num_speculative_tokens: int = 4
     """Largest number of draft tokens (gamma) per step."""
     model: str | None = None
-    """Draft model path (draft_model)."""
+    """Draft model path (draft_model) or EAGLE head directory (eagle)."""
     prompt_lookup_max: int = 4
     """Longest n-gram matched by the n-gram proposer."""
     prompt_lookup_min: int = 1
@@ -154,12 +154,12 @@ class SpeculativeConfig:
     """Keep only this many layers of the draft model (its first N-1 and its last): a layer-truncated draft."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config.method must be ngram or draft_model, got {self.method!r}")
+        if self.method not in ("ngram", "draft_model", "eagle"):
+            raise ValueError(f"speculative_config.method must be ngram, draft_model or eagle, got {self.method!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model is required for method draft_model")
+        if self.method in ("draft_model", "eagle") and not self.model:
+            raise ValueError(f"speculative_config.model is required for method {self.method}")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ValueError("speculative_config.draft_num_layers must be >= 1")
 

@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("tokenmill.entrypoints.openai.cli", "OpenAI-compatible HTTP server."),
     "quantize": ("tokenmill.quant.cli", "Quantize a model with RTN, GPTQ or AWQ."),
     "eval": ("tokenmill.eval.cli", "Evaluate a model (perplexity)."),
+    "train-eagle": ("tokenmill.spec_decode.eagle_train", "Train an EAGLE draft head for speculative decoding."),
     "bench": ("tokenmill.bench.cli", "Benchmarks: latency, throughput, serve, roofline, ablation."),
 }
 

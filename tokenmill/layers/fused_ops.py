@@ -385,7 +385,7 @@ def rope_inplace(qk: torch.Tensor, num_heads: int, head_dim: int, cos_sin: torch
     the kernel cannot serve the call; the caller then uses `rope_ref`."""
     if (qk.dim() != 2 or qk.stride(1) != 1 or qk.device.type != "cpu" or qk.dtype not in _DTYPES
             or positions.dtype != torch.int64 or not positions.is_contiguous() or cos_sin.dtype != torch.float32
-            or head_dim % 2 or num_heads * head_dim > qk.shape[1]):
+            or head_dim % 2 or num_heads * head_dim > qk.shape[1] or positions.numel() != qk.shape[0]):
         return False
     ext = _ext()
     if ext is None:

@@ -41,6 +41,7 @@ class Proposer(Protocol):
 _REGISTRY: dict[str, str] = {
     "ngram": "tokenmill.spec_decode.ngram:NgramProposer",
     "draft_model": "tokenmill.spec_decode.draft_model:DraftModelProposer",
+    "eagle": "tokenmill.spec_decode.eagle:EagleProposer",
 }
 
 

@@ -78,6 +78,9 @@ class ModelRunner:
         self.spec_verifier: Callable[..., dict[str, SamplerResult]] | None = None
         """Set by the engine when speculating: (logits, sampling, meta, global_gen) -> results for a
         batch where some requests carry drafts (spec_decode/rejection_sampler.py)."""
+        self.hidden_sink: Callable[[list[ScheduledRequest], torch.Tensor], None] | None = None
+        """Set by a proposer that drafts from the target's features (EAGLE): called every step with
+        the batch (in input order) and the final hidden states [num_tokens, hidden] of all its tokens."""
 
     # ----------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -97,6 +100,8 @@ class ModelRunner:
         else:
             with forward_context(meta):
                 hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
+        if self.hidden_sink is not None:
+            self.hidden_sink(batch, hidden)
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]

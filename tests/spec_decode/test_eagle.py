@@ -1,0 +1,180 @@
+"""EAGLE head and proposer on the tiny random Llama: the training forward is the inference
+forward, the runner hands the proposer the target's true features, a short training run learns,
+greedy output is token-identical to plain decoding (mixed batches, chunked prefill, preemption,
+prefix hits), seeded sampling reproduces, and bad head files get errors that name the file."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.spec_decode.test_engine import PROMPTS, TIGHT, run
+from tokenmill import LLM, SamplingParams
+from tokenmill.spec_decode import eagle_train as et
+from tokenmill.spec_decode.eagle_head import load_eagle_head, target_tables, train_forward
+
+
+def _target(path):
+    from tokenmill.models.loader import load_model
+    return load_model(str(path), dtype=torch.float32, device="cpu", load_tokenizer=False).model
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_llama):
+    """Greedy continuations of the tiny target (its own outputs) and their features."""
+    llm = LLM(str(tiny_llama))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 2000, (int(n),), generator=g).tolist() for n in torch.randint(4, 24, (24,), generator=g)]
+    outs = run(llm, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    seqs = [p + o for p, o in zip(prompts, outs)]
+    target = _target(tiny_llama)
+    feats, argmaxes = et.extract_features(target, seqs, log=lambda *_: None)
+    return target, seqs, feats, argmaxes
+
+
+@pytest.fixture(scope="module")
+def trained_head(corpus, tmp_path_factory):
+    target, seqs, feats, argmaxes = corpus
+    vocab = et.choose_draft_vocab(argmaxes, target.config.vocab_size, 256)
+    head = et.init_head_from_target(target, vocab)
+    first = et.train_head(head, seqs, feats, argmaxes, epochs=1, lr=3e-3, tokens_per_batch=256, log=lambda *_: None)
+    last = et.train_head(head, seqs, feats, argmaxes, epochs=6, lr=3e-3, tokens_per_batch=256, log=lambda *_: None)
+    path = tmp_path_factory.mktemp("eagle")
+    head.save(path, "tiny")
+    return path, head, first, last
+
+
+def test_train_forward_is_the_inference_forward(corpus):
+    target, seqs, feats, argmaxes = corpus
+    head = et.init_head_from_target(target, torch.arange(100))
+    ids = torch.tensor([seqs[0][1:], seqs[1][1:len(seqs[0])]])
+    f = torch.stack([feats[0][:-1], feats[1][:len(seqs[0]) - 1]]).float()
+    with torch.no_grad():
+        dense = head(ids, torch.arange(ids.shape[1]).expand(2, -1).contiguous(), f)          # the module, no forward context
+        trained = train_forward(head, ids, f)
+    assert torch.allclose(dense, trained, atol=1e-5, rtol=1e-5)
+
+
+def test_features_and_argmax_are_the_targets(corpus):
+    target, seqs, feats, argmaxes = corpus
+    with torch.no_grad():
+        h = target(torch.tensor(seqs[3]), torch.arange(len(seqs[3])))
+    assert torch.equal(h, feats[3])
+    # the corpus is the target's own greedy output: the argmax at each answer position is the next token
+    s, a = seqs[3], argmaxes[3]
+    answer_start = len(s) - 40
+    assert a[answer_start - 1:-1].tolist() == s[answer_start:]
+
+
+def test_training_learns(trained_head):
+    _, _, first, last = trained_head
+    assert last["smooth_l1"] < first["smooth_l1"]
+    assert last["top1"] > first["top1"] and last["top1"] > 0.3
+
+
+def test_runner_hands_the_true_features(tiny_llama, trained_head):
+    path, *_ = trained_head
+    cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(tiny_llama), speculative_config=cfg)
+    store = llm.engine.spec.proposer.store
+    seen: list[tuple[list[int], int, torch.Tensor]] = []
+    write = store.write
+
+    def spy(batch, hidden):
+        off = 0
+        for s in batch:
+            seen.append((list(s.request.all_token_ids[:s.start_pos]) + list(s.token_ids), s.start_pos,
+                         hidden[off:off + s.num_new_tokens].clone()))
+            off += s.num_new_tokens
+        write(batch, hidden)
+    llm.engine.runner.hidden_sink = spy
+    run(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    target = _target(tiny_llama)
+    assert len(seen) > 4 and any(len(rows) > 1 for _, start, rows in seen if start > 0)  # verification steps
+    for tokens, start, rows in seen:
+        with torch.no_grad():
+            ref = target(torch.tensor(tokens), torch.arange(len(tokens)))[start:]
+        torch.testing.assert_close(rows, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return params, run(LLM(str(tiny_llama), **TIGHT), PROMPTS, params)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_identical_with_chunking_preemption_and_prefix_hits(tiny_llama, trained_head, greedy_ref, adaptive):
+    path, *_ = trained_head
+    params, ref = greedy_ref
+    cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 4, "adaptive": adaptive}
+    llm = LLM(str(tiny_llama), speculative_config=cfg, **TIGHT)
+    assert run(llm, PROMPTS, params) == ref           # mixed batch, 8-token budget, a pool that preempts
+    assert run(llm, PROMPTS[:1], params) == ref[:1]   # alone, with prefix-cache hits
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
+    spec = stats.spec_decode
+    if not adaptive:
+        assert spec["num_drafts"] > 0 and 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+
+
+def test_drafts_are_the_heads_teacher_forced_predictions(tiny_llama, trained_head):
+    """Greedy, γ = 1: when a request holds N tokens, its draft is the head's prediction from the
+    target's feature at N - 2 and token N - 1, as the dense training forward computes it."""
+    path, head, *_ = trained_head
+    cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 1, "adaptive": False}
+    llm = LLM(str(tiny_llama), speculative_config=cfg)
+    prop = llm.engine.spec.proposer
+    inner, log = prop.propose, []
+
+    def spy(reqs, ks):
+        out = inner(reqs, ks)
+        log.extend((r.num_tokens, d[0]) for r, d in zip(reqs, out.token_ids) if d)
+        return out
+    prop.propose = spy
+    prompt = PROMPTS[2]
+    out = run(llm, [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    full = prompt + out
+    target = _target(tiny_llama)
+    feats, _ = et.extract_features(target, [full], log=lambda *_: None)
+    with torch.no_grad():
+        pred = head.draft_vocab[head.compute_logits(train_forward(head, torch.tensor([full[1:]]),
+                                                                  feats[0][None, :-1].float())[0]).argmax(-1)]
+    assert len(log) >= 10
+    matches = sum(d == int(pred[n - 2]) for n, d in log)
+    assert matches >= len(log) - 1, (matches, len(log))
+
+
+def test_seeded_sampling_reproduces_and_greedy_rows_match(tiny_llama, trained_head, greedy_ref):
+    path, *_ = trained_head
+    _, ref = greedy_ref
+    cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3, "adaptive": False}
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, presence_penalty=0.5, seed=4, max_tokens=12, ignore_eos=True)]
+    a = run(LLM(str(tiny_llama), speculative_config=cfg, **TIGHT), PROMPTS, params)
+    b = run(LLM(str(tiny_llama), speculative_config=cfg, **TIGHT), PROMPTS, params)
+    assert a == b and a[0] == ref[0] and a[2] == ref[2] and len(a[1]) == len(a[3]) == 12
+
+
+def test_bad_head_files_name_the_file(tiny_llama, trained_head, tmp_path):
+    import shutil
+    path, *_ = trained_head
+    target = _target(tiny_llama)
+    embed, lm = target_tables(target)
+    with pytest.raises(FileNotFoundError, match="eagle_config.json"):
+        load_eagle_head(tmp_path, target.config, embed, lm, torch.float32)
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    cfg = json.loads((bad / "eagle_config.json").read_text())
+    (bad / "eagle_config.json").write_text(json.dumps({**cfg, "target_hidden_size": 7}))
+    with pytest.raises(ValueError, match="eagle_config.json.*hidden size 7"):
+        load_eagle_head(bad, target.config, embed, lm, torch.float32)
+    (bad / "eagle_config.json").write_text(json.dumps(cfg))
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_eagle_head(bad, target.config, embed, lm, torch.float32)
+    with pytest.raises(ValueError, match="model is required"):
+        LLM(str(tiny_llama), speculative_config={"method": "eagle"})

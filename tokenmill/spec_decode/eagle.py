@@ -1,0 +1,216 @@
+"""EAGLE proposer: a one-layer head drafts from the target's own features (eagle_head.py).
+
+Per step the target runner hands every computed position's feature to a `FeatureStore` (the
+runner's `hidden_sink`). When a request is about to decode with N tokens, the target has features
+for positions 0 .. N-2; the head catches up over the positions it has not seen yet, pairing
+feature f_i with token t_{i+1}, and its last output predicts f_{N-1}, whose logits give draft 1.
+Each further draft feeds the head its own prediction and the token it drafted:
+
+    position     done .. N-2 (catch-up)        N-1              N          ...
+    head input   (f_i, t_{i+1}) real           (f^_{N-1}, d1)   (f^_N, d2)
+    head output  f^_{i+1}; the last -> d1      f^_N -> d2       f^_{N+1} -> d3
+
+The head's KV cache is paged like a draft model's (draft_model.py): its pool mirrors the target's
+block ids, with scratch blocks for positions the target has not allocated yet. Features of
+rejected drafts are overwritten by the next step before they are read (the store keys rows by
+position). After a prefix-cache hit the target computes no features for the cached positions;
+the head then starts at the first position it has a feature for and reads whatever its mirrored
+blocks hold before it (the K/V a request with the same prefix wrote, or stale rows): that can cost
+acceptance, never exactness.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from tokenmill.attention.metadata import forward_context
+from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits
+from tokenmill.request import Request
+from tokenmill.spec_decode.draft_model import DraftSlice, advance, take_rows
+from tokenmill.spec_decode.eagle_head import EagleHead, load_eagle_head, target_tables
+from tokenmill.spec_decode.proposer import Proposal
+from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
+
+if TYPE_CHECKING:
+    from tokenmill.config import SpeculativeConfig
+    from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+    from tokenmill.engine.core import EngineCore
+
+
+class FeatureStore:
+    """request id -> (first position held, features [n, H]) of positions the head has not consumed."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def write(self, batch: list["ScheduledRequest"], hidden: torch.Tensor) -> None:
+        """The runner's hook: `hidden` [num_tokens, H] for `batch` in order, each request's
+        num_new_tokens rows for positions start_pos .. start_pos + n - 1."""
+        off = 0
+        for s in batch:
+            n = s.num_new_tokens
+            rows = hidden[off:off + n]
+            off += n
+            rid, start = s.request_id, s.start_pos
+            held = self.rows.get(rid)
+            if held is None or start < held[0] or start > held[0] + len(held[1]):
+                self.rows[rid] = (start, rows.clone())  # first rows, a recompute, or a gap
+            else:
+                base, buf = held
+                self.rows[rid] = (base, torch.cat([buf[:start - base], rows]))
+
+    def take(self, rid: str, start: int, end: int) -> tuple[int, torch.Tensor] | None:
+        """Features of positions max(start, first held) .. end - 1 and the first of them, dropping
+        everything before `end` from the store; None if position end - 1 is not held."""
+        held = self.rows.get(rid)
+        if held is None:
+            return None
+        base, buf = held
+        if end - 1 >= base + len(buf) or end - 1 < base:
+            return None
+        first = max(start, base)
+        out = buf[first - base:end - base]
+        self.rows[rid] = (end, buf[end - base:])
+        return first, out
+
+    def forget(self, rid: str) -> None:
+        self.rows.pop(rid, None)
+
+
+class EagleProposer:
+    def __init__(self, head: EagleHead, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 device: torch.device, gamma_max: int, max_num_seqs: int,
+                 block_table: Callable[[str], list[int]], seed: int = 0) -> None:
+        self.head = head
+        self.block_size = block_size
+        self.num_mirrored_blocks = num_blocks
+        scratch = max_num_seqs * (-(-(gamma_max + 1) // block_size) + 1)
+        arch = head.arch
+        spec = KVCacheSpec(num_blocks + scratch, block_size, 1, arch.num_key_value_heads, arch.head_dim, kv_dtype)
+        self.runner = ModelRunner(head, arch, spec, device, seed=seed + 1)
+        self.block_table = block_table
+        self.store = FeatureStore()
+        self.num_computed: dict[str, tuple[int, int]] = {}
+        """request id -> (num_preemptions when recorded, positions with head K/V from real features)."""
+
+    @classmethod
+    def from_engine(cls, config: "SpeculativeConfig", engine: "EngineCore") -> "EagleProposer":
+        mc = engine.config.model
+        embed, lm = target_tables(engine.model)
+        head = load_eagle_head(config.model, engine.arch, embed, lm, mc.torch_dtype, engine.device)
+        kv = engine.kv_spec
+        kv_dtype = kv.dtype if kv.dtype.is_floating_point else mc.torch_dtype
+        prop = cls(head, kv.num_blocks, kv.block_size, kv_dtype, engine.device, config.num_speculative_tokens,
+                   engine.config.scheduler.max_num_seqs, engine.scheduler.kv.get_block_ids, seed=mc.seed)
+        engine.runner.hidden_sink = prop.store.write
+        return prop
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.num_computed.pop(rid, None)
+            self.store.forget(rid)
+            self.runner.generators.pop(rid, None)
+
+    def on_schedule(self, sched: "SchedulerOutput") -> None:
+        copies = getattr(sched, "block_copies", None)
+        if copies:
+            from tokenmill.worker.kv_cache_ops import copy_blocks
+            copy_blocks(self.runner.kv_caches, copies)
+
+    # ---------------------------------------------------------------- propose
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
+        bs = self.block_size
+        drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        next_scratch = self.num_mirrored_blocks
+        reqs: list[Request] = []
+        ks: list[int] = []
+        tables: list[list[int]] = []
+        catch_up: list[DraftSlice] = []
+        feats: list[torch.Tensor] = []
+        for r, k in zip(requests, num_tokens):
+            if k <= 0:
+                continue
+            n = r.num_tokens
+            seen_preemptions, done = self.num_computed.get(r.request_id, (r.num_preemptions, 0))
+            if seen_preemptions != r.num_preemptions:
+                done = 0
+            real = self.block_table(r.request_id)
+            done = min(done, len(real) * bs, n - 2)
+            got = self.store.take(r.request_id, done, n - 1)
+            if got is None:   # no feature for position n - 2 (cannot happen after a target step)
+                continue
+            first, f = got
+            num_needed = -(-(n + k - 2) // bs)   # positions up to n + k - 3
+            extra = max(0, num_needed - len(real))
+            table = real + list(range(next_scratch, next_scratch + extra))
+            next_scratch += extra
+            assert next_scratch <= self.runner.kv_spec.num_blocks, "EAGLE scratch blocks exhausted"
+            reqs.append(r)
+            ks.append(k)
+            tables.append(table)
+            catch_up.append(DraftSlice(r, first, r.all_token_ids[first + 1:n], table))
+            feats.append(f)
+            self.num_computed[r.request_id] = (r.num_preemptions, n - 1)
+        if not reqs:
+            return Proposal([[] for _ in requests], None)
+
+        meta = self.runner._sampling_metadata(catch_up)
+        all_greedy = meta.all_greedy
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in reqs}
+        alive = list(range(len(reqs)))
+        logits, fhat = self._forward(catch_up, feats)
+        for j in range(max(ks)):
+            tok, q = self._sample(logits, meta)
+            toks = tok.tolist()
+            for row, i in enumerate(alive):
+                drafts[reqs[i].request_id].append(toks[row])
+                if not all_greedy:
+                    probs[reqs[i].request_id].append(q[row])
+            keep = [row for row, i in enumerate(alive) if ks[i] > j + 1]
+            if not keep:
+                break
+            advance(meta, tok, [reqs[i].num_output_tokens + j + 1 for i in alive],
+                    [reqs[i].sampling_params.min_tokens for i in alive])
+            if len(keep) < len(alive):
+                meta = take_rows(meta, keep)
+                alive = [alive[row] for row in keep]
+                fhat = fhat[torch.tensor(keep, device=fhat.device)]
+            step = [DraftSlice(reqs[i], reqs[i].num_tokens - 1 + j, [drafts[reqs[i].request_id][-1]], tables[i])
+                    for i in alive]
+            logits, fhat = self._forward(step, list(fhat.unsqueeze(1)))
+        out_probs = None if all_greedy else {rid: torch.stack(p) for rid, p in probs.items() if p}
+        return Proposal([drafts[r.request_id] for r in requests], out_probs)
+
+    def _forward(self, slices: list[DraftSlice], feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits over the draft vocab [n, V'], predicted features [n, H]) at each slice's last
+        position, in slice order. feats[i]: the features paired with slices[i]'s tokens."""
+        order = sorted(range(len(slices)), key=lambda i: slices[i].num_new_tokens != 1)  # decodes first
+        meta, input_ids, positions, logits_indices, _ = self.runner._prepare([slices[i] for i in order])
+        x = torch.cat([feats[i] for i in order]).to(self.head.fc.weight.dtype
+                                                   if self.head.fc.weight.is_floating_point() else torch.float32)
+        with forward_context(meta):
+            fhat = self.head(input_ids, positions, x)
+        last_sorted = fhat[logits_indices]
+        last = torch.empty_like(last_sorted)
+        last[torch.tensor(order, device=last.device)] = last_sorted
+        return self.head.compute_logits(last), last
+
+    def _sample(self, sub_logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [N] (vocabulary ids) and q [N, V] over the full vocabulary (None when every
+        row is greedy); q is 0 outside the draft vocabulary."""
+        vocab = self.head.draft_vocab
+        if meta.all_greedy and meta.output_counts is None and meta.prompt_mask is None \
+                and meta.min_tokens_mask is None:
+            return vocab[sub_logits.argmax(-1)], None
+        full = sub_logits.new_full((sub_logits.shape[0], self.head.arch.vocab_size), float("-inf"))
+        full[:, vocab] = sub_logits
+        processed = process_logits(full, meta)
+        greedy = processed.argmax(-1)
+        if meta.all_greedy:
+            return greedy, None
+        q = processed.softmax(-1)
+        noise = exponential_noise(tuple(q.shape), meta.generators, q.device, self.runner.sampler.global_gen)
+        tok = torch.where(meta.temperature > 0, (q / noise).argmax(-1), greedy)
+        return tok, q

@@ -1,0 +1,209 @@
+"""An EAGLE-style draft head: one decoder layer that extrapolates the target's last hidden state.
+
+The target's feature f_i is its final hidden state at position i (after the final norm, the
+vector its LM head reads). The head, at position i, reads f_i and the embedding of the token
+that follows it, t_{i+1}, and predicts the next feature:
+
+    x_i    = fc([embed(t_{i+1}) ; f_i])              [2H] -> [H]
+    y_i    = decoder_layer(x_i)                      causal attention over the head's own KV cache
+    f^_i+1 = norm(y_i)                               lands in the space of the target's features
+    logits = f^_i+1 @ W[draft_vocab]^T               the target's own tied LM-head rows, a subset
+
+Drafting continues from its own prediction: (f^_{i+1}, drafted t_{i+2}) at position i + 1, and so
+on (EAGLE, Li et al. 2024). The LM head keeps only `draft_vocab` rows (the tokens the target emits
+most often in the training data): the full 49,152-row head costs about a fifth of a SmolLM2-135M
+decode step, the 8,192-row subset a sixth of that. A draft outside the subset is never proposed,
+which costs acceptance, never exactness (the rejection sampler takes q = 0 there).
+
+Checkpoint directory (written by `tokenmill train-eagle`):
+
+    eagle_config.json    {"format": "tokenmill-eagle", "version": 1, "target_hidden_size": ...,
+                          "arch": {the one-layer ModelArchConfig fields}, "num_draft_vocab": N}
+    model.safetensors    fc.weight, layer.*, norm.weight, draft_vocab (int64 [N])
+
+The head's own embedding and LM head are the target's (shared tensors, not stored).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention.backend import TorchPagedAttention
+from tokenmill.config import ModelArchConfig
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer
+
+FORMAT = "tokenmill-eagle"
+VERSION = 1
+CONFIG_FILE = "eagle_config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def head_arch(target: ModelArchConfig) -> ModelArchConfig:
+    """The head's decoder layer has the target's layer shape; one layer, no quantization."""
+    return dataclasses.replace(target, num_hidden_layers=1, quantization_config=None)
+
+
+class EagleHead(nn.Module):
+    """See the module docstring. `embed` is the target's token embedding table [V, H] (shared);
+    `lm_rows` the target's LM-head rows of `draft_vocab` [N, H]."""
+
+    def __init__(self, arch: ModelArchConfig, embed: torch.Tensor, lm_rows: torch.Tensor, draft_vocab: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if arch.num_hidden_layers != 1:
+            raise ValueError("an EAGLE head has exactly one decoder layer")
+        h = arch.hidden_size
+        self.arch = arch
+        self.fc = Linear(2 * h, h, dtype=dtype)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+        self.layer = LlamaDecoderLayer(arch, 0, self.rotary, TorchPagedAttention(), dtype)
+        self.norm = RMSNorm(h, arch.rms_norm_eps, dtype)
+        self.embed = embed                                       # [V, H], the target's (not a parameter here)
+        self.register_buffer("draft_vocab", draft_vocab.to(torch.long), persistent=False)
+        if tuple(lm_rows.shape) != (len(draft_vocab), h):
+            raise ValueError(f"lm_rows must be [{len(draft_vocab)}, {h}], got {tuple(lm_rows.shape)}")
+        self.head = Linear(h, len(draft_vocab), dtype=dtype)    # the target's LM-head rows of draft_vocab
+        self.head.weight = nn.Parameter(lm_rows.detach().to(dtype).contiguous(), requires_grad=False)
+
+    # The runner binds KV caches through these (one layer).
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [self.layer.self_attn]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] (the token after each feature), positions [T], features [T, H] -> predicted
+        next features [T, H]. Inside a forward context attention goes through the paged cache;
+        outside, dense causal over [T] or [B, T]."""
+        e = F.embedding(input_ids, self.embed).to(features.dtype)
+        x = self.fc(torch.cat([e, features], dim=-1))
+        with self.rotary.cached(positions):
+            y = self.layer(positions, x)
+        return self.norm(y)
+
+    def compute_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> logits over draft_vocab [N, len(draft_vocab)] in float32."""
+        return self.head(features).float()
+
+    # ------------------------------------------------------------------ files
+    def state_for_save(self) -> dict[str, torch.Tensor]:
+        out = {k: v.detach().contiguous() for k, v in self.named_parameters() if not k.startswith("head.")}
+        out["draft_vocab"] = self.draft_vocab.detach().cpu().contiguous()
+        return out
+
+    def save(self, directory: str | Path, target_name: str) -> None:
+        from safetensors.torch import save_file
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        arch = dataclasses.asdict(self.arch)
+        arch["eos_token_ids"] = list(arch["eos_token_ids"])
+        cfg = {"format": FORMAT, "version": VERSION, "target": target_name,
+               "target_hidden_size": self.arch.hidden_size, "num_draft_vocab": int(len(self.draft_vocab)),
+               "arch": arch}
+        (d / CONFIG_FILE).write_text(json.dumps(cfg, indent=1) + "\n")
+        save_file({k: v.float().cpu() if v.is_floating_point() else v for k, v in self.state_for_save().items()},
+                  str(d / WEIGHTS_FILE))
+
+
+def target_tables(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding table [V, H], LM-head weight [V, H]) of a target, dense in its dtype, whatever
+    its embedding or head kernels (quantized, prepacked, tied or not): read through the model's
+    own forward paths, so the head sees exactly what the target computes with."""
+    inner = target.model
+    V, H = target.config.vocab_size, target.config.hidden_size
+    with torch.no_grad():  # not inference_mode: training reads these tables under autograd
+        dev = inner.norm.weight.device
+        embed = getattr(inner.embed_tokens, "weight", None)
+        embed = inner.embed_tokens(torch.arange(V, device=dev)) if embed is None else embed.detach()
+        lm = target.compute_logits(torch.eye(H, dtype=inner.norm.weight.dtype, device=dev)).t()
+    return embed, lm.to(embed.dtype).contiguous()
+
+
+def load_eagle_head(directory: str | Path, target_arch: ModelArchConfig, embed: torch.Tensor, lm_weight: torch.Tensor,
+                    dtype: torch.dtype, device: str | torch.device = "cpu") -> EagleHead:
+    """Load a head written by EagleHead.save, checking it fits the target; errors name the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    d = Path(directory)
+    cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path}: no EAGLE head config here (train one with `tokenmill train-eagle`)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    if cfg.get("format") != FORMAT or cfg.get("version") != VERSION:
+        raise ValueError(f"{cfg_path}: format {cfg.get('format')!r} v{cfg.get('version')}, expected {FORMAT!r} v{VERSION}")
+    if cfg.get("target_hidden_size") != target_arch.hidden_size:
+        raise ValueError(f"{cfg_path}: head made for hidden size {cfg.get('target_hidden_size')}, "
+                         f"the target has {target_arch.hidden_size}")
+    a = dict(cfg["arch"])
+    a["eos_token_ids"] = tuple(a.get("eos_token_ids") or ())
+    arch = ModelArchConfig(**a)
+    if arch.vocab_size != target_arch.vocab_size:
+        raise ValueError(f"{cfg_path}: head made for vocab {arch.vocab_size}, the target has {target_arch.vocab_size}")
+    try:
+        tensors = load_file(str(w_path))
+    except (FileNotFoundError, SafetensorError, OSError) as e:
+        raise ValueError(f"{w_path}: cannot read EAGLE head weights ({e})") from None
+    vocab = tensors.pop("draft_vocab", None)
+    if vocab is None or vocab.dim() != 1 or len(vocab) != cfg.get("num_draft_vocab"):
+        raise ValueError(f"{w_path}: draft_vocab missing or not of length num_draft_vocab")
+    if int(vocab.min()) < 0 or int(vocab.max()) >= target_arch.vocab_size:
+        raise ValueError(f"{w_path}: draft_vocab has token ids outside [0, {target_arch.vocab_size})")
+    with torch.device(device):
+        head = EagleHead(arch, embed, lm_weight[vocab.to(lm_weight.device)], vocab, dtype=dtype)
+    own = {k: v for k, v in head.named_parameters() if not k.startswith("head.")}
+    missing, unexpected = set(own) - set(tensors), set(tensors) - set(own)
+    if missing or unexpected:
+        raise ValueError(f"{w_path}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
+    for k, p in own.items():
+        if tuple(tensors[k].shape) != tuple(p.shape):
+            raise ValueError(f"{w_path}: {k} has shape {tuple(tensors[k].shape)}, expected {tuple(p.shape)}")
+        p.data.copy_(tensors[k].to(p.dtype))
+    head.eval()
+    return head
+
+
+# ---------------------------------------------------------------------------------- training
+def train_forward(head: EagleHead, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """The head's forward in plain differentiable torch ops, dense causal over [B, T] (positions
+    0..T-1). The inference kernels (fused norms, in-place RoPE) bypass autograd, so training uses
+    this; tests check it equals `head(...)` outside a forward context."""
+    arch = head.arch
+    nh, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    eps = arch.rms_norm_eps
+
+    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    B, T = input_ids.shape
+    e = F.embedding(input_ids, head.embed.detach()).to(features.dtype)
+    h = F.linear(torch.cat([e, features], dim=-1), head.fc.weight)
+    lay = head.layer
+    qkv = F.linear(rms(h, lay.input_layernorm.weight), lay.self_attn.qkv_proj.weight)
+    q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+    q, k, v = q.view(B, T, nh, d), k.view(B, T, nkv, d), v.view(B, T, nkv, d)
+    cs = head.rotary.cos_sin[:T].to(h.dtype)
+    cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2:]
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    q, k = rope(q), rope(k)
+    rep = nh // nkv
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       scale=d ** -0.5)
+    h = h + F.linear(o.transpose(1, 2).reshape(B, T, nh * d), lay.self_attn.o_proj.weight)
+    gu = F.linear(rms(h, lay.post_attention_layernorm.weight), lay.mlp.gate_up_proj.weight)
+    g, u = gu.chunk(2, dim=-1)
+    h = h + F.linear(F.silu(g) * u, lay.mlp.down_proj.weight)
+    return rms(h, head.norm.weight)

@@ -1,0 +1,268 @@
+"""Train an EAGLE draft head (spec_decode/eagle_head.py) for a target model, on this machine's CPU.
+
+Self-distillation in three stages, each a function so a benchmark or test can run one alone:
+
+1. `generate_corpus`: the target answers ShareGPT first turns greedily (our engine, batched).
+   The prompts are rows [skip_rows:] of the file shuffled with seed 0; the speculative-decoding
+   benchmark draws its prompts from the front of the same order, so the two never overlap.
+2. `extract_features`: one dense target pass per prompt + answer records the feature at every
+   position (the final hidden state, after the final norm) and the target's argmax there.
+3. `train_head`: the head learns, at each position i, (f_i, t_{i+1}) -> f_{i+1}, with a
+   smooth-L1 loss on the feature and a cross-entropy on the target's argmax at i + 1 over the
+   draft vocabulary (the most frequent argmax tokens). Inputs get Gaussian noise, as EAGLE does,
+   so the head tolerates its own imperfect predictions when it drafts several tokens.
+
+    tokenmill train-eagle --model smollm2-135m --out ../shared/eagle-smollm2-135m
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.spec_decode.eagle_head import EagleHead, head_arch, target_tables, train_forward
+
+
+@dataclass
+class Corpus:
+    sequences: list[list[int]]
+    """prompt + greedy answer token ids."""
+    prompt_lens: list[int]
+
+
+def sharegpt_rows(path: str | Path, seed: int = 0) -> list[dict]:
+    rows = [json.loads(line) for line in open(path)]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}], True),
+                            add_special_tokens=False)
+
+
+def generate_corpus(llm, sharegpt: str | Path, num_prompts: int, max_tokens: int, skip_rows: int = 1000,
+                    max_prompt_tokens: int = 384, batch: int = 64, log=print) -> Corpus:
+    from tokenmill import SamplingParams
+    tok = llm.tokenizer
+    prompts: list[list[int]] = []
+    for r in sharegpt_rows(sharegpt)[skip_rows:]:
+        ids = chat_prompt_ids(tok, r["conversations"][0]["value"])
+        if 4 <= len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) == num_prompts:
+            break
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    seqs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for w in range(0, len(prompts), batch):
+        ids = []
+        for j, p in enumerate(prompts[w:w + batch]):
+            rid = f"eagle-corpus-{w + j}"
+            eng.add_request(rid, p, params)
+            ids.append(rid)
+        done: dict[str, list[int]] = {}
+        while len(done) < len(ids):
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = list(o.outputs[0].token_ids)
+        seqs.extend(prompts[w + j] + done[rid] for j, rid in enumerate(ids))
+        n_out = sum(len(s) for s in seqs) - sum(len(p) for p in prompts[:len(seqs)])
+        log(f"corpus: {len(seqs)}/{len(prompts)} prompts, {n_out} answer tokens, {time.perf_counter() - t0:.0f} s")
+    return Corpus(seqs, [len(p) for p in prompts])
+
+
+@torch.inference_mode()
+def extract_features(model, sequences: list[list[int]], log=print) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sequence: features [L, H] (the model's dtype) and the target's argmax [L] (int32)."""
+    feats, argmaxes = [], []
+    t0 = time.perf_counter()
+    for i, s in enumerate(sequences):
+        ids = torch.tensor(s, dtype=torch.long)
+        h = model(ids, torch.arange(len(s)))
+        feats.append(h.clone())
+        argmaxes.append(model.compute_logits(h).argmax(-1).to(torch.int32))
+        if (i + 1) % 200 == 0 or i + 1 == len(sequences):
+            log(f"features: {i + 1}/{len(sequences)} sequences, {time.perf_counter() - t0:.0f} s")
+    return feats, argmaxes
+
+
+def choose_draft_vocab(argmaxes: list[torch.Tensor], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` tokens the target predicts most often (sorted ids), ties by id."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for a in argmaxes:
+        counts += torch.bincount(a.long(), minlength=vocab_size)
+    top = torch.argsort(-counts, stable=True)[:size]
+    return top.sort().values
+
+
+def init_head_from_target(target, draft_vocab: torch.Tensor, seed: int = 0) -> EagleHead:
+    """A float32 head whose layer starts as a copy of the target's last layer, its norm as the
+    target's final norm, and fc as [small random | identity] so it starts by passing f_i on."""
+    arch = head_arch(target.config)
+    embed, lm = target_tables(target)
+    head = EagleHead(arch, embed.float(), lm[draft_vocab].float(), draft_vocab, dtype=torch.float32)
+    last = target.model.layers[-1]
+    with torch.no_grad():
+        for name, p in head.layer.named_parameters():
+            p.copy_(dict(last.named_parameters())[name].float())
+        head.norm.weight.copy_(target.model.norm.weight.float())
+        h = arch.hidden_size
+        g = torch.Generator().manual_seed(seed)
+        head.fc.weight.copy_(torch.cat([torch.randn(h, h, generator=g) * (0.02 / math.sqrt(h)) * 10,
+                                        torch.eye(h)], dim=1))
+    return head
+
+
+def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Tensor], argmaxes: list[torch.Tensor],
+               epochs: int = 3, lr: float = 1e-3, tokens_per_batch: int = 4096, max_len: int = 512,
+               ce_weight: float = 0.1, noise: float = 0.1, seed: int = 0, log=print) -> dict[str, float]:
+    """Train in place (parameters of fc, layer and norm). Returns the last epoch's mean losses and
+    the draft-vocab top-1 accuracy on the target's argmax (teacher-forced, one step ahead)."""
+    for name, p in head.named_parameters():
+        p.requires_grad_(not name.startswith("head."))
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    vocab = head.draft_vocab
+    index_of = torch.full((head.arch.vocab_size,), -100, dtype=torch.long)
+    index_of[vocab] = torch.arange(len(vocab))
+    head_w = head.head.weight.detach().float()
+    # Windows of at most max_len + 1 positions (each yields max_len training pairs).
+    windows: list[tuple[int, int, int]] = []
+    for si, s in enumerate(sequences):
+        for a in range(0, len(s) - 1, max_len):
+            b = min(a + max_len + 1, len(s))
+            if b - a >= 2:
+                windows.append((si, a, b))
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    feat_rms = torch.cat([f[:64].float() for f in feats[:64]]).pow(2).mean().sqrt().item()
+    total_steps = epochs * max(1, sum(b - a - 1 for _, a, b in windows) // tokens_per_batch)
+    step = 0
+    t0 = time.perf_counter()
+    stats: dict[str, float] = {}
+    for ep in range(epochs):
+        rng.shuffle(windows)
+        batches, cur, cur_tok = [], [], 0
+        for w in windows:
+            cur.append(w)
+            cur_tok += w[2] - w[1] - 1
+            if cur_tok >= tokens_per_batch:
+                batches.append(cur)
+                cur, cur_tok = [], 0
+        if cur:
+            batches.append(cur)
+        sums = {"l1": 0.0, "ce": 0.0, "acc": 0.0, "n": 0.0}
+        for bi, batch in enumerate(batches):
+            T = max(b - a - 1 for _, a, b in batch)
+            B = len(batch)
+            H = head.arch.hidden_size
+            ids = torch.zeros(B, T, dtype=torch.long)
+            fin = torch.zeros(B, T, H)
+            fout = torch.zeros(B, T, H)
+            labels = torch.full((B, T), -100, dtype=torch.long)
+            mask = torch.zeros(B, T, dtype=torch.bool)
+            for j, (si, a, b) in enumerate(batch):
+                n = b - a - 1
+                ids[j, :n] = torch.tensor(sequences[si][a + 1:b])
+                fin[j, :n] = feats[si][a:b - 1].float()
+                fout[j, :n] = feats[si][a + 1:b].float()
+                labels[j, :n] = index_of[argmaxes[si][a + 1:b].long()]
+                mask[j, :n] = True
+            fin = fin + torch.randn(fin.shape, generator=gen) * (noise * feat_rms)
+            lr_now = lr * 0.5 * (1 + math.cos(math.pi * step / max(1, total_steps)))
+            for g in opt.param_groups:
+                g["lr"] = lr_now
+            pred = train_forward(head, ids, fin)
+            l1 = F.smooth_l1_loss(pred[mask], fout[mask]) / feat_rms
+            logits = F.linear(pred[mask], head_w)
+            lab = labels[mask]
+            ce = F.cross_entropy(logits, lab, ignore_index=-100)
+            loss = l1 + ce_weight * ce
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            with torch.no_grad():
+                valid = lab >= 0
+                acc = (logits.argmax(-1)[valid] == lab[valid]).float().mean().item() if valid.any() else 0.0
+            sums["l1"] += l1.item(); sums["ce"] += ce.item(); sums["acc"] += acc; sums["n"] += 1
+            if (bi + 1) % 20 == 0 or bi + 1 == len(batches):
+                n = sums["n"]
+                log(f"epoch {ep + 1}/{epochs} batch {bi + 1}/{len(batches)}: smooth-l1 {sums['l1'] / n:.4f} "
+                    f"ce {sums['ce'] / n:.3f} top-1 {sums['acc'] / n:.3f} lr {lr_now:.2e} "
+                    f"{time.perf_counter() - t0:.0f} s")
+        n = max(1.0, sums["n"])
+        stats = {"smooth_l1": sums["l1"] / n, "ce": sums["ce"] / n, "top1": sums["acc"] / n}
+    for p in head.parameters():
+        p.requires_grad_(False)
+    return stats
+
+
+def main(model: str, out: str, sharegpt: str, num_prompts: int = 1200, max_tokens: int = 192,
+         draft_vocab_size: int = 8192, epochs: int = 3, lr: float = 1e-3, threads: int | None = None,
+         cache: str | None = None) -> dict[str, float]:
+    """The whole recipe; `cache` keeps the corpus and features between runs (a .pt file)."""
+    from tokenmill import LLM
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype="bfloat16", enable_prefix_caching=False)
+    target = llm.engine.model
+    if cache and Path(cache).is_file():
+        data = torch.load(cache)
+        seqs, feats, argmaxes = data["sequences"], data["features"], data["argmaxes"]
+        print(f"loaded corpus and features from {cache}")
+    else:
+        corpus = generate_corpus(llm, sharegpt, num_prompts, max_tokens)
+        seqs = corpus.sequences
+        feats, argmaxes = extract_features(target, seqs)
+        if cache:
+            torch.save({"sequences": seqs, "features": feats, "argmaxes": argmaxes}, cache)
+    t_data = time.perf_counter() - t0
+    vocab = choose_draft_vocab(argmaxes, target.config.vocab_size, draft_vocab_size)
+    covered = torch.zeros(target.config.vocab_size, dtype=torch.bool)
+    covered[vocab] = True
+    all_am = torch.cat(argmaxes).long()
+    coverage = covered[all_am].float().mean().item()
+    print(f"draft vocab {draft_vocab_size}: covers {coverage:.4f} of the target's argmax tokens")
+    head = init_head_from_target(target, vocab)
+    stats = train_head(head, seqs, feats, argmaxes, epochs=epochs, lr=lr)
+    head.save(out, model)
+    stats.update(coverage=coverage, data_seconds=t_data, total_seconds=time.perf_counter() - t0,
+                 tokens=float(sum(len(s) for s in seqs)))
+    (Path(out) / "train_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
+    print(json.dumps(stats))
+    return stats
+
+
+# ------------------------------------------------------------------------------------ CLI
+def add_arguments(p) -> None:
+    from pathlib import Path as _P
+    default_data = _P(__file__).resolve().parents[3] / "shared" / "data" / "sharegpt_v3_first_exchange_5000.jsonl"
+    p.add_argument("--model", default="smollm2-135m", help="target model (path or alias)")
+    p.add_argument("--out", required=True, help="directory for the head (eagle_config.json, model.safetensors)")
+    p.add_argument("--sharegpt", default=str(default_data), help="ShareGPT jsonl (first human turns)")
+    p.add_argument("--num-prompts", type=int, default=1600, help="prompts the target answers for the corpus")
+    p.add_argument("--max-tokens", type=int, default=192, help="answer length cap per prompt")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="rows of the head's LM head (most frequent tokens)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--cache", default=None, help="a .pt file keeping corpus and features between runs")
+
+
+def run(args) -> int:
+    if not Path(args.sharegpt).is_file():
+        raise ValueError(f"{args.sharegpt}: ShareGPT file not found (pass --sharegpt)")
+    main(args.model, args.out, args.sharegpt, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+         draft_vocab_size=args.draft_vocab, epochs=args.epochs, lr=args.lr, threads=args.threads, cache=args.cache)
+    return 0
