@@ -178,3 +178,31 @@ def test_bad_head_files_name_the_file(tiny_llama, trained_head, tmp_path):
         load_eagle_head(bad, target.config, embed, lm, torch.float32)
     with pytest.raises(ValueError, match="model is required"):
         LLM(str(tiny_llama), speculative_config={"method": "eagle"})
+
+
+def test_answers_only_bf16_training_runs(corpus):
+    target, seqs, feats, argmaxes = corpus
+    head = et.init_head_from_target(target, et.choose_draft_vocab(argmaxes, target.config.vocab_size, 256))
+    starts = [len(s) - 41 for s in seqs]            # the last 40 tokens of each sequence are its answer
+    st = et.train_head(head, seqs, feats, argmaxes, epochs=1, tokens_per_batch=256, loss_start=starts, bf16=True,
+                       log=lambda *_: None)
+    assert all(v == v and abs(v) < 1e6 for v in st.values())   # finite
+
+
+def test_train_eagle_command_end_to_end(tiny_llama, tmp_path):
+    """`tokenmill train-eagle` on the tiny model: corpus from ShareGPT, features, training, a head
+    that loads into the engine and drafts."""
+    from tests.conftest import SHARED_DATA
+    from tokenmill.entrypoints.cli import main
+    data = SHARED_DATA / "sharegpt_v3_first_exchange_5000.jsonl"
+    if not data.is_file():
+        pytest.skip(f"{data} absent")
+    out = tmp_path / "head"
+    assert main(["train-eagle", "--model", str(tiny_llama), "--out", str(out), "--sharegpt", str(data),
+                 "--num-prompts", "4", "--max-tokens", "8", "--epochs", "1", "--draft-vocab", "128"]) == 0
+    stats = json.loads((out / "train_stats.json").read_text())
+    assert stats["tokens"] > 4 * 8
+    llm = LLM(str(tiny_llama), speculative_config={"method": "eagle", "model": str(out), "num_speculative_tokens": 2,
+                                                   "adaptive": False})
+    run(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert llm.stats().spec_decode["num_drafts"] > 0

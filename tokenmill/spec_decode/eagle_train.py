@@ -9,8 +9,10 @@ Self-distillation in three stages, each a function so a benchmark or test can ru
    position (the final hidden state, after the final norm) and the target's argmax there.
 3. `train_head`: the head learns, at each position i, (f_i, t_{i+1}) -> f_{i+1}, with a
    smooth-L1 loss on the feature and a cross-entropy on the target's argmax at i + 1 over the
-   draft vocabulary (the most frequent argmax tokens). Inputs get Gaussian noise, as EAGLE does,
-   so the head tolerates its own imperfect predictions when it drafts several tokens.
+   draft vocabulary (the most frequent argmax tokens), scored on answer positions only (the head
+   drafts only there; prompt positions still give attention context). Inputs get Gaussian
+   noise, as EAGLE does, so the head tolerates its own imperfect predictions when it drafts
+   several tokens. bf16 autocast trains ~3x faster than float32 on an AVX512-BF16 CPU.
 
     tokenmill train-eagle --model smollm2-135m --out ../shared/eagle-smollm2-135m
 """
@@ -123,9 +125,13 @@ def init_head_from_target(target, draft_vocab: torch.Tensor, seed: int = 0) -> E
 
 def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Tensor], argmaxes: list[torch.Tensor],
                epochs: int = 3, lr: float = 1e-3, tokens_per_batch: int = 4096, max_len: int = 512,
-               ce_weight: float = 0.1, noise: float = 0.1, seed: int = 0, log=print) -> dict[str, float]:
+               ce_weight: float = 0.1, noise: float = 0.1, seed: int = 0, loss_start: list[int] | None = None,
+               bf16: bool = False, log=print) -> dict[str, float]:
     """Train in place (parameters of fc, layer and norm). Returns the last epoch's mean losses and
-    the draft-vocab top-1 accuracy on the target's argmax (teacher-forced, one step ahead)."""
+    the draft-vocab top-1 accuracy on the target's argmax (teacher-forced, one step ahead).
+    loss_start[s]: the first feature index of sequence s that is scored (the head only drafts
+    inside answers, so `prompt_len - 1` scores answer predictions only; earlier positions still
+    give attention context). bf16: autocast the forward (AVX512-BF16 CPUs train ~2x faster)."""
     for name, p in head.named_parameters():
         p.requires_grad_(not name.startswith("head."))
     params = [p for p in head.parameters() if p.requires_grad]
@@ -139,7 +145,7 @@ def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Te
     for si, s in enumerate(sequences):
         for a in range(0, len(s) - 1, max_len):
             b = min(a + max_len + 1, len(s))
-            if b - a >= 2:
+            if b - a >= 2 and (loss_start is None or b - 1 > loss_start[si]):
                 windows.append((si, a, b))
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -175,14 +181,20 @@ def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Te
                 fin[j, :n] = feats[si][a:b - 1].float()
                 fout[j, :n] = feats[si][a + 1:b].float()
                 labels[j, :n] = index_of[argmaxes[si][a + 1:b].long()]
-                mask[j, :n] = True
+                first = 0 if loss_start is None else max(0, loss_start[si] - a)
+                mask[j, first:n] = True
             fin = fin + torch.randn(fin.shape, generator=gen) * (noise * feat_rms)
             lr_now = lr * 0.5 * (1 + math.cos(math.pi * step / max(1, total_steps)))
             for g in opt.param_groups:
                 g["lr"] = lr_now
-            pred = train_forward(head, ids, fin)
-            l1 = F.smooth_l1_loss(pred[mask], fout[mask]) / feat_rms
-            logits = F.linear(pred[mask], head_w)
+            if not mask.any():
+                continue
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                pred = train_forward(head, ids, fin)
+                picked = pred[mask]
+                logits = F.linear(picked, head_w).float()
+            picked = picked.float()
+            l1 = F.smooth_l1_loss(picked, fout[mask]) / feat_rms
             lab = labels[mask]
             ce = F.cross_entropy(logits, lab, ignore_index=-100)
             loss = l1 + ce_weight * ce
@@ -207,11 +219,14 @@ def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Te
     return stats
 
 
-def main(model: str, out: str, sharegpt: str, num_prompts: int = 1200, max_tokens: int = 192,
-         draft_vocab_size: int = 8192, epochs: int = 3, lr: float = 1e-3, threads: int | None = None,
-         cache: str | None = None) -> dict[str, float]:
-    """The whole recipe; `cache` keeps the corpus and features between runs (a .pt file)."""
+def main(model: str, out: str, sharegpt: str, num_prompts: int = 3300, max_tokens: int = 192,
+         draft_vocab_size: int = 8192, epochs: int = 8, lr: float = 2e-3, threads: int | None = None,
+         cache: str | None = None, init: str | None = None, answers_only: bool = True,
+         bf16: bool = True) -> dict[str, float]:
+    """The whole recipe; `cache` keeps the corpus and features between runs (a .pt file); `init`
+    continues training a head saved before (its draft vocabulary is kept)."""
     from tokenmill import LLM
+    from tokenmill.spec_decode.eagle_head import load_eagle_head
     if threads:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -219,23 +234,28 @@ def main(model: str, out: str, sharegpt: str, num_prompts: int = 1200, max_token
     target = llm.engine.model
     if cache and Path(cache).is_file():
         data = torch.load(cache)
-        seqs, feats, argmaxes = data["sequences"], data["features"], data["argmaxes"]
+        seqs, feats, argmaxes, plens = data["sequences"], data["features"], data["argmaxes"], data["prompt_lens"]
         print(f"loaded corpus and features from {cache}")
     else:
         corpus = generate_corpus(llm, sharegpt, num_prompts, max_tokens)
-        seqs = corpus.sequences
+        seqs, plens = corpus.sequences, corpus.prompt_lens
         feats, argmaxes = extract_features(target, seqs)
         if cache:
-            torch.save({"sequences": seqs, "features": feats, "argmaxes": argmaxes}, cache)
+            torch.save({"sequences": seqs, "features": feats, "argmaxes": argmaxes, "prompt_lens": plens}, cache)
     t_data = time.perf_counter() - t0
-    vocab = choose_draft_vocab(argmaxes, target.config.vocab_size, draft_vocab_size)
+    if init:
+        embed, lm = target_tables(target)
+        head = load_eagle_head(init, target.config, embed.float(), lm.float(), torch.float32)
+        vocab = head.draft_vocab
+    else:
+        vocab = choose_draft_vocab(argmaxes, target.config.vocab_size, draft_vocab_size)
+        head = init_head_from_target(target, vocab)
     covered = torch.zeros(target.config.vocab_size, dtype=torch.bool)
     covered[vocab] = True
-    all_am = torch.cat(argmaxes).long()
-    coverage = covered[all_am].float().mean().item()
-    print(f"draft vocab {draft_vocab_size}: covers {coverage:.4f} of the target's argmax tokens")
-    head = init_head_from_target(target, vocab)
-    stats = train_head(head, seqs, feats, argmaxes, epochs=epochs, lr=lr)
+    coverage = covered[torch.cat(argmaxes).long()].float().mean().item()
+    print(f"draft vocab {len(vocab)}: covers {coverage:.4f} of the target's argmax tokens")
+    starts = [p - 1 for p in plens] if answers_only else None
+    stats = train_head(head, seqs, feats, argmaxes, epochs=epochs, lr=lr, ce_weight=0.2, loss_start=starts, bf16=bf16)
     head.save(out, model)
     stats.update(coverage=coverage, data_seconds=t_data, total_seconds=time.perf_counter() - t0,
                  tokens=float(sum(len(s) for s in seqs)))
@@ -251,11 +271,14 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m", help="target model (path or alias)")
     p.add_argument("--out", required=True, help="directory for the head (eagle_config.json, model.safetensors)")
     p.add_argument("--sharegpt", default=str(default_data), help="ShareGPT jsonl (first human turns)")
-    p.add_argument("--num-prompts", type=int, default=1600, help="prompts the target answers for the corpus")
+    p.add_argument("--num-prompts", type=int, default=3300, help="prompts the target answers for the corpus")
     p.add_argument("--max-tokens", type=int, default=192, help="answer length cap per prompt")
     p.add_argument("--draft-vocab", type=int, default=8192, help="rows of the head's LM head (most frequent tokens)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--init", default=None, help="continue training this head directory")
+    p.add_argument("--all-positions", action="store_true", help="score prompt positions too (default: answers only)")
+    p.add_argument("--fp32", action="store_true", help="train in float32 (default: bf16 autocast)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--cache", default=None, help="a .pt file keeping corpus and features between runs")
 
@@ -264,5 +287,6 @@ def run(args) -> int:
     if not Path(args.sharegpt).is_file():
         raise ValueError(f"{args.sharegpt}: ShareGPT file not found (pass --sharegpt)")
     main(args.model, args.out, args.sharegpt, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-         draft_vocab_size=args.draft_vocab, epochs=args.epochs, lr=args.lr, threads=args.threads, cache=args.cache)
+         draft_vocab_size=args.draft_vocab, epochs=args.epochs, lr=args.lr, threads=args.threads, cache=args.cache,
+         init=args.init, answers_only=not args.all_positions, bf16=not args.fp32)
     return 0
