@@ -133,6 +133,46 @@ def advance(meta: SamplingMetadata, tokens: torch.Tensor, num_generated: list[in
                 meta.min_tokens_mask[i] = False
 
 
+def mirror_block_copies(kv_caches: list[torch.Tensor], sched: "SchedulerOutput") -> None:
+    """Copy-on-write copies the target makes this step, made in a mirrored draft pool too."""
+    copies = getattr(sched, "block_copies", None)  # NOTE: absent on cores without copy-on-write
+    if copies:
+        from tokenmill.worker.kv_cache_ops import copy_blocks
+        copy_blocks(kv_caches, copies)
+
+
+def draft_loop(reqs: list[Request], ks: list[int], meta: SamplingMetadata, logits: torch.Tensor,
+               sample: Callable[[torch.Tensor, SamplingMetadata], tuple[torch.Tensor, torch.Tensor | None]],
+               step: Callable[[list[int], list[int], int, list[int]], torch.Tensor],
+               ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor] | None]:
+    """Autoregressive drafting shared by the proposers: sample draft j + 1 of every request still
+    drafting from `logits`, then `step(alive, keep, j, last)` returns the next logits for the
+    requests `alive` (indices into reqs) given their last drafts; `keep` are the rows of the
+    previous alive list that remain. Request i drafts ks[i] tokens. Returns the drafts and, unless
+    every row is greedy, q per request [k_i, V]."""
+    drafts: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in reqs}
+    all_greedy = meta.all_greedy
+    alive = list(range(len(reqs)))
+    for j in range(max(ks)):
+        tok, q = sample(logits, meta)
+        toks = tok.tolist()
+        for row, i in enumerate(alive):
+            drafts[reqs[i].request_id].append(toks[row])
+            if not all_greedy:
+                probs[reqs[i].request_id].append(q[row])
+        keep = [row for row, i in enumerate(alive) if ks[i] > j + 1]
+        if not keep:
+            break
+        advance(meta, tok, [reqs[i].num_output_tokens + j + 1 for i in alive],
+                [reqs[i].sampling_params.min_tokens for i in alive])
+        if len(keep) < len(alive):
+            meta = take_rows(meta, keep)
+            alive = [alive[row] for row in keep]
+        logits = step(alive, keep, j, [drafts[reqs[i].request_id][-1] for i in alive])
+    return drafts, None if all_greedy else {rid: torch.stack(p) for rid, p in probs.items() if p}
+
+
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, device: torch.device, gamma_max: int, max_num_seqs: int,
@@ -163,18 +203,13 @@ class DraftModelProposer:
             self.runner.generators.pop(rid, None)
 
     def on_schedule(self, sched: "SchedulerOutput") -> None:
-        """Copy-on-write copies the target makes this step are made in the draft pool too."""
-        copies = getattr(sched, "block_copies", None)  # NOTE: absent on cores without copy-on-write
-        if copies:
-            from tokenmill.worker.kv_cache_ops import copy_blocks
-            copy_blocks(self.runner.kv_caches, copies)
+        mirror_block_copies(self.runner.kv_caches, sched)
 
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
         bs = self.block_size
         active = [(r, k) for r, k in zip(requests, num_tokens) if k > 0]
-        drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
         if not active:
             return Proposal([[] for _ in requests], None)
         next_scratch = self.num_mirrored_blocks
@@ -198,30 +233,12 @@ class DraftModelProposer:
         reqs = [r for r, _ in active]
         ks = [k for _, k in active]
         meta = self.runner._sampling_metadata(catch_up)  # per request; the draft's own generators
-        all_greedy = meta.all_greedy
-        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in reqs}
-        alive = list(range(len(active)))
-        logits = self._forward(catch_up)                                   # [n, V]
-        for j in range(max(ks)):
-            tok, q = self._sample(logits, meta)
-            toks = tok.tolist()
-            for row, i in enumerate(alive):
-                drafts[reqs[i].request_id].append(toks[row])
-                if not all_greedy:
-                    probs[reqs[i].request_id].append(q[row])
-            keep = [row for row, i in enumerate(alive) if ks[i] > j + 1]
-            if not keep:
-                break
-            advance(meta, tok, [reqs[i].num_output_tokens + j + 1 for i in alive],
-                    [reqs[i].sampling_params.min_tokens for i in alive])
-            if len(keep) < len(alive):
-                meta = take_rows(meta, keep)
-                alive = [alive[row] for row in keep]
-            step = [DraftSlice(reqs[i], reqs[i].num_tokens + j, [drafts[reqs[i].request_id][-1]], tables[i])
-                    for i in alive]
-            logits = self._forward(step)
-        out_probs = None if all_greedy else {rid: torch.stack(p) for rid, p in probs.items() if p}
-        return Proposal([drafts[r.request_id] for r in requests], out_probs)
+
+        def step(alive: list[int], keep: list[int], j: int, last: list[int]) -> torch.Tensor:
+            return self._forward([DraftSlice(reqs[i], reqs[i].num_tokens + j, [t], tables[i])
+                                  for i, t in zip(alive, last)])
+        drafts, probs = draft_loop(reqs, ks, meta, self._forward(catch_up), self._sample, step)
+        return Proposal([drafts.get(r.request_id, []) for r in requests], probs)
 
     def _forward(self, slices: list[DraftSlice]) -> torch.Tensor:
         """Logits [len(slices), V] at each slice's last token, in slice order."""

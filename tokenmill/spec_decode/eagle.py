@@ -27,7 +27,7 @@ import torch
 from tokenmill.attention.metadata import forward_context
 from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits
 from tokenmill.request import Request
-from tokenmill.spec_decode.draft_model import DraftSlice, advance, take_rows
+from tokenmill.spec_decode.draft_model import DraftSlice, draft_loop, mirror_block_copies
 from tokenmill.spec_decode.eagle_head import EagleHead, load_eagle_head, target_tables
 from tokenmill.spec_decode.proposer import Proposal
 from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
@@ -113,16 +113,12 @@ class EagleProposer:
             self.runner.generators.pop(rid, None)
 
     def on_schedule(self, sched: "SchedulerOutput") -> None:
-        copies = getattr(sched, "block_copies", None)
-        if copies:
-            from tokenmill.worker.kv_cache_ops import copy_blocks
-            copy_blocks(self.runner.kv_caches, copies)
+        mirror_block_copies(self.runner.kv_caches, sched)
 
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
         bs = self.block_size
-        drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
         next_scratch = self.num_mirrored_blocks
         reqs: list[Request] = []
         ks: list[int] = []
@@ -157,31 +153,17 @@ class EagleProposer:
             return Proposal([[] for _ in requests], None)
 
         meta = self.runner._sampling_metadata(catch_up)
-        all_greedy = meta.all_greedy
-        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in reqs}
-        alive = list(range(len(reqs)))
         logits, fhat = self._forward(catch_up, feats)
-        for j in range(max(ks)):
-            tok, q = self._sample(logits, meta)
-            toks = tok.tolist()
-            for row, i in enumerate(alive):
-                drafts[reqs[i].request_id].append(toks[row])
-                if not all_greedy:
-                    probs[reqs[i].request_id].append(q[row])
-            keep = [row for row, i in enumerate(alive) if ks[i] > j + 1]
-            if not keep:
-                break
-            advance(meta, tok, [reqs[i].num_output_tokens + j + 1 for i in alive],
-                    [reqs[i].sampling_params.min_tokens for i in alive])
-            if len(keep) < len(alive):
-                meta = take_rows(meta, keep)
-                alive = [alive[row] for row in keep]
+
+        def step(alive: list[int], keep: list[int], j: int, last: list[int]) -> torch.Tensor:
+            nonlocal fhat
+            if len(keep) < len(fhat):
                 fhat = fhat[torch.tensor(keep, device=fhat.device)]
-            step = [DraftSlice(reqs[i], reqs[i].num_tokens - 1 + j, [drafts[reqs[i].request_id][-1]], tables[i])
-                    for i in alive]
-            logits, fhat = self._forward(step, list(fhat.unsqueeze(1)))
-        out_probs = None if all_greedy else {rid: torch.stack(p) for rid, p in probs.items() if p}
-        return Proposal([drafts[r.request_id] for r in requests], out_probs)
+            slices = [DraftSlice(reqs[i], reqs[i].num_tokens - 1 + j, [t], tables[i]) for i, t in zip(alive, last)]
+            out, fhat = self._forward(slices, list(fhat.unsqueeze(1)))
+            return out
+        drafts, probs = draft_loop(reqs, ks, meta, logits, self._sample, step)
+        return Proposal([drafts.get(r.request_id, []) for r in requests], probs)
 
     def _forward(self, slices: list[DraftSlice], feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits over the draft vocab [n, V'], predicted features [n, H]) at each slice's last
