@@ -192,10 +192,16 @@ class DraftModelProposer:
         mc = engine.config.model
         model, arch = build_draft_model(engine.model, engine.arch, config.model, mc.model, config.draft_num_layers,
                                         mc.torch_dtype, mc.device)
-        kv = engine.kv_spec
-        kv_dtype = kv.dtype if kv.dtype.is_floating_point else mc.torch_dtype
-        return cls(model, arch, kv.num_blocks, kv.block_size, kv_dtype, engine.device, config.num_speculative_tokens,
-                   engine.config.scheduler.max_num_seqs, engine.scheduler.kv.get_block_ids, seed=mc.seed)
+        return cls(model, arch, **cls.pool_args(config, engine))
+
+    @staticmethod
+    def pool_args(config: "SpeculativeConfig", engine: "EngineCore") -> dict:
+        """Constructor arguments that size the mirrored pool after the target's."""
+        kv, mc = engine.kv_spec, engine.config.model
+        return dict(num_blocks=kv.num_blocks, block_size=kv.block_size,
+                    kv_dtype=kv.dtype if kv.dtype.is_floating_point else mc.torch_dtype, device=engine.device,
+                    gamma_max=config.num_speculative_tokens, max_num_seqs=engine.config.scheduler.max_num_seqs,
+                    block_table=engine.scheduler.kv.get_block_ids, seed=mc.seed)
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -20,21 +20,20 @@ acceptance, never exactness.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.attention.metadata import forward_context
-from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits
+from tokenmill.layers.sampler import SamplingMetadata
 from tokenmill.request import Request
-from tokenmill.spec_decode.draft_model import DraftSlice, draft_loop, mirror_block_copies
+from tokenmill.spec_decode.draft_model import DraftModelProposer, DraftSlice, draft_loop
 from tokenmill.spec_decode.eagle_head import EagleHead, load_eagle_head, target_tables
 from tokenmill.spec_decode.proposer import Proposal
-from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
-    from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+    from tokenmill.core.scheduler import ScheduledRequest
     from tokenmill.engine.core import EngineCore
 
 
@@ -78,42 +77,28 @@ class FeatureStore:
         self.rows.pop(rid, None)
 
 
-class EagleProposer:
-    def __init__(self, head: EagleHead, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 device: torch.device, gamma_max: int, max_num_seqs: int,
-                 block_table: Callable[[str], list[int]], seed: int = 0) -> None:
+class EagleProposer(DraftModelProposer):
+    """The draft model's mirrored paged pool (one layer here) and drafting loop, with the head
+    reading target features instead of a second network's own layers."""
+
+    def __init__(self, head: EagleHead, **pool) -> None:
+        super().__init__(head, head.arch, **pool)
         self.head = head
-        self.block_size = block_size
-        self.num_mirrored_blocks = num_blocks
-        scratch = max_num_seqs * (-(-(gamma_max + 1) // block_size) + 1)
-        arch = head.arch
-        spec = KVCacheSpec(num_blocks + scratch, block_size, 1, arch.num_key_value_heads, arch.head_dim, kv_dtype)
-        self.runner = ModelRunner(head, arch, spec, device, seed=seed + 1)
-        self.block_table = block_table
         self.store = FeatureStore()
-        self.num_computed: dict[str, tuple[int, int]] = {}
-        """request id -> (num_preemptions when recorded, positions with head K/V from real features)."""
+        # num_computed (inherited): positions whose head K/V came from real target features
 
     @classmethod
     def from_engine(cls, config: "SpeculativeConfig", engine: "EngineCore") -> "EagleProposer":
-        mc = engine.config.model
         embed, lm = target_tables(engine.model)
-        head = load_eagle_head(config.model, engine.arch, embed, lm, mc.torch_dtype, engine.device)
-        kv = engine.kv_spec
-        kv_dtype = kv.dtype if kv.dtype.is_floating_point else mc.torch_dtype
-        prop = cls(head, kv.num_blocks, kv.block_size, kv_dtype, engine.device, config.num_speculative_tokens,
-                   engine.config.scheduler.max_num_seqs, engine.scheduler.kv.get_block_ids, seed=mc.seed)
+        head = load_eagle_head(config.model, engine.arch, embed, lm, engine.config.model.torch_dtype, engine.device)
+        prop = cls(head, **cls.pool_args(config, engine))
         engine.runner.hidden_sink = prop.store.write
         return prop
 
     def forget(self, request_ids: list[str]) -> None:
+        super().forget(request_ids)
         for rid in request_ids:
-            self.num_computed.pop(rid, None)
             self.store.forget(rid)
-            self.runner.generators.pop(rid, None)
-
-    def on_schedule(self, sched: "SchedulerOutput") -> None:
-        mirror_block_copies(self.runner.kv_caches, sched)
 
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
@@ -188,11 +173,4 @@ class EagleProposer:
             return vocab[sub_logits.argmax(-1)], None
         full = sub_logits.new_full((sub_logits.shape[0], self.head.arch.vocab_size), float("-inf"))
         full[:, vocab] = sub_logits
-        processed = process_logits(full, meta)
-        greedy = processed.argmax(-1)
-        if meta.all_greedy:
-            return greedy, None
-        q = processed.softmax(-1)
-        noise = exponential_noise(tuple(q.shape), meta.generators, q.device, self.runner.sampler.global_gen)
-        tok = torch.where(meta.temperature > 0, (q / noise).argmax(-1), greedy)
-        return tok, q
+        return super()._sample(full, meta)
