@@ -118,7 +118,7 @@ def init_head_from_target(target, draft_vocab: torch.Tensor, seed: int = 0) -> E
         head.norm.weight.copy_(target.model.norm.weight.float())
         h = arch.hidden_size
         g = torch.Generator().manual_seed(seed)
-        head.fc.weight.copy_(torch.cat([torch.randn(h, h, generator=g) * (0.02 / math.sqrt(h)) * 10,
+        head.fc.weight.copy_(torch.cat([torch.randn(h, h, generator=g) * (0.2 / math.sqrt(h)),
                                         torch.eye(h)], dim=1))
     return head
 
