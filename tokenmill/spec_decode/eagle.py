@@ -155,8 +155,7 @@ class EagleProposer(DraftModelProposer):
         position, in slice order. feats[i]: the features paired with slices[i]'s tokens."""
         order = sorted(range(len(slices)), key=lambda i: slices[i].num_new_tokens != 1)  # decodes first
         meta, input_ids, positions, logits_indices, _ = self.runner._prepare([slices[i] for i in order])
-        x = torch.cat([feats[i] for i in order]).to(self.head.fc.weight.dtype
-                                                   if self.head.fc.weight.is_floating_point() else torch.float32)
+        x = torch.cat([feats[i] for i in order]).to(self.head.norm.weight.dtype)
         with forward_context(meta):
             fhat = self.head(input_ids, positions, x)
         last_sorted = fhat[logits_indices]
