@@ -81,3 +81,32 @@ def test_unsupported_dtype_falls_back():
     assert torch.equal(fused_ops.rms_norm(x, w, 1e-6), fused_ops.rms_norm_ref(x, w, 1e-6))
     assert not fused_ops.rope_inplace(torch.randn(2, 8, dtype=torch.float64), 1, 8, torch.zeros(4, 8),
                                       torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.skipif(fused_ops.pack_vnni(torch.zeros(64, 64, dtype=torch.bfloat16)) is None,
+                    reason="the VNNI few-row kernel needs AVX512-BF16")
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("bias", [False, True])
+def test_vnni_linear_matches_float32_reference(rows, bias, monkeypatch):
+    """Every row count 1..8 (the 7-8 row path runs two passes over each weight chunk), with and without
+    bias, on a matrix large enough to be split across threads: one bf16 rounding of the exact sum."""
+    monkeypatch.setattr(fused_ops, "VNNI_MIN_ROWS", 1)  # one row too (the engine keeps it on the GEMV)
+    torch.manual_seed(rows)
+    n, k = 320, 576
+    w = torch.randn(n, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    vnni = fused_ops.pack_vnni(w)
+    assert vnni.shape == (n // 64, k // 2, 64, 2)
+    assert torch.equal(vnni[1, 3, 5], w[64 + 5, 6:8])          # chunk 1, k-pair 3, output 5 of the chunk
+    y = fused_ops.linear_small(x, w, b, vnni)
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert y is not None and y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    # float32 accumulation then one rounding to bf16: within one bf16 ulp (2^-8 relative) plus float32 noise
+    assert torch.all((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-3)
+
+
+def test_vnni_pack_declines_shapes_it_cannot_serve():
+    assert fused_ops.pack_vnni(torch.zeros(96, 64, dtype=torch.bfloat16)) is None     # N % 64
+    assert fused_ops.pack_vnni(torch.zeros(64, 63, dtype=torch.bfloat16)) is None     # K odd
+    assert fused_ops.pack_vnni(torch.zeros(64, 64, dtype=torch.float32)) is None      # not bf16

@@ -56,6 +56,25 @@ def test_linear_cost_fit():
     assert flat.b == 0.5
 
 
+def test_cost_uses_measured_steps_where_the_line_misprices_them():
+    """CPU steps are flat up to 8 tokens and jump above (the few-row kernels stop there): a line
+    through n = 8 and 16 would price 16 right but 24 wrong; measured counts are used as measured."""
+    ad = AdaptiveGamma(4, adaptive=True)
+    ad.alpha_prior, ad.prior_weight = 0.4, 1e9    # α pinned at 0.4 for the test
+    for _ in range(20):
+        ad.observe_target_step(8, 0.010)
+    ad.observe_target_step(16, 0.016)
+    assert ad.cost(8) == pytest.approx(0.010) and ad.cost(16) == pytest.approx(0.016)
+    assert ad.verify_cost_ratio(8, 1) == pytest.approx(1.6)
+    # E[T] = 1.4 at γ = 1 against r = 1.6: off (the line fitted to these samples agrees here)
+    assert ad.choose(8) == 0
+    for _ in range(5):
+        ad.observe_target_step(2, 0.0101)         # single stream: 2 tokens cost one token's time
+        ad.observe_target_step(1, 0.0100)
+    assert ad.verify_cost_ratio(1, 1) == pytest.approx(1.01, abs=1e-3)
+    assert ad.choose(1) >= 1
+
+
 def test_adaptive_gamma_reacts_to_acceptance_and_batch():
     ad = AdaptiveGamma(6, adaptive=True, probe_interval=3)
     ad.prior_cost = LinearCost(0.04, 0.0005)      # memory-bound at small n, compute-bound at large n

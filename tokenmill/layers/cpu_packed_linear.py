@@ -41,7 +41,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class PackedBf16LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= fused_ops.SMALL_LINEAR_MAX_ROWS:  # decode: skip oneDNN's fixed cost
-            y = fused_ops.linear_small(x, layer.weight, layer.bias)
+            y = fused_ops.linear_small(x, layer.weight, layer.bias, layer.vnni_weight)
             if y is not None:
                 return y
         return packed_linear(x, layer.packed_weight, layer.bias)
@@ -62,6 +62,7 @@ def prepack_bf16_linears(model: torch.nn.Module) -> int:
             if (isinstance(m, Linear) and type(m.quant_method) is UnquantizedLinearMethod
                     and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"):
                 m.packed_weight = pack_weight(m.weight)
+                m.vnni_weight = fused_ops.pack_vnni(m.weight)
                 m.quant_method = _PACKED
                 n += 1
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -69,11 +70,12 @@ def prepack_bf16_linears(model: torch.nn.Module) -> int:
         if getattr(model, "lm_head", 1) is None and table is not None and table.dtype == torch.bfloat16 \
                 and table.device.type == "cpu":
             model.packed_lm_head = pack_weight(table)
+            model.vnni_lm_head = fused_ops.pack_vnni(table)
     except RuntimeError as e:  # an unusual oneDNN build: keep F.linear everywhere
         logger.warning("prepacking bf16 linears failed (%s); using F.linear", e)
         for m in model.modules():
             if isinstance(m, Linear) and m.quant_method is _PACKED:
                 m.quant_method = UnquantizedLinearMethod()
-        model.packed_lm_head = None
+        model.packed_lm_head = model.vnni_lm_head = None
         return 0
     return n

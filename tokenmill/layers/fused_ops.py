@@ -238,6 +238,73 @@ static bool gemv_bf16(torch::Tensor y, torch::Tensor x, torch::Tensor w, c10::op
 static bool gemv_bf16(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) { return false; }
 #endif
 
+#if defined(__AVX512BF16__)
+// The few-row kernel over a VNNI-packed weight (docs/cpu_decode.md, "Few rows: the VNNI layout"):
+// wv = pack of w [N, K] as [N/64, K/2, 64, 2], each block of 64 outputs stored k-pair after
+// k-pair, an output's two weights side by side. One vdpbf16ps multiplies a broadcast pair of x
+// with the pairs of 16 outputs and adds into 16 float lanes that each belong to one output, so
+// nothing is summed across lanes at the end; each 64-byte weight load feeds all M rows.
+template <int M>
+static inline void vnni_tile(const uint32_t* xp, int64_t P, const uint16_t* wc, float* out) {
+    // rows M (<= 6) x 64 outputs: 4M accumulators, 4 weight registers and a broadcast in 32 zmm.
+    __m512 acc[M][4];
+    for (int m = 0; m < M; ++m) for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < P; ++p) {
+        __m512bh wv[4];
+        for (int b = 0; b < 4; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wc + p * 128 + b * 32);
+        for (int m = 0; m < M; ++m) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[m * P + p]);
+            for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
+        }
+    }
+    for (int m = 0; m < M; ++m) for (int b = 0; b < 4; ++b) _mm512_store_ps(out + m * 64 + b * 16, acc[m][b]);
+}
+
+template <int M>
+static inline void vnni_chunk(const uint32_t* xp, int64_t P, const uint16_t* wc, float* out) {
+    if constexpr (M <= 6) vnni_tile<M>(xp, P, wc, out);
+    else {  // 7-8 rows: two passes over the chunk (the second from L2) rather than spilling registers
+        vnni_tile<4>(xp, P, wc, out);
+        vnni_tile<M - 4>(xp + 4 * P, P, wc, out + 4 * 64);
+    }
+}
+
+static bool gemm_vnni_bf16(torch::Tensor y, torch::Tensor x, torch::Tensor wv, c10::optional<torch::Tensor> bias) {
+    const int64_t M = x.size(0), K = x.size(1), NC = wv.size(0), N = NC * 64, P = K / 2;
+    if (M < 1 || M > 8 || K % 2 || wv.size(1) != P) return false;
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(wv.data_ptr<at::BFloat16>());
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+    const int64_t grain = N * K < (int64_t(1) << 17) ? NC : 1;
+    at::parallel_for(0, NC, grain, [&](int64_t c0, int64_t c1) {
+        alignas(64) float out[8 * 64];
+        for (int64_t c = c0; c < c1; ++c) {
+            const uint16_t* wc = wp + c * 64 * K;
+            switch (M) {
+                case 1: vnni_chunk<1>(xp, P, wc, out); break;
+                case 2: vnni_chunk<2>(xp, P, wc, out); break;
+                case 3: vnni_chunk<3>(xp, P, wc, out); break;
+                case 4: vnni_chunk<4>(xp, P, wc, out); break;
+                case 5: vnni_chunk<5>(xp, P, wc, out); break;
+                case 6: vnni_chunk<6>(xp, P, wc, out); break;
+                case 7: vnni_chunk<7>(xp, P, wc, out); break;
+                default: vnni_chunk<8>(xp, P, wc, out); break;
+            }
+            for (int64_t m = 0; m < M; ++m)
+                for (int b = 0; b < 4; ++b) {
+                    __m512 v = _mm512_load_ps(out + m * 64 + b * 16);
+                    if (bp) v = _mm512_add_ps(v, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(bp + c * 64 + b * 16))));
+                    _mm256_storeu_si256((__m256i*)(yp + m * N + c * 64 + b * 16), (__m256i)_mm512_cvtneps_pbh(v));
+                }
+        }
+    });
+    return true;
+}
+#else
+static bool gemm_vnni_bf16(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) { return false; }
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 // The float32 twin of gemv_bf16 for one row: y [1, N] = x [1, K] @ w[N, K]^T, K % 16 == 0, row
@@ -275,6 +342,16 @@ bool linear_bf16_small(torch::Tensor y, torch::Tensor x, torch::Tensor w, c10::o
     return gemv_bf16(y, x, w, bias);
 }
 
+bool linear_bf16_vnni(torch::Tensor y, torch::Tensor x, torch::Tensor wv, c10::optional<torch::Tensor> bias) {
+    return gemm_vnni_bf16(y, x, wv, bias);
+}
+bool vnni_supported() {
+#if defined(__AVX512BF16__)
+    return true;
+#else
+    return false;
+#endif
+}
 bool linear_f32_small(torch::Tensor y, torch::Tensor x, torch::Tensor w) {
     return gemv_f32(y, x, w);
 }
@@ -305,14 +382,16 @@ void rope_inplace(torch::Tensor qk, int64_t n_heads, int64_t head_dim, torch::Te
 void silu_mul(torch::Tensor out, torch::Tensor x);
 bool linear_bf16_small(torch::Tensor y, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 bool linear_f32_small(torch::Tensor y, torch::Tensor x, torch::Tensor w);
+bool linear_bf16_vnni(torch::Tensor y, torch::Tensor x, torch::Tensor wv, c10::optional<torch::Tensor> bias);
+bool vnni_supported();
 """
 
-_FUNCTIONS = ["rms_norm", "add_rms_norm", "rope_inplace", "silu_mul", "linear_bf16_small", "linear_f32_small"]
+_FUNCTIONS = ["rms_norm", "add_rms_norm", "rope_inplace", "silu_mul", "linear_bf16_small", "linear_f32_small", "linear_bf16_vnni", "vnni_supported"]
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _ext():
-    return cpp_ext.load("tokenmill_fused_ops_v8", _DECLS, _SOURCE, _FUNCTIONS)
+    return cpp_ext.load("tokenmill_fused_ops_v9", _DECLS, _SOURCE, _FUNCTIONS)
 
 
 def is_available() -> bool:
@@ -411,11 +490,43 @@ at 5 rows it beats oneDNN on [960|576, 576] and [576, 1536] weights but loses 2x
 2 rows it already loses on [3072, 576]. So: one row always, else rows x outputs <= 5000."""
 
 
-def linear_small(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [M, K] @ weight[N, K]^T + bias for a few bf16 rows on CPU (one, or up to 8 while M x N <= 5000),
-    or None when the kernel does not apply or would be slower (other dtype or shape, K % 32 != 0, no
-    AVX512-BF16); the caller then uses its own path.
+VNNI_MIN_ROWS = 1
+"""The fewest rows `linear_small` sends to the VNNI kernel when it has the packed copy. One row goes there
+too, although the row-major GEMV is 2% faster per decoded token at batch 1 (5 interleaved rounds: 148.9
+vs 145.7 tok/s): the VNNI kernel sums each row in the same order whatever the number of rows, so a
+token's logits are bitwise the same decoded alone, in a batch of up to 8, or verified among drafts,
+and greedy speculation reproduces plain decoding exactly (with the GEMV at one row it diverged from
+plain decoding at near-ties in every configuration of benchmarks/spec_decode.py)."""
+
+
+def pack_vnni(weight: torch.Tensor) -> torch.Tensor | None:
+    """bf16 weight [N, K] -> its VNNI-packed copy [N/64, K/2, 64, 2] for `linear_small`'s few-row
+    kernel, or None where that kernel cannot run (no C++ kernels or AVX512-BF16, N % 64 or K % 2)."""
+    n, k = weight.shape
+    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or n % 64 or k % 2
+            or not _has_avx512_bf16()):
+        return None
+    return weight.detach().reshape(n // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def _has_avx512_bf16() -> bool:
+    ext = _ext()
+    return ext is not None and bool(ext.vnni_supported())
+
+
+def linear_small(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 vnni: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] @ weight[N, K]^T + bias for a few bf16 rows on CPU, or None when no kernel here
+    applies or would be slower (other dtype or shape, no AVX512-BF16); the caller then uses its own path.
+    With `vnni` (pack_vnni(weight)), 1 to 8 rows run on the VNNI kernel, which stays memory-bound at
+    every M up to 8 and gives each row the same bits whatever M is. Without it, the row-major GEMV
+    takes one row, or up to 8 while M x N <= 5000.
     Float32 accumulation, one rounding to bf16 (like F.linear; sums run in another order)."""
+    if (vnni is not None and x.dim() == 2 and VNNI_MIN_ROWS <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS and x.dtype == torch.bfloat16
+            and x.is_contiguous() and (bias is None or bias.dtype == torch.bfloat16)):
+        y = x.new_empty(x.shape[0], weight.shape[0])
+        if _ext().linear_bf16_vnni(y, x, vnni, bias):
+            return y
     if (x.dtype == torch.float32 and weight.dtype == torch.float32 and bias is None and x.dim() == 2
             and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous() and x.device.type == "cpu"):
         ext = _ext()

@@ -124,9 +124,10 @@ class LlamaForCausalLM(nn.Module):
                 return as_head(hidden).float()
             packed = getattr(self, "packed_lm_head", None)  # bf16 CPU: see layers/cpu_packed_linear.py
             if packed is not None:
-                if hidden.dim() == 2 and hidden.shape[0] == 1:  # one row: the GEMV streams it ~2.5% faster
+                if hidden.dim() == 2 and hidden.shape[0] <= 8:  # a few rows: our kernels (fused_ops.linear_small)
                     from tokenmill.layers import fused_ops
-                    y = fused_ops.linear_small(hidden, self.model.embed_tokens.weight, None)
+                    y = fused_ops.linear_small(hidden, self.model.embed_tokens.weight, None,
+                                               getattr(self, "vnni_lm_head", None))
                     if y is not None:
                         return y.float()
                 from tokenmill.layers.cpu_packed_linear import packed_linear

@@ -11,9 +11,12 @@ batch B, with T(n) the target's time for a step of n tokens and c = (draft step 
 
 When the target is memory-bound (T flat in n, single stream) this is the seeds' E[T] / (γ c + 1);
 at large batch the verification tokens are no longer free and the ratio T(B(1+γ)) / T(B)
-grows, which is what lowers γ or switches speculation off. T(n) = a + b n is fitted by least
-squares to recent decode/verification steps; α and c are exponentially weighted running
-estimates. Speculation stays off unless the predicted gain is at least 5 %; while off, a γ = 1
+grows, which is what lowers γ or switches speculation off. T(n) is the running mean of the
+steps measured at exactly n tokens where there are some, else a + b n fitted by least squares to
+recent decode/verification steps: the step time is not linear in n on CPU (up to 8 tokens the
+few-row kernels keep a step near one token's cost, above 8 oneDNN and the Python layer loop take
+over), so a line through n = 8 and n = 16 alone would misprice both. α and c are exponentially
+weighted running estimates. Speculation stays off unless the predicted gain is at least 5 %; while off, a γ = 1
 probe re-measures α after 16 steps, then 32, 64, ... (up to 256) while probes keep failing.
 """
 from __future__ import annotations
@@ -93,6 +96,8 @@ class AdaptiveGamma:
         self.min_gain = min_gain
         """Predicted speedup γ > 0 must reach; margin for the model's error (off below it)."""
         self.steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._by_n: dict[int, float] = {}
+        """Exponentially weighted step seconds per exact token count."""
         self.prior_cost = LinearCost(1e-2, 0.0)
         self._acc = 0.0
         self._judged = 0.0
@@ -119,6 +124,8 @@ class AdaptiveGamma:
     def observe_target_step(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0:
             self.steps.append((num_tokens, seconds))
+            prev = self._by_n.get(num_tokens)
+            self._by_n[num_tokens] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
             self._cost = None
 
     def observe_draft(self, num_draft_steps: int, batch_size: int, seconds: float) -> None:
@@ -138,6 +145,9 @@ class AdaptiveGamma:
         return 0.0 if self._c is None else self._c
 
     def cost(self, num_tokens: float) -> float:
+        measured = self._by_n.get(num_tokens)
+        if measured is not None:
+            return measured
         if self._cost is None:
             self._cost = fit_linear_cost(list(self.steps), self.prior_cost)
         return self._cost(num_tokens)

@@ -44,7 +44,8 @@ _STACK_SOURCE = r"""
 // between kernels. Per layer, 8 tensors then 4 linears of 3 tensors each:
 //   in_norm, post_norm, k_cache, v_cache, (unused x4), then for qkv, o, gate_up, down: (a, b, c)
 // with a linear's kind in `kinds` (0: float32 a = weight, GEMV for one row else at::linear, 1: bf16 a = weight,
-// c = its oneDNN-prepacked copy, group = the rows x outputs limit of the GEMV above one row,
+// b = its VNNI-packed copy (fused_ops.pack_vnni) or empty, c = its oneDNN-prepacked copy, group = with b the
+// fewest rows b serves, else the rows x outputs limit of the GEMV above one row,
 // 2: int4 tinygemm a = qweight, b = scales_and_zeros, 3: int4 k64 (quant/cpu_int4.py), same tensors,
 // 4: int8 per channel (quant/cpu_int4.py) a = qweight, b = scales [N], c = offsets [N] or empty) and its
 // group size in `groups`.
@@ -58,8 +59,13 @@ static torch::Tensor stack_linear(int64_t kind, const torch::Tensor& x, const to
         return y;
     }
     if (kind == 1) {
-        // As fused_ops.linear_small chooses: the GEMV for one row, or up to 8 rows while rows x outputs
+        // As fused_ops.linear_small chooses: with b (the VNNI-packed copy), the VNNI kernel from `group`
+        // rows up (VNNI_MIN_ROWS); without it, the GEMV for one row, or up to 8 rows while rows x outputs
         // <= group (SMALL_LINEAR_MAX_OUTPUTS); else oneDNN with the prepacked weight c.
+        if (b.numel() && x.size(0) >= group) {
+            TORCH_CHECK(gemm_vnni_bf16(y, x, b, c10::nullopt), "decode_stack: VNNI kernel refused its shape");
+            return y;
+        }
         if (x.size(0) == 1 || x.size(0) * a.size(0) <= group) {
             TORCH_CHECK(gemv_bf16(y, x, a, c10::nullopt), "decode_stack: GEMV refused its shape");
             return y;
@@ -137,7 +143,7 @@ _STACK_DECL = ("torch::Tensor decode_stack(torch::Tensor h, torch::Tensor positi
 
 def _stack_ext():
     """The C++ layer loop: one extension built from the fused-op and attention sources plus the loop."""
-    return cpp_ext.load("tokenmill_decode_stack_v10", _STACK_DECL,
+    return cpp_ext.load("tokenmill_decode_stack_v12", _STACK_DECL,
                         fused_ops._SOURCE + cpu_kernels._CPP_SOURCE + cpu_int4.SOURCE + _STACK_SOURCE, ["decode_stack"])
 
 
@@ -161,6 +167,8 @@ def _stack_linear(layer: Linear) -> tuple[int, torch.Tensor, torch.Tensor, int, 
     method = layer.quant_method
     empty = torch.empty(0)
     if isinstance(method, PackedBf16LinearMethod) and layer.in_features % 32 == 0:
+        if layer.vnni_weight is not None:
+            return 1, layer.weight, layer.vnni_weight, fused_ops.VNNI_MIN_ROWS, layer.packed_weight
         return 1, layer.weight, empty, fused_ops.SMALL_LINEAR_MAX_OUTPUTS, layer.packed_weight
     if type(method) is UnquantizedLinearMethod and layer.weight.dtype == torch.float32:
         return 0, layer.weight, empty, 0, empty
@@ -204,10 +212,10 @@ def _linear_fn(layer: Linear) -> LinearFn | None:
         return None
     method = layer.quant_method
     if isinstance(method, PackedBf16LinearMethod):
-        w, packed = layer.weight, layer.packed_weight
+        w, packed, vnni = layer.weight, layer.packed_weight, layer.vnni_weight
 
         def bf16(x: torch.Tensor) -> torch.Tensor:
-            y = fused_ops.linear_small(x, w, None)
+            y = fused_ops.linear_small(x, w, None, vnni)
             return packed_linear(x, packed, None) if y is None else y
         return bf16
     if type(method) is UnquantizedLinearMethod:
