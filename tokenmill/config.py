@@ -77,8 +77,9 @@ class ModelConfig:
     seed: int = 0
     """Seed of the engine's global random stream (requests without their own seed)."""
     quantize_lm_head: str = "auto"
-    """RTN-quantize the LM head / tied embedding at load: auto (int8 for quantized checkpoints on CPU in
-    bf16/fp16), int8, int4 or none."""
+    """The LM head / tied embedding at load: auto (the checkpoint's own quantized head when it has one,
+    from `tokenmill quantize --lm-head`; else RTN int8 for quantized checkpoints on CPU in bf16/fp16),
+    int8 or int4 (RTN from the fp16 table), or none (the fp16 table as is)."""
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

@@ -58,8 +58,17 @@ class LoadedModel:
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               load_tokenizer: bool = True, quantize_lm_head: str = "none") -> LoadedModel:
-    """quantize_lm_head: see ModelConfig.quantize_lm_head (quant/head.py); "auto" leaves float32 models alone."""
+               load_tokenizer: bool = True, quantize_lm_head: str = "checkpoint") -> LoadedModel:
+    """quantize_lm_head: see ModelConfig.quantize_lm_head (quant/head.py). "checkpoint" (the default
+    here) keeps the head as the checkpoint stores it: its quantized lm_head if it has one, else the
+    dense table. "auto" takes the checkpoint's quantized head too; without one it quantizes the head
+    with RTN (int8) for quantized checkpoints on CPU in bf16/fp16 and leaves float32 models alone.
+    "none", "int8" and "int4" build the head from the checkpoint's fp16 table (none: as is; int8 /
+    int4: RTN), whatever quantized head the checkpoint has."""
+    from tokenmill.quant.head import CHECKPOINT, CHOICES
+
+    if quantize_lm_head not in CHOICES + (CHECKPOINT,):
+        raise ValueError(f"quantize_lm_head must be one of {', '.join(CHOICES + (CHECKPOINT,))}, got {quantize_lm_head!r}")
     path = resolve_model_path(model)
     if path.is_file():
         if path.suffix != ".gguf" and not _has_gguf_magic(path):
@@ -73,16 +82,25 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
         net = cls(cfg, dtype=dtype)
     net = net.to_empty(device=device)
     _reset_buffers(net, device)
+    tied_head = None
     if cfg.quantization_config:
         from tokenmill.quant.loading import load_quantized_weights  # lazy: only for quantized checkpoints
-        load_quantized_weights(net, cfg, source.tensors(), path)
+        tied_head = load_quantized_weights(net, cfg, source.tensors(), path, getattr(source, "file_of", None))
     else:
         loaded = net.load_weights(source.tensors())
         expected = {n for n, _ in net.named_parameters()}
         missing = expected - loaded
         if missing:
             raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-    if quantize_lm_head != "none":
+    head = getattr(net, "lm_head", None)
+    if head is not None and head.weight is None:  # untied, quantized in the checkpoint: no fp16 head to use
+        if quantize_lm_head not in ("auto", CHECKPOINT):
+            raise ModelLoadError(f"{path}: the checkpoint's lm_head is quantized ({head.quant_bits} bits) and it has no "
+                                 f"fp16 head; quantize_lm_head {quantize_lm_head!r} needs one (use auto)")
+    elif tied_head is not None and quantize_lm_head in ("auto", CHECKPOINT):
+        from tokenmill.quant.head import install_head_weight
+        install_head_weight(net, tied_head)  # the checkpoint's head wins; the fp16 table is dropped
+    elif quantize_lm_head not in ("none", CHECKPOINT):
         from tokenmill.quant.head import quantize_lm_head as quantize_head, resolve_bits
         bits = resolve_bits(quantize_lm_head, checkpoint_weight_bits(net))
         if quantize_lm_head == "auto" and (dtype == torch.float32 or torch.device(device).type != "cpu"):
@@ -231,6 +249,11 @@ class HFDirSource:
             self.raw = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{cfg_file}: invalid JSON ({e})") from e
+        self._files: dict[str, Path] = {}
+
+    def file_of(self, name: str) -> Path | None:
+        """The safetensors file a tensor came from (known once `tensors` has yielded it)."""
+        return self._files.get(name)
 
     def config(self) -> ModelArchConfig:
         c = self.raw
@@ -283,6 +306,7 @@ class HFDirSource:
             try:
                 with safe_open(str(f), framework="pt") as st:
                     for name in st.keys():
+                        self._files[name] = f
                         yield name, st.get_tensor(name)
             except Exception as e:  # safetensors raises SafetensorError for truncated headers/data
                 if isinstance(e, (ModelLoadError, KeyError, ValueError)) and not type(e).__name__ == "SafetensorError":

@@ -1,4 +1,4 @@
-"""`tokenmill quantize --method rtn|gptq|awq --bits 4 --group-size 64 --calib FILE --out DIR`."""
+"""`tokenmill quantize --method rtn|gptq|awq --bits 4 --group-size 64 [--lm-head] --calib FILE --out DIR`."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--damp-percent", type=float, default=0.01, help="GPTQ Hessian dampening.")
     parser.add_argument("--format", choices=["auto", "gptq", "awq"], default="auto",
                         help="Checkpoint format (auto: awq for 4-bit AWQ, gptq otherwise).")
+    parser.add_argument("--lm-head", action="store_true",
+                        help="Also quantize the LM head (for tied embeddings the shared table; same bits and group "
+                             "size), after the decoder layers: GPTQ with the Hessian of the final hidden states of "
+                             "the quantized model on the calibration windows for --method gptq and awq, RTN for rtn. "
+                             "Saved as lm_head.qweight/qzeros/scales/g_idx with \"lm_head\": true (GPTQ layout "
+                             "only: with --method awq add --format gptq); the fp16 embedding stays in the file. "
+                             "Default: off (head kept in fp16).")
     parser.add_argument("--calib", default=None, help="Calibration JSONL with a 'text' field "
                         f"(default: ../shared/data/{C4_FILE} next to the repository).")
     parser.add_argument("--num-calib", type=int, default=128, help="Calibration windows.")
@@ -45,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     qcfg = QuantConfig(method=args.method, bits=args.bits, group_size=args.group_size, sym=args.sym,
                        desc_act=args.desc_act, static_groups=args.static_groups, damp_percent=args.damp_percent,
-                       format=args.format)
+                       format=args.format, lm_head=args.lm_head)
     loaded = load_model(args.model, dtype=torch.float32)
     calib = None
     if qcfg.method != "rtn":
@@ -56,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     out = save_quantized(loaded.model, loaded.config, loaded.tokenizer, report.weights, qcfg.resolved_format,
                          args.out, qcfg.sym, qcfg.desc_act, qcfg.static_groups, qcfg.damp_percent)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    summary = {"out": str(out), "seconds": round(report.seconds, 1), "bytes_on_disk": size,
+    summary = {"out": str(out), "seconds": round(report.seconds, 1), "lm_head_seconds": round(report.head_seconds, 1),
+               "bytes_on_disk": size,
                **{f.name: getattr(qcfg, f.name) for f in fields(qcfg)}, "format": qcfg.resolved_format,
                "num_calib": 0 if calib is None else calib.shape[0], "calib_seqlen": args.calib_seqlen}
     print(json.dumps(summary))

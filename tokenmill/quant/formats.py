@@ -74,6 +74,41 @@ def unpack_awq(words: torch.Tensor) -> torch.Tensor:
     return out.reshape(w.shape[0], -1)
 
 
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(map(str, t.shape)) + "]"
+
+
+def gptq_shape_problem(t: dict[str, torch.Tensor], bits: int, out: int, cols: int) -> str | None:
+    """What is wrong with the shapes of one GPTQ layer's tensors for a weight [out, cols], or None."""
+    want = {"qweight": (cols * bits // 32, out), "scales": (None, out), "qzeros": (None, out * bits // 32)}
+    if (cols * bits) % 32 or (out * bits) % 32:
+        return f"a [{out}, {cols}] weight cannot be packed in {bits}-bit GPTQ words"
+    for k, (rows, width) in want.items():
+        v = t[k]
+        if v.dim() != 2 or (rows is not None and v.shape[0] != rows) or v.shape[1] != width:
+            shown = f"[{rows if rows is not None else 'groups'}, {width}]"
+            return f"{k} has shape {_shape(v)}, expected {shown} for a [{out}, {cols}] weight at {bits} bits"
+    if t["qzeros"].shape[0] != t["scales"].shape[0]:
+        return f"qzeros has {t['qzeros'].shape[0]} groups but scales has {t['scales'].shape[0]}"
+    g = t.get("g_idx")
+    if g is not None and tuple(g.shape) != (cols,):
+        return f"g_idx has shape {_shape(g)}, expected [{cols}]"
+    return None
+
+
+def awq_shape_problem(t: dict[str, torch.Tensor], out: int, cols: int) -> str | None:
+    """What is wrong with the shapes of one AWQ GEMM layer's tensors for a weight [out, cols], or None."""
+    want = {"qweight": (cols, out // 8), "scales": (None, out), "qzeros": (None, out // 8)}
+    for k, (rows, width) in want.items():
+        v = t[k]
+        if v.dim() != 2 or (rows is not None and v.shape[0] != rows) or v.shape[1] != width:
+            shown = f"[{rows if rows is not None else 'groups'}, {width}]"
+            return f"{k} has shape {_shape(v)}, expected {shown} for a [{out}, {cols}] weight (AWQ GEMM, 4 bits)"
+    if t["qzeros"].shape[0] != t["scales"].shape[0]:
+        return f"qzeros has {t['qzeros'].shape[0]} groups but scales has {t['scales'].shape[0]}"
+    return None
+
+
 # ------------------------------------------------------------------------------------ GPTQ
 
 def to_gptq_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:

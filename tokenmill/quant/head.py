@@ -12,6 +12,12 @@ Chosen by `ModelConfig.quantize_lm_head`: auto (int8, for quantized checkpoints 
 bf16/fp16), int8, int4 or none. Measured on the default model's RTN-4 checkpoint (WikiText-2, 4
 windows, bf16): head none 31.79 ppl / 118.5 MB, int8 31.89 (+0.3%) / 90.3 MB, int4 g64 36.77
 (+16%) / 77.8 MB; so auto means int8.
+
+A checkpoint can also carry its own quantized head (`tokenmill quantize --lm-head`: GPTQ on the
+final hidden states, saved as lm_head.qweight/qzeros/scales/g_idx with "lm_head": true). Then
+`install_head_weight` builds the same `QuantizedEmbedding` from those codes; with auto (and
+load_model's default, "checkpoint") that head wins over load-time RTN, while none / int8 / int4
+still mean an fp16 / RTN head made from the checkpoint's fp16 embedding table.
 """
 from __future__ import annotations
 
@@ -19,23 +25,34 @@ import torch
 from torch import nn
 
 from tokenmill.layers.linear import Linear
+from tokenmill.quant.grid import QuantizedWeight
 from tokenmill.quant.kernels import dequantize_rows, install_quantized
 from tokenmill.quant.rtn import rtn_quantize_weight
 
 CHOICES = ("auto", "none", "int8", "int4")
+CHECKPOINT = "checkpoint"
+"""load_model's default: the head as the checkpoint stores it (its quantized lm_head if it has one,
+else the fp16 table), no load-time RTN."""
 INT4_GROUP = 64
 
 
 class QuantizedEmbedding(nn.Module):
-    """Embedding rows and LM-head logits from one quantized [vocab, hidden] table."""
+    """Embedding rows and LM-head logits from one quantized [vocab, hidden] table.
 
-    def __init__(self, weight: torch.Tensor, bits: int, dtype: torch.dtype) -> None:
+    weight: the dense table (quantized here with RTN, `bits`), or an already quantized table
+    (a QuantizedWeight, e.g. the checkpoint's GPTQ head; `bits` is then ignored)."""
+
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, bits: int | None, dtype: torch.dtype) -> None:
         super().__init__()
-        vocab, hidden = weight.shape
+        qw = weight if isinstance(weight, QuantizedWeight) else quantize_table(weight, bits)
+        vocab, hidden = qw.out_features, qw.in_features
         self.embedding_dim = hidden
         self.dtype = dtype
         self.head = Linear(hidden, vocab, dtype=dtype)
-        install_quantized(self.head, quantize_table(weight, bits), dtype)
+        install_quantized(self.head, qw, dtype)
+        # NOTE: only the quantizer sets this (the fp16 table save_quantized writes as
+        # model.embed_tokens.weight for other loaders); a loaded model never holds the dense table.
+        self.checkpoint_table: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [*] -> [*, hidden] in the model dtype."""
@@ -75,3 +92,19 @@ def quantize_lm_head(model: nn.Module, bits: int) -> None:
     else:
         head = model.lm_head
         install_quantized(head, quantize_table(head.weight.data, bits), dtype)
+
+
+def install_head_weight(model: nn.Module, qw: QuantizedWeight, keep_table: bool = False) -> None:
+    """Make `qw` (an already quantized [vocab, hidden] head, e.g. GPTQ's) the model's LM head:
+    for tied embeddings one QuantizedEmbedding serves lookups and logits and the dense table is
+    dropped (kept aside, fp16, only with keep_table: the quantizer needs it to save the checkpoint);
+    an untied lm_head Linear gets the packed weights in place."""
+    embed = model.model.embed_tokens
+    if getattr(model, "lm_head", None) is None:  # tied
+        dtype = embed.weight.dtype
+        q = QuantizedEmbedding(qw, None, dtype)
+        if keep_table:
+            q.checkpoint_table = embed.weight.data.to(torch.float16)
+        model.model.embed_tokens = q
+    else:
+        install_quantized(model.lm_head, qw, model.lm_head.weight.dtype)

@@ -6,18 +6,24 @@ The format is detected from config.json's quantization_config:
                          w_bit / q_group_size)
 Checkpoint parts of one packed layer (q/k/v, gate/up) are unpacked, stacked and repacked for the
 kernels in one go.
+
+A quantized LM head (lm_head.qweight / qzeros / scales / g_idx, "lm_head": true in GPTQModel's
+spelling) goes into an untied model's lm_head Linear like any other layer; for a model with tied
+embeddings it has no Linear to go to, so `load_quantized_weights` decodes it and returns it, and
+`load_model` decides (quantize_lm_head) whether it becomes the model's embedding + head
+(quant/head.py). The fp16 model.embed_tokens.weight beside it loads as usual.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from tokenmill.layers.linear import Linear
-from tokenmill.quant.formats import from_awq_tensors, from_gptq_tensors
+from tokenmill.quant.formats import awq_shape_problem, from_awq_tensors, from_gptq_tensors, gptq_shape_problem
 from tokenmill.quant.grid import QuantizedWeight, concat_rows
 from tokenmill.quant.kernels import install_quantized
 
@@ -61,10 +67,24 @@ def decode_layer(spec: CheckpointQuantSpec, tensors: dict[str, torch.Tensor]) ->
     return from_awq_tensors(tensors, spec.group_size)
 
 
-def load_quantized_weights(net: nn.Module, cfg, tensors: Iterable[tuple[str, torch.Tensor]], path: Path) -> None:
+def shape_problem(spec: CheckpointQuantSpec, tensors: dict[str, torch.Tensor], out: int, cols: int) -> str | None:
+    """What is wrong with one layer's tensor shapes for a weight [out, cols] in this format, or None."""
+    if spec.method == "gptq":
+        return gptq_shape_problem(tensors, spec.bits, out, cols)
+    return awq_shape_problem(tensors, out, cols)
+
+
+def load_quantized_weights(net: nn.Module, cfg, tensors: Iterable[tuple[str, torch.Tensor]], path: Path,
+                           file_of: Callable[[str], Path | None] | None = None) -> QuantizedWeight | None:
     """Fill `net` from a quantized checkpoint: quantized linears get packed buffers and kernels,
-    everything else loads as usual. Raises ValueError naming the file on any inconsistency."""
+    everything else loads as usual. Returns the quantized LM head of a model with tied embeddings
+    (None if the checkpoint has none; an untied lm_head is installed like any other layer).
+    Raises ModelLoadError naming the file (file_of: tensor name -> its file) on any inconsistency."""
     from tokenmill.models.loader import ModelLoadError
+
+    def where(name: str) -> Path:
+        f = file_of(name) if file_of is not None else None
+        return f if f is not None else path
 
     try:
         spec = parse_quantization_config(cfg.quantization_config, f"{path}/config.json")
@@ -81,18 +101,35 @@ def load_quantized_weights(net: nn.Module, cfg, tensors: Iterable[tuple[str, tor
     modules = dict(net.named_modules())
     mapping = getattr(net, "packed_modules_mapping", {})
     parts: dict[str, dict[int, QuantizedWeight]] = {}
+    tied_head: QuantizedWeight | None = None
+    if cfg.quantization_config.get("lm_head") and "lm_head" not in quant:
+        raise ModelLoadError(f"{path}/config.json: quantization_config says lm_head is quantized, but the checkpoint "
+                             "has no lm_head.qweight")
     for prefix, t in quant.items():
         missing = {"qweight", "qzeros", "scales"} - set(t)
         if missing:
-            raise ModelLoadError(f"{path}: {prefix} lacks {sorted(missing)}")
+            raise ModelLoadError(f"{where(prefix + '.' + next(iter(t)))}: {prefix} lacks {sorted(missing)}")
         parent, _, leaf = prefix.rpartition(".")
         target, shard = (f"{parent}.{mapping[leaf][0]}", mapping[leaf][1]) if leaf in mapping else (prefix, 0)
-        if not isinstance(modules.get(target), Linear):
+        tied = prefix == "lm_head" and getattr(net, "lm_head", 1) is None
+        if tied:
+            out, cols = cfg.vocab_size, cfg.hidden_size
+        elif isinstance(modules.get(target), Linear):
+            out, cols = modules[target].output_sizes[shard], modules[target].in_features
+        else:
             raise ModelLoadError(f"{path}: quantized tensor {prefix}.qweight has no place in the model")
+        what = "the LM head" if prefix == "lm_head" else prefix
+        problem = shape_problem(spec, t, out, cols)
+        if problem:
+            raise ModelLoadError(f"{where(prefix + '.qweight')}: {what}: {problem}")
         try:
-            parts.setdefault(target, {})[shard] = decode_layer(spec, t)
+            qw = decode_layer(spec, t)
         except (ValueError, RuntimeError) as e:
-            raise ModelLoadError(f"{path}: {prefix}: {e}") from e
+            raise ModelLoadError(f"{where(prefix + '.qweight')}: {what}: {e}") from e
+        if tied:
+            tied_head = qw
+        else:
+            parts.setdefault(target, {})[shard] = qw
     dtype = next(p.dtype for p in net.parameters() if p.is_floating_point())
     try:
         loaded = net.load_weights(dense)
@@ -110,3 +147,4 @@ def load_quantized_weights(net: nn.Module, cfg, tensors: Iterable[tuple[str, tor
     missing = expected - loaded
     if missing:
         raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    return tied_head

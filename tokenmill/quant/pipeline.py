@@ -3,6 +3,14 @@
 `quantize_model` returns the QuantizedWeight of every quantized linear layer (by module name) and
 leaves the model running on the weight-only kernels, so the in-memory model is exactly the one
 `save_quantized` writes and `load_model` reads back.
+
+With `QuantConfig.lm_head` the LM head (for tied embeddings: the shared table) is quantized last,
+after the decoder layers: GPTQ for the gptq and awq methods, with its Hessian taken from the final
+hidden states (the final norm's outputs) of the already quantized model on the same calibration
+windows; RTN for the rtn method. It is returned under the name "lm_head". For gptq those final
+hidden states are the ones sequential GPTQ computes anyway (the last block's outputs, every layer
+already quantized, then the final norm): no extra forward pass. AWQ's block outputs are full
+precision, so for awq one forward pass of the quantized model over the windows computes them.
 """
 from __future__ import annotations
 
@@ -14,7 +22,8 @@ from torch import nn
 from tqdm import tqdm
 
 from tokenmill.layers.linear import Linear
-from tokenmill.quant.calibration import capture_inputs, decoder_layers, embed, linears_in_call_order, run_layer
+from tokenmill.quant.calibration import (capture_inputs, chunks, decoder_layers, embed, linears_in_call_order,
+                                         run_layer)
 from tokenmill.quant.gptq import HessianAccumulator, gptq_quantize_weight
 from tokenmill.quant.grid import QuantizedWeight, check_group_size
 from tokenmill.quant.kernels import install_quantized
@@ -52,6 +61,9 @@ class QuantConfig:
     """AWQ: search per-group clipping ranges after scaling."""
     batch_size: int = 8
     """Calibration windows per forward batch."""
+    lm_head: bool = False
+    """Also quantize the LM head / tied embedding table (same bits and group size): GPTQ on the final
+    hidden states for gptq and awq, RTN for rtn. Saved in the GPTQ layout only."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -64,6 +76,10 @@ class QuantConfig:
             raise ValueError(f"format must be auto, gptq or awq, got {self.format!r}")
         if self.resolved_format == "awq" and (self.bits != 4 or self.desc_act):
             raise ValueError("the AWQ GEMM format holds 4-bit weights without act-order; use --format gptq")
+        if self.lm_head and self.resolved_format == "awq":
+            raise ValueError("a quantized LM head is saved in the GPTQ layout only: AutoAWQ's GEMM format has no "
+                             "quantized lm_head (AutoAWQ never writes one); add --format gptq to save the "
+                             "AWQ-quantized model with its quantized head in the GPTQ layout")
         if not 0 <= self.damp_percent < 1:
             raise ValueError(f"damp_percent must be in [0, 1), got {self.damp_percent}")
 
@@ -86,6 +102,8 @@ class QuantizeReport:
     seconds: float
     layer_losses: dict[str, float]
     """GPTQ's own error estimate per layer (empty for RTN / AWQ)."""
+    head_seconds: float = 0.0
+    """Of `seconds`, the time spent on the LM head (final-hidden Hessian + GPTQ), 0 without lm_head."""
 
 
 def quantizable_linears(model: nn.Module) -> dict[str, Linear]:
@@ -97,6 +115,8 @@ def quantizable_linears(model: nn.Module) -> dict[str, Linear]:
 def check_model_fits(model: nn.Module, cfg: QuantConfig) -> None:
     for name, lin in quantizable_linears(model).items():
         check_group_size(lin.in_features, cfg.group_size, name)
+    if cfg.lm_head:
+        check_group_size(model.config.hidden_size, cfg.group_size, "the LM head")
 
 
 def quantize_model(model: nn.Module, cfg: QuantConfig, calib_ids: torch.Tensor | None = None,
@@ -105,6 +125,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib_ids: torch.Tensor |
     check_model_fits(model, cfg)
     t0 = time.perf_counter()
     losses: dict[str, float] = {}
+    final_h: list[torch.Tensor] = []
     if cfg.method == "rtn":
         weights = {name: rtn_quantize_weight(lin.weight.data, cfg.bits, cfg.group_size, cfg.sym, cfg.min_zero)
                    for name, lin in quantizable_linears(model).items()}
@@ -112,7 +133,8 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib_ids: torch.Tensor |
         if calib_ids is None:
             raise ValueError(f"{cfg.method} needs calibration data")
         if cfg.method == "gptq":
-            weights = gptq_quantize_layers(model, cfg, calib_ids, losses, progress)
+            weights = gptq_quantize_layers(model, cfg, calib_ids, losses, progress,
+                                           final_hidden=final_h if cfg.lm_head else None)
         else:
             from tokenmill.quant.awq import awq_quantize_layers
             weights = awq_quantize_layers(model, cfg, calib_ids, progress)
@@ -122,14 +144,76 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib_ids: torch.Tensor |
     # NOTE: checkpoints keep embeddings / norms in fp16; rounding them here makes the in-memory
     # model the exact model that save_quantized writes and load_model reads back.
     round_unquantized_params(model, SAVE_DTYPE)
-    return QuantizeReport(weights=weights, seconds=time.perf_counter() - t0, layer_losses=losses)
+    head_seconds = 0.0
+    if cfg.lm_head:
+        t1 = time.perf_counter()
+        weights["lm_head"] = quantize_head(model, cfg, calib_ids, progress, final_h[0] if final_h else None)
+        final_h.clear()
+        head_seconds = time.perf_counter() - t1
+    return QuantizeReport(weights=weights, seconds=time.perf_counter() - t0, layer_losses=losses,
+                          head_seconds=head_seconds)
+
+
+def head_weight(model: nn.Module) -> torch.Tensor:
+    """The dense [vocab, hidden] LM head: the lm_head Linear's weight, or the tied embedding table."""
+    head = getattr(model, "lm_head", None)
+    w = model.model.embed_tokens.weight if head is None else head.weight
+    if w is None:
+        raise ValueError("the LM head is already quantized")
+    return w.data
+
+
+def final_hidden_hessian(model: nn.Module, calib_ids: torch.Tensor, batch_size: int = 8,
+                         progress: bool = False, last_block_out: torch.Tensor | None = None) -> HessianAccumulator:
+    """H = 2 XᵀX / n of the LM head's input X: the final norm's outputs of `model` (as it is now,
+    e.g. with its decoder layers quantized) on the windows calib_ids [n, T]. last_block_out
+    [n, T, hidden]: the last decoder block's outputs on those windows when already computed (then
+    only the final norm runs)."""
+    acc = HessianAccumulator(model.config.hidden_size)
+    bar = tqdm(total=calib_ids.shape[0], desc="lm_head hessian", disable=not progress or last_block_out is not None,
+               unit="window")
+    with torch.no_grad():
+        for sl in chunks(calib_ids.shape[0], batch_size):
+            if last_block_out is not None:
+                acc.add_batch(model.model.norm(last_block_out[sl]))
+                continue
+            ids = calib_ids[sl]
+            pos = torch.arange(ids.shape[1]).expand(ids.shape)
+            acc.add_batch(model.model(ids, pos))                                        # [b, T, hidden]
+            bar.update(ids.shape[0])
+    bar.close()
+    return acc
+
+
+def quantize_head(model: nn.Module, cfg: QuantConfig, calib_ids: torch.Tensor | None = None,
+                  progress: bool = False, last_block_out: torch.Tensor | None = None) -> QuantizedWeight:
+    """Quantize the LM head (tied: the shared table) of a model whose decoder is already quantized,
+    install it (quant/head.py) and return it. GPTQ (for the gptq and awq methods) with H from the
+    final hidden states on calib_ids (see final_hidden_hessian); RTN for the rtn method. A tied
+    table is kept aside in fp16 for save_quantized, which writes it as model.embed_tokens.weight
+    beside the quantized head."""
+    from tokenmill.quant.head import install_head_weight
+
+    w = head_weight(model)
+    if cfg.method == "rtn":
+        qw = rtn_quantize_weight(w.float(), cfg.bits, cfg.group_size, cfg.sym, cfg.min_zero)
+    else:
+        if calib_ids is None:
+            raise ValueError(f"{cfg.method} with lm_head needs calibration data")
+        acc = final_hidden_hessian(model, calib_ids, cfg.batch_size, progress, last_block_out)
+        qw = gptq_quantize_weight(w, acc.H, cfg.bits, cfg.group_size, cfg.sym, cfg.desc_act, cfg.static_groups,
+                                  cfg.block_size, cfg.damp_percent, cfg.min_zero).weight
+    install_head_weight(model, qw, keep_table=True)
+    return qw
 
 
 def gptq_quantize_layers(model: nn.Module, cfg: QuantConfig, calib_ids: torch.Tensor,
-                         losses: dict[str, float] | None = None, progress: bool = True) -> dict[str, QuantizedWeight]:
+                         losses: dict[str, float] | None = None, progress: bool = True,
+                         final_hidden: list[torch.Tensor] | None = None) -> dict[str, QuantizedWeight]:
     """Sequential GPTQ: block by block, and inside a block linear by linear in call order; each
     linear's Hessian comes from inputs computed with every earlier linear already quantized
-    (AutoGPTQ's true_sequential). Leaves fake-quantized (dequantized) weights in the model."""
+    (AutoGPTQ's true_sequential). Leaves fake-quantized (dequantized) weights in the model.
+    final_hidden: receives the last block's outputs [n, T, hidden] (every layer quantized)."""
     layers = decoder_layers(model)
     h = embed(model, calib_ids, cfg.batch_size)                                  # [n, T, hidden]
     hidden = h.shape[-1]
@@ -151,4 +235,6 @@ def gptq_quantize_layers(model: nn.Module, cfg: QuantConfig, calib_ids: torch.Te
             bar.update()
         h = run_layer(layer, h, cfg.batch_size)
     bar.close()
+    if final_hidden is not None:
+        final_hidden.append(h)
     return weights

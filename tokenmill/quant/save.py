@@ -6,6 +6,11 @@
                              qkv_proj / gate_up_proj): qweight, qzeros, scales (+ g_idx for GPTQ);
                              everything else (embeddings, norms, lm_head) in float16
     tokenizer.json, tokenizer_config.json
+
+A quantized LM head (`weights["lm_head"]`, from QuantConfig.lm_head) is written as
+lm_head.qweight / qzeros / scales / g_idx in the GPTQ layout with "lm_head": true, GPTQModel's
+spelling; for tied embeddings model.embed_tokens.weight stays in the file in fp16 (other loaders
+look the embedding up there) and tie_word_embeddings is left as it is.
 """
 from __future__ import annotations
 
@@ -64,10 +69,21 @@ def _part_names(model: nn.Module) -> dict[tuple[str, int], str]:
 def checkpoint_tensors(model: nn.Module, weights: dict[str, QuantizedWeight], fmt: str,
                        dtype: torch.dtype = SAVE_DTYPE) -> dict[str, torch.Tensor]:
     """The model's tensors under checkpoint names, quantized linears in `fmt` layout."""
+    from tokenmill.quant.head import QuantizedEmbedding
+
     parts = _part_names(model)
     out: dict[str, torch.Tensor] = {}
+    tables = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedEmbedding)}
+    for name, q in tables.items():
+        if q.checkpoint_table is None:
+            raise ValueError(f"{name} is a quantized table without its fp16 original; a model whose embedding "
+                             "was quantized at load time cannot be saved")
+        out[f"{name}.weight"] = q.checkpoint_table.to(dtype).contiguous()
+    if getattr(model, "lm_head", 1) is None and "lm_head" in weights:  # tied: the head exists only as weights
+        packed = to_gptq_tensors(weights["lm_head"]) if fmt == "gptq" else to_awq_tensors(weights["lm_head"])
+        out.update({f"lm_head.{k}": v.contiguous() for k, v in packed.items()})
     for name, mod in model.named_modules():
-        if not isinstance(mod, Linear):
+        if not isinstance(mod, Linear) or name.rpartition(".")[0] in tables:
             continue
         parent, _, leaf = name.rpartition(".")
         n_parts = len(mod.output_sizes)
@@ -125,11 +141,20 @@ def save_quantized(model: nn.Module, cfg: ModelArchConfig, tokenizer, weights: d
     out.mkdir(parents=True, exist_ok=True)
     first = next(iter(weights.values()))
     qc = quantization_config(fmt, first.bits, first.group_size, sym, desc_act, static_groups, damp_percent)
+    if "lm_head" in weights:
+        head = weights["lm_head"]
+        if fmt != "gptq":
+            raise ValueError(f"a quantized LM head is saved in the GPTQ layout only, not {fmt!r} "
+                             "(AutoAWQ's format has no quantized lm_head)")
+        if (head.bits, head.group_size) != (first.bits, first.group_size):
+            raise ValueError(f"the LM head ({head.bits} bits, group {head.group_size}) must share the checkpoint's "
+                             f"bits and group size ({first.bits}, {first.group_size}): quantization_config has one")
+        qc["lm_head"] = True
     tensors = checkpoint_tensors(model, weights, fmt)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config_dict(cfg, qc), indent=2))
     if fmt == "gptq":
-        qfile = {k: v for k, v in qc.items() if k not in ("lm_head",)}
+        qfile = {k: v for k, v in qc.items() if k != "lm_head" or v}  # GPTQModel reads lm_head here too
         (out / "quantize_config.json").write_text(json.dumps(qfile, indent=2))
     if tokenizer is not None:
         save_tokenizer(tokenizer, out)
