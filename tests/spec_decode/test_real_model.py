@@ -8,6 +8,7 @@ import torch
 
 from tests.spec_decode.test_rejection_sampler import chisquare_pvalue
 from tokenmill import LLM, SamplingParams
+from tokenmill.layers import fused_ops
 from tokenmill.spec_decode.rejection_sampler import rejection_sample
 
 pytestmark = pytest.mark.slow
@@ -36,6 +37,33 @@ def test_greedy_identical_on_the_real_model(target, spec):
     assert stats["num_drafts"] > 0
     if spec["method"] == "ngram":  # the truncated self-draft of SmolLM2 agrees with it almost never (docs)
         assert stats["num_accepted_tokens"] > 0
+
+
+_VNNI = fused_ops.pack_vnni(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
+
+
+@pytest.mark.skipif(not _VNNI, reason="bf16 identity needs the row-order-invariant VNNI kernel (AVX512-BF16)")
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_bf16_greedy_speculation_reproduces_plain_decoding(gamma):
+    """In bf16 a near-tie flips when a token's logits are computed differently. Verification rows run
+    through the same few-row kernel as a one-token decode step, summed in the same order (layers/
+    fused_ops.py, VNNI_MIN_ROWS), so greedy speculation with up to 7 drafts must give plain decoding's
+    tokens exactly, for several prompts and long enough replies to meet near-ties."""
+    prompts = [[{"role": "user", "content": c}] for c in (
+        "Explain how a bicycle gear system works, step by step.",
+        "Write a Python function that checks whether a string is a palindrome, and explain it.",
+        "What are three differences between a lake and a sea?")]
+    params = SamplingParams(temperature=0, max_tokens=64)
+    kw = dict(dtype="bfloat16", max_num_batched_tokens=64, num_gpu_blocks_override=128)
+    plain = LLM("smollm2-135m", **kw)
+    spec = LLM("smollm2-135m", speculative_config={"method": "ngram", "num_speculative_tokens": gamma,
+                                                  "adaptive": False}, **kw)
+    for p in prompts:
+        ref = plain.chat(p, params, use_tqdm=False)[0].outputs[0].token_ids
+        out = spec.chat(p, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert out == ref
+    assert spec.stats().spec_decode["num_accepted_tokens"] > 0
+    spec.check_integrity()
 
 
 def test_rejection_sampler_exact_on_real_distributions(target):
