@@ -83,13 +83,9 @@ def gptq_shape_problem(t: dict[str, torch.Tensor], bits: int, out: int, cols: in
     want = {"qweight": (cols * bits // 32, out), "scales": (None, out), "qzeros": (None, out * bits // 32)}
     if (cols * bits) % 32 or (out * bits) % 32:
         return f"a [{out}, {cols}] weight cannot be packed in {bits}-bit GPTQ words"
-    for k, (rows, width) in want.items():
-        v = t[k]
-        if v.dim() != 2 or (rows is not None and v.shape[0] != rows) or v.shape[1] != width:
-            shown = f"[{rows if rows is not None else 'groups'}, {width}]"
-            return f"{k} has shape {_shape(v)}, expected {shown} for a [{out}, {cols}] weight at {bits} bits"
-    if t["qzeros"].shape[0] != t["scales"].shape[0]:
-        return f"qzeros has {t['qzeros'].shape[0]} groups but scales has {t['scales'].shape[0]}"
+    problem = _packed_shape_problem(t, want, f"a [{out}, {cols}] weight at {bits} bits")
+    if problem:
+        return problem
     g = t.get("g_idx")
     if g is not None and tuple(g.shape) != (cols,):
         return f"g_idx has shape {_shape(g)}, expected [{cols}]"
@@ -99,11 +95,17 @@ def gptq_shape_problem(t: dict[str, torch.Tensor], bits: int, out: int, cols: in
 def awq_shape_problem(t: dict[str, torch.Tensor], out: int, cols: int) -> str | None:
     """What is wrong with the shapes of one AWQ GEMM layer's tensors for a weight [out, cols], or None."""
     want = {"qweight": (cols, out // 8), "scales": (None, out), "qzeros": (None, out // 8)}
+    return _packed_shape_problem(t, want, f"a [{out}, {cols}] weight (AWQ GEMM, 4 bits)")
+
+
+def _packed_shape_problem(t: dict[str, torch.Tensor], want: dict[str, tuple[int | None, int]], what: str) -> str | None:
+    """Each tensor 2-D with the wanted (rows or None for any group count, width); qzeros and scales
+    with the same group count."""
     for k, (rows, width) in want.items():
         v = t[k]
         if v.dim() != 2 or (rows is not None and v.shape[0] != rows) or v.shape[1] != width:
             shown = f"[{rows if rows is not None else 'groups'}, {width}]"
-            return f"{k} has shape {_shape(v)}, expected {shown} for a [{out}, {cols}] weight (AWQ GEMM, 4 bits)"
+            return f"{k} has shape {_shape(v)}, expected {shown} for {what}"
     if t["qzeros"].shape[0] != t["scales"].shape[0]:
         return f"qzeros has {t['qzeros'].shape[0]} groups but scales has {t['scales'].shape[0]}"
     return None
