@@ -114,8 +114,12 @@ def main() -> None:
     ap.add_argument("--batch-max-tokens", type=int, default=None, help="tokens per request at batch 8/32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (sets TOKENMILL_NUM_THREADS)")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 (target and draft)")
-    ap.add_argument("--proposers", default="ngram,draft", help="comma-separated subset of ngram,draft,eagle")
+    ap.add_argument("--proposers", default="ngram,draft", help="comma-separated subset of ngram,draft,eagle,ngram+datastore")
     ap.add_argument("--eagle", default=None, help="EAGLE head directory (tokenmill train-eagle); adds proposer eagle")
+    ap.add_argument("--datastore", default=None,
+                    help="datastore file (tokenmill build-datastore); adds proposer ngram+datastore")
+    ap.add_argument("--datastore-min-share", type=float, default=0.3,
+                    help="ngram+datastore: draft a token only if it followed the context this often")
     args = ap.parse_args()
     if args.threads:
         os.environ["TOKENMILL_NUM_THREADS"] = str(args.threads)
@@ -144,6 +148,10 @@ def main() -> None:
                                                                   "draft_num_layers": args.draft_layers}}
     if args.eagle:
         methods["eagle (trained head)"] = {"method": "eagle", "model": args.eagle}
+    if args.datastore:
+        methods["ngram+datastore (target's answers)"] = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+                                                         "datastore": args.datastore,
+                                                         "datastore_min_share": args.datastore_min_share}
     wanted = set(args.proposers.split(","))
     methods = {k: v for k, v in methods.items() if k.split(" ")[0] in wanted}
     best: dict[str, tuple[float, int]] = {}

@@ -14,6 +14,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("tokenmill.quant.cli", "Quantize a model with RTN, GPTQ or AWQ."),
     "eval": ("tokenmill.eval.cli", "Evaluate a model (perplexity)."),
     "train-eagle": ("tokenmill.spec_decode.eagle_train", "Train an EAGLE draft head for speculative decoding."),
+    "build-datastore": ("tokenmill.spec_decode.datastore_build",
+                        "Build the n-gram proposer's datastore from the target's own answers."),
     "bench": ("tokenmill.bench.cli", "Benchmarks: latency, throughput, serve, roofline, ablation."),
 }
 

@@ -44,21 +44,44 @@ def ngram_propose(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: 
 
 
 class NgramProposer:
-    """Prompt lookup over each request's own tokens (prompt and output)."""
+    """Prompt lookup over each request's own tokens (prompt and output), optionally backed by a
+    suffix datastore of the target's earlier answers (datastore.py).
 
-    def __init__(self, min_n: int, max_n: int) -> None:
+    With a datastore the order is: a prompt match of at least 2 tokens; else the datastore's walk;
+    else a one-token prompt match (when min_n is 1). Measured on the default model's greedy chat
+    answers (32 held-out ShareGPT prompts, docs/spec_decode.md): one-token prompt matches predict the
+    next token 21% of the time, the datastore 46% where no longer prompt match exists."""
+
+    def __init__(self, min_n: int, max_n: int, datastore=None, min_share: float = 0.3) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}")
         self.min_n = min_n
         self.max_n = max_n
+        self.datastore = datastore
+        self.min_share = min_share
 
     @classmethod
     def from_engine(cls, config: "SpeculativeConfig", engine: object) -> "NgramProposer":
-        return cls(config.prompt_lookup_min, config.prompt_lookup_max)
+        store = None
+        if config.datastore:
+            from tokenmill.spec_decode.datastore import SuffixDatastore
+            store = SuffixDatastore.load(config.datastore)
+        return cls(config.prompt_lookup_min, config.prompt_lookup_max, store, config.datastore_min_share)
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        if self.datastore is None:
+            return ngram_propose(tokens, self.min_n, self.max_n, k)
+        out = ngram_propose(tokens, max(2, self.min_n), self.max_n, k) if self.max_n >= 2 else []
+        if not out:
+            out = self.datastore.draft(tokens, k, self.min_share)
+        if not out and self.min_n == 1:
+            out = ngram_propose(tokens, 1, 1, k)
+        return out
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
-        drafts = [ngram_propose(r.all_token_ids, self.min_n, self.max_n, k) if k else []
-                  for r, k in zip(requests, num_tokens)]
+        drafts = [self.draft(r.all_token_ids, k) for r, k in zip(requests, num_tokens)]
         return Proposal(drafts, None)
 
     def forget(self, request_ids: list[str]) -> None:
