@@ -37,15 +37,11 @@ def main(model: str, out: str, sharegpt: str, num_prompts: int = 3300, max_token
 
 
 def add_arguments(p) -> None:
-    default_data = Path(__file__).resolve().parents[3] / "shared" / "data" / "sharegpt_v3_first_exchange_5000.jsonl"
-    p.add_argument("--model", default="smollm2-135m", help="target model (path or alias)")
+    from tokenmill.spec_decode.eagle_train import add_corpus_arguments
+    add_corpus_arguments(p)
     p.add_argument("--out", required=True, help="the datastore file (.npz)")
-    p.add_argument("--sharegpt", default=str(default_data), help="ShareGPT jsonl (first human turns)")
-    p.add_argument("--num-prompts", type=int, default=3300, help="prompts the target answers")
-    p.add_argument("--max-tokens", type=int, default=192, help="answer length cap per prompt")
     p.add_argument("--min-n", type=int, default=2, help="shortest context looked up")
     p.add_argument("--max-n", type=int, default=6, help="longest context looked up")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
 
 
 def run(args) -> int:

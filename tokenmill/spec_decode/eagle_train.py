@@ -265,21 +265,26 @@ def main(model: str, out: str, sharegpt: str, num_prompts: int = 3300, max_token
 
 
 # ------------------------------------------------------------------------------------ CLI
-def add_arguments(p) -> None:
-    from pathlib import Path as _P
-    default_data = _P(__file__).resolve().parents[3] / "shared" / "data" / "sharegpt_v3_first_exchange_5000.jsonl"
+def add_corpus_arguments(p) -> None:
+    """The corpus options shared with `tokenmill build-datastore`: the target, the ShareGPT file, how
+    many prompts it answers and how long, and torch threads."""
+    default_data = Path(__file__).resolve().parents[3] / "shared" / "data" / "sharegpt_v3_first_exchange_5000.jsonl"
     p.add_argument("--model", default="smollm2-135m", help="target model (path or alias)")
-    p.add_argument("--out", required=True, help="directory for the head (eagle_config.json, model.safetensors)")
     p.add_argument("--sharegpt", default=str(default_data), help="ShareGPT jsonl (first human turns)")
     p.add_argument("--num-prompts", type=int, default=3300, help="prompts the target answers for the corpus")
     p.add_argument("--max-tokens", type=int, default=192, help="answer length cap per prompt")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def add_arguments(p) -> None:
+    add_corpus_arguments(p)
+    p.add_argument("--out", required=True, help="directory for the head (eagle_config.json, model.safetensors)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="rows of the head's LM head (most frequent tokens)")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--init", default=None, help="continue training this head directory")
     p.add_argument("--all-positions", action="store_true", help="score prompt positions too (default: answers only)")
     p.add_argument("--fp32", action="store_true", help="train in float32 (default: bf16 autocast)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--cache", default=None, help="a .pt file keeping corpus and features between runs")
 
 
