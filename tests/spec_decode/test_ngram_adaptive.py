@@ -75,6 +75,20 @@ def test_cost_uses_measured_steps_where_the_line_misprices_them():
     assert ad.choose(1) >= 1
 
 
+def test_one_probe_outweighs_many_plain_steps_in_the_fit():
+    """Batch 8 on CPU: 60 plain steps of 8 tokens at 5 ms, one probe whose drafts made 13 tokens at
+    9 ms (past the few-row kernels). A step of 16 tokens (γ = 1 for all 8) must cost more than the
+    probe, so at α = 0.4 speculation stays off, whatever slope the calibration prior had."""
+    ad = AdaptiveGamma(4, adaptive=True)
+    ad.prior_cost = LinearCost(0.005, 0.00001)            # a shallow slope, as dense calibration passes give
+    ad.alpha_prior, ad.prior_weight = 0.4, 1e9
+    for _ in range(60):
+        ad.observe_target_step(8, 0.005)
+    ad.observe_target_step(13, 0.009)
+    assert ad.cost(16) > 0.009
+    assert ad.choose(8) == 0
+
+
 def test_adaptive_gamma_reacts_to_acceptance_and_batch():
     ad = AdaptiveGamma(6, adaptive=True, probe_interval=3)
     ad.prior_cost = LinearCost(0.04, 0.0005)      # memory-bound at small n, compute-bound at large n

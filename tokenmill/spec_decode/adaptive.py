@@ -12,17 +12,18 @@ batch B, with T(n) the target's time for a step of n tokens and c = (draft step 
 When the target is memory-bound (T flat in n, single stream) this is the seeds' E[T] / (γ c + 1);
 at large batch the verification tokens are no longer free and the ratio T(B(1+γ)) / T(B)
 grows, which is what lowers γ or switches speculation off. T(n) is the running mean of the
-steps measured at exactly n tokens where there are some, else a + b n fitted by least squares to
-recent decode/verification steps: the step time is not linear in n on CPU (up to 8 tokens the
+decode/verification steps measured at exactly n tokens where there are some, else a + b n fitted
+by least squares through those per-count means (one point per count; with a single count, the
+slope of a calibration prior). The step time is not linear in n on CPU: up to 8 tokens the
 few-row kernels keep a step near one token's cost, above 8 oneDNN and the Python layer loop take
-over), so a line through n = 8 and n = 16 alone would misprice both. α and c are exponentially
+over. Fitting the raw recent steps instead let 60 plain steps at n = 8 outvote one probe at
+n = 13, kept the prior's shallow slope, and priced batch-8 verification too low (0.77x measured). α and c are exponentially
 weighted running estimates. Speculation stays off unless the predicted gain is at least 5 %; while off, a γ = 1
 probe re-measures α after 16 steps, then 32, 64, ... (up to 256) while probes keep failing.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +86,7 @@ class AdaptiveGamma:
     """Chooses γ each step. Pinned (adaptive=False) it always answers gamma_max."""
 
     def __init__(self, gamma_max: int, adaptive: bool = True, alpha_prior: float = 0.6, prior_weight: float = 4.0,
-                 decay: float = 0.97, probe_interval: int = 16, window: int = 64, min_gain: float = 1.05) -> None:
+                 decay: float = 0.97, probe_interval: int = 16, min_gain: float = 1.05) -> None:
         self.gamma_max = gamma_max
         self.adaptive = adaptive
         self.alpha_prior = alpha_prior
@@ -95,7 +96,6 @@ class AdaptiveGamma:
         self._interval = probe_interval
         self.min_gain = min_gain
         """Predicted speedup γ > 0 must reach; margin for the model's error (off below it)."""
-        self.steps: deque[tuple[int, float]] = deque(maxlen=window)
         self._by_n: dict[int, float] = {}
         """Exponentially weighted step seconds per exact token count."""
         self.prior_cost = LinearCost(1e-2, 0.0)
@@ -123,7 +123,6 @@ class AdaptiveGamma:
 
     def observe_target_step(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0:
-            self.steps.append((num_tokens, seconds))
             prev = self._by_n.get(num_tokens)
             self._by_n[num_tokens] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
             self._cost = None
@@ -149,7 +148,9 @@ class AdaptiveGamma:
         if measured is not None:
             return measured
         if self._cost is None:
-            self._cost = fit_linear_cost(list(self.steps), self.prior_cost)
+            # One point per measured token count (its running mean), so a count the controller
+            # has only probed a few times weighs as much as the plain steps it takes every time.
+            self._cost = fit_linear_cost(sorted(self._by_n.items()), self.prior_cost)
         return self._cost(num_tokens)
 
     def verify_cost_ratio(self, batch_size: int, gamma: int) -> float:
