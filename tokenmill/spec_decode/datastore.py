@@ -10,8 +10,8 @@ those words.
 Layout: for each context length n in [min_n, max_n], every n-token context seen in the corpus is
 reduced to a 64-bit hash, and keeps only its most frequent next token and that token's share of
 the context's occurrences. The table is three sorted numpy arrays per n (hash, next token, share),
-so lookups use `np.searchsorted`. It has no Python object per entry, so 800 k corpus tokens take a
-few tens of MB.
+so lookups use `np.searchsorted`. It has no Python object per entry: the default model's 557 k-token
+datastore has 0.99 M entries in 15.8 MB.
 
 Drafting walks greedily: the longest context with an entry whose share is at least `min_share`
 gives the next token. That token is appended, and the walk repeats for up to k tokens. A hash
