@@ -243,3 +243,30 @@ def test_engine_serves_a_checkpoint_with_a_quantized_tied_head(tmp_path, gguf_to
                     logits = ref.model.compute_logits(ref.model(torch.tensor(seq), torch.arange(len(seq)))[-1:])
                     seq.append(int(logits.argmax(-1)))
             assert list(o.outputs[0].token_ids) == seq[len(ids):], p
+
+
+def test_eval_perplexity_cli_scores_the_chosen_head(tmp_path, gguf_tokenizer, capsys):
+    """`tokenmill eval perplexity --quantize-lm-head` picks the head it scores: the checkpoint's own
+    quantized head by default, the fp16 table with none; the two differ, and each equals the
+    perplexity of load_model with the same choice."""
+    from tokenmill.entrypoints.cli import main
+    from tokenmill.eval.perplexity import evaluate_perplexity, wikitext2_ids
+
+    model = make_tiny_model(vocab_size=gguf_tokenizer.vocab_size, hidden_size=64, head_dim=16, intermediate_size=128)
+    qcfg = QuantConfig(method="rtn", bits=4, group_size=64, lm_head=True)
+    report = quantize_model(model, qcfg, progress=False)
+    out = save_quantized(model, model.config, gguf_tokenizer, report.weights, "gptq", tmp_path / "q", False)
+    data = tmp_path / "wiki.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f" The cat number {i} sat on the mat and looked around."})
+                              for i in range(40)) + "\n")
+    got = {}
+    for head in ("checkpoint", "none"):
+        assert main(["eval", "perplexity", "--model", str(out), "--dataset", str(data), "--seqlen", "64",
+                     "--quantize-lm-head", head, "--json"]) == 0
+        row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert row["lm_head"] == head
+        got[head] = row["perplexity"]
+        ref = load_model(str(out), quantize_lm_head=head)
+        ids = wikitext2_ids(lambda s: ref.tokenizer.encode(s, add_special_tokens=False), data)
+        assert row["perplexity"] == pytest.approx(evaluate_perplexity(ref.model, ids, 64, progress=False).perplexity)
+    assert got["checkpoint"] != got["none"]
