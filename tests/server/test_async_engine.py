@@ -58,7 +58,7 @@ class FakeCore:
     def _mark(self) -> None:
         self.thread_ids.add(threading.get_ident())
 
-    def add_request(self, request_id, prompt_token_ids, params, prompt=None, arrival_time=None):
+    def add_request(self, request_id, prompt_token_ids, params, prompt=None, arrival_time=None, cache_salt=None):
         self._mark()
         if not prompt_token_ids:
             raise ValueError("prompt is empty")

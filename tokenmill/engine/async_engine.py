@@ -48,7 +48,8 @@ class EngineCoreLike(Protocol):
     max_model_len: int
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None: ...
+                    prompt: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -74,6 +75,7 @@ class _Add:
     params: SamplingParams
     prompt: str | None
     arrival_time: float
+    cache_salt: str | None
     accepted: asyncio.Future  # set to None, or to the ValueError add_request raised
 
 
@@ -277,8 +279,10 @@ class AsyncEngine:
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                           request_id: str | None = None, prompt: str | None = None,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, cache_salt: str | None = None) -> RequestStream:
         """Hand a request to the engine; returns once the core accepted it.
+
+        cache_salt: prefix-cache blocks are shared only between requests with the same salt.
 
         Raises ValueError (the core's message) for a request the engine can never run,
         EngineNotReadyError while loading and EngineDeadError after a failure.
@@ -296,7 +300,7 @@ class AsyncEngine:
         stream = RequestStream(self, rid, arrival)
         self._streams[rid] = stream
         accepted = asyncio.get_running_loop().create_future()
-        self._send(_Add(rid, list(prompt_token_ids), params, prompt, arrival, accepted))
+        self._send(_Add(rid, list(prompt_token_ids), params, prompt, arrival, cache_salt, accepted))
         try:
             error = await accepted
         except BaseException:
@@ -409,7 +413,7 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             try:
                 core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                 prompt=cmd.prompt, arrival_time=cmd.arrival_time)
+                                 prompt=cmd.prompt, arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt)
                 self._live_ids.add(cmd.request_id)
                 error = None
             except (ValueError, TypeError) as e:

@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="uvicorn's log level (default: info)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="On SIGTERM, seconds to let in-flight requests finish before aborting them (default: 30)")
+    g.add_argument("--header-timeout", type=float, default=30.0,
+                   help="Close a connection whose request headers have not all arrived this many seconds after "
+                        "it opened or its previous response ended (default: 30)")
+    g.add_argument("--body-timeout", type=float, default=60.0,
+                   help="Close a connection whose request body has not all arrived this many seconds after its "
+                        "headers (default: 60)")
     add_engine_args(parser)
 
 
@@ -39,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
     if args.model_tag is not None:
         if args.model not in (args.model_tag, _default_model()):
             raise ValueError(f"the positional model {args.model_tag!r} and --model {args.model!r} disagree")
@@ -51,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                               log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval)
     logging.getLogger("tokenmill").setLevel(logging.INFO)
     return serve(engine, settings, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                 shutdown_timeout_s=args.shutdown_timeout)
+                 shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.header_timeout,
+                 body_timeout_s=args.body_timeout)
 
 
 def _default_model() -> str:

@@ -48,6 +48,14 @@ def _check_unsupported(data: Any, table: dict[str, tuple[Any, str]]) -> Any:
     return out
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _empty(v: Any) -> bool:
     return v is None or v == {} or v == []
 
@@ -111,6 +119,19 @@ class _SamplingFields(OpenAIBaseModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = Field(
+        None, description="Prefix-cache blocks are shared only between requests with the same salt; "
+        "give each tenant its own (random, unguessable) salt so one cannot probe another's prompts.")
+
+    @model_validator(mode="after")
+    def _check_salt(self) -> "_SamplingFields":
+        if self.cache_salt == "":  # NOTE: vLLM's behaviour and message: an error, not "no salt"
+            raise UnsupportedParameterError("cache_salt", "Parameter 'cache_salt' must be a non-empty string "
+                                                          "if provided.")
+        if self.cache_salt is not None and not _is_utf8(self.cache_salt):
+            # NOTE: the engine hashes the salt's UTF-8 bytes; a lone surrogate would fail in the engine thread
+            raise UnsupportedParameterError("cache_salt", "cache_salt must be valid Unicode (no lone surrogates)")
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_SamplingFields":

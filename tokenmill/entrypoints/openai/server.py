@@ -11,6 +11,10 @@ integrity check, for tests and operators).
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections and lets in-flight requests
 finish for up to `shutdown_timeout` seconds, then cancels them (which aborts them in the
 engine); the lifespan hook then stops the engine thread and the process exits 0.
+
+Read timeouts: a request's headers must arrive within `header_timeout_s` of the connection
+opening (or of the previous response ending), its body within `body_timeout_s` of its headers;
+otherwise the server closes the connection (uvicorn itself only times out idle keep-alives).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import tokenmill
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
@@ -253,7 +259,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
-        return JSONResponse(serving.tokenize(body))
+        return JSONResponse(await serving.tokenize(body))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
@@ -311,14 +317,77 @@ async def _log_stats(engine: AsyncEngine, interval_s: float) -> None:
             logger.exception("stats logging failed")
 
 
+class _ReadTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol plus read deadlines (see the module docstring); subclassed with the
+    timeouts set by _with_read_timeouts. The deadline follows h11's view of the client: waiting
+    for a request (IDLE, partial headers included), inside its body (SEND_BODY), or neither
+    (request read: no deadline while the response is computed and sent)."""
+
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._waiting_for: str | None = None
+        """What a read deadline runs for: "request headers", "request body" or nothing."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._update_read_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._update_read_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._update_read_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_read_timer()
+        super().connection_lost(exc)
+
+    def _cancel_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _update_read_timer(self) -> None:
+        state = self.conn.their_state
+        waiting_for = ("request headers" if state is h11.IDLE else "request body" if state is h11.SEND_BODY
+                       else None)
+        if waiting_for == self._waiting_for:
+            return  # NOTE: same phase: its deadline stands, so a client trickling bytes gains nothing
+        self._cancel_read_timer()
+        self._waiting_for = waiting_for
+        if waiting_for is not None and not self.transport.is_closing():
+            timeout = self.header_timeout_s if state is h11.IDLE else self.body_timeout_s
+            self._read_timer = self.loop.call_later(timeout, self._on_read_timeout, timeout)
+
+    def _on_read_timeout(self, timeout: float) -> None:
+        self._read_timer = None
+        if not self.transport.is_closing():
+            logger.info("closing the connection from %s: %s not received within %.0f s",
+                        "%s:%d" % self.client if self.client else "?", self._waiting_for, timeout)
+            self.transport.close()
+
+
+def _with_read_timeouts(header_timeout_s: float, body_timeout_s: float) -> type[H11Protocol]:
+    return type("ReadTimeoutH11Protocol", (_ReadTimeoutH11Protocol,),
+                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})
+
+
 def serve(engine: AsyncEngine, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", shutdown_timeout_s: float = 30.0) -> int:
+          log_level: str = "info", shutdown_timeout_s: float = 30.0, header_timeout_s: float = 30.0,
+          body_timeout_s: float = 60.0) -> int:
     """Run uvicorn until SIGTERM/SIGINT; returns the exit code: 0, or 1 if the engine failed."""
     app = build_app(engine, settings)
     # NOTE: uvicorn's own grace timeout is only a backstop; ours (below) aborts what is left in the
     # engine first, so every stream ends with an error event and [DONE] instead of a cancelled task.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout_s + 10, lifespan="on")
+                            timeout_graceful_shutdown=shutdown_timeout_s + 10, lifespan="on",
+                            http=_with_read_timeouts(header_timeout_s, body_timeout_s))
     failed = False
 
     async def main() -> None:

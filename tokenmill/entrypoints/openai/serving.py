@@ -1,12 +1,18 @@
 """Requests -> token ids and SamplingParams; engine outputs -> OpenAI responses and SSE chunks.
 
-Runs on the event loop only: it tokenizes (Rust tokenizers, no torch) and talks to the engine
-through AsyncEngine. Every way a request can be wrong becomes an OpenAIError (4xx) before the
-engine sees it, or from the ValueError the core raises when it refuses a request.
+Runs on the event loop, tokenizing in worker threads (Rust tokenizers, no torch), and talks to
+the engine through AsyncEngine. Every way a request can be wrong becomes an OpenAIError (4xx)
+before the engine sees it, or from the ValueError the core raises when it refuses a request.
+
+Bounded work before refusing: a text longer than max_model_len times the longest vocabulary
+entry (in characters) cannot fit the context whatever it tokenizes to, so it is refused without
+tokenizing it. NOTE: this assumes the tokenizer's normalizer does not shorten text (true of
+byte-level BPE and SentencePiece-style tokenizers).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -25,16 +31,26 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def utf8_safe(text: str) -> str:
+    """text with what UTF-8 cannot encode (lone surrogates a client sent) backslash-escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class OpenAIError(Exception):
-    """An error answered with OpenAI's error object."""
+    """An error answered with OpenAI's error object.
+
+    message and param may echo what the client sent; they are made UTF-8-safe here, so that
+    rendering the error can never fail (a lone surrogate in `model` once turned a 404 into a 500).
+    """
 
     def __init__(self, message: str, *, status_code: int = 400, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
+        message = utf8_safe(message)
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.type = type
-        self.param = param
+        self.param = None if param is None else utf8_safe(param)
         self.code = code
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,11 +142,22 @@ class OpenAIServing:
             raise engine_unavailable(RuntimeError("the model is still loading"))
         return tok
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    @functools.cached_property
+    def _max_token_chars(self) -> int:
+        """Characters the longest token can stand for: its vocabulary entry's length, which is
+        its byte count for byte-level BPE (never fewer than the characters it decodes to)."""
+        return max(1, max(len(s) for s in self._tokenizer.hf.get_vocab(with_added_tokens=True)))
+
+    async def _encode(self, text: str, add_special_tokens: bool, max_tokens: int | None, what: str) -> list[int]:
+        """Token ids of text, refused (400) if it cannot fit the context; see the module docstring."""
+        if text:
+            self._check_length(-(-len(text) // self._max_token_chars), max_tokens, what, is_lower_bound=True)
+        tokenizer = self._tokenizer
         try:
-            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
         except Exception as e:  # noqa: BLE001 - e.g. lone surrogates the Rust side cannot encode
-            raise OpenAIError(f"the prompt could not be tokenized: {e}", param="prompt") from e
+            raise OpenAIError(f"the {what} could not be tokenized: {e}", param=what) from e
+        return ids
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.vocab_size or self._tokenizer.vocab_size
@@ -150,21 +177,24 @@ class OpenAIServing:
             raise OpenAIError(f"messages could not be rendered with the chat template: {e}",
                               param="messages") from e
 
-    def _check_length(self, prompt_len: int, max_tokens: int | None, what: str) -> None:
+    def _check_length(self, prompt_len: int, max_tokens: int | None, what: str,
+                      is_lower_bound: bool = False) -> None:
+        """is_lower_bound: prompt_len is a bound from the text's length (not tokenized yet)."""
         max_len = self.engine.max_model_len or 0
+        at_least = "at least " if is_lower_bound else ""
         if prompt_len == 0:
             raise OpenAIError(f"the {what} is empty", param=what)
         if max_tokens is None:
             if prompt_len >= max_len:
                 raise OpenAIError(
                     f"This model's maximum context length is {max_len} tokens. However, your {what} has "
-                    f"{prompt_len} tokens, which leaves no room for the completion.",
+                    f"{at_least}{prompt_len} tokens, which leaves no room for the completion.",
                     param=what, code="context_length_exceeded")
         elif prompt_len + max_tokens > max_len:
             raise OpenAIError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in the completion). "
-                f"Please reduce the length of the {what} or of max_tokens.",
+                f"{at_least}{prompt_len + max_tokens} tokens ({at_least}{prompt_len} in the {what}, {max_tokens} in "
+                f"the completion). Please reduce the length of the {what} or of max_tokens.",
                 param=what if prompt_len >= max_len else "max_tokens", code="context_length_exceeded")
 
     def _sampling_params(self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -196,13 +226,15 @@ class OpenAIServing:
             msg = str(e)
             raise OpenAIError(msg, param=msg.split(" ", 1)[0]) from e
 
-    async def _start(self, prompts: list[_Prompt], params: SamplingParams, prefix: str) -> list[RequestStream]:
+    async def _start(self, prompts: list[_Prompt], params: SamplingParams, prefix: str,
+                     cache_salt: str | None) -> list[RequestStream]:
         """Add one engine request per prompt; all or none (a refused one aborts the others)."""
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
                 rid = self.engine.new_request_id(prefix)
-                streams.append(await self.engine.add_request(p.token_ids, params, request_id=rid, prompt=p.text))
+                streams.append(await self.engine.add_request(p.token_ids, params, request_id=rid, prompt=p.text,
+                                                             cache_salt=cache_salt))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -215,18 +247,18 @@ class OpenAIServing:
 
     # --- completions ---------------------------------------------------------------------------
 
-    def _completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
-        p = req.prompt
-        if isinstance(p, str):
-            return [_Prompt(self._encode(p, True), p)]
-        if all(isinstance(x, str) for x in p):
-            return [_Prompt(self._encode(x, True), x) for x in p]
-        if all(isinstance(x, int) for x in p):
-            lists = [p]
-        else:
-            lists = p
+    async def _completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        """The prompts as token ids, each checked against the context length before more work on it."""
+        p = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         out = []
-        for ids in lists:
+        if all(isinstance(x, str) for x in p):
+            for text in p:
+                ids = await self._encode(text, True, req.max_tokens, "prompt")
+                self._check_length(len(ids), req.max_tokens, "prompt")
+                out.append(_Prompt(ids, text))
+            return out
+        for ids in [p] if all(isinstance(x, int) for x in p) else p:
+            self._check_length(len(ids), req.max_tokens, "prompt")
             self._check_token_ids(ids, "prompt")
             out.append(_Prompt(list(ids), self._tokenizer.decode(ids, skip_special_tokens=False) if req.echo else None))
         return out
@@ -234,11 +266,9 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest) -> tuple[dict[str, Any] | None, SSEStream | None]:
         """Returns (response body, None) or (None, SSE iterator). Raises OpenAIError."""
         model = self.resolve_model(req.model)
-        prompts = self._completion_prompts(req)
-        for p in prompts:
-            self._check_length(len(p.token_ids), req.max_tokens, "prompt")
+        prompts = await self._completion_prompts(req)
         params = self._sampling_params(req, req.max_tokens, req.logprobs)
-        streams = await self._start(prompts, params, "cmpl")
+        streams = await self._start(prompts, params, "cmpl", req.cache_salt)
         request_id = f"cmpl-{streams[0].request_id.split('-', 1)[1]}"
         created = int(time.time())
         if req.stream:
@@ -349,12 +379,12 @@ class OpenAIServing:
                                                                              SSEStream | None]:
         model = self.resolve_model(req.model)
         text = self._render_chat(req.messages, req.add_generation_prompt)
-        ids = self._encode(text, False)
         max_tokens = req.effective_max_tokens
+        ids = await self._encode(text, False, max_tokens, "messages")
         self._check_length(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs)
-        streams = await self._start([_Prompt(ids, text)], params, "chatcmpl")
+        streams = await self._start([_Prompt(ids, text)], params, "chatcmpl", req.cache_salt)
         request_id = f"chatcmpl-{streams[0].request_id.split('-', 1)[1]}"
         created = int(time.time())
         top_n = req.top_logprobs or 0
@@ -439,12 +469,14 @@ class OpenAIServing:
 
     # --- tokenizer endpoints -------------------------------------------------------------------
 
-    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """Token ids of any text that could fit the context; a longer one is a 400 (bounded work)."""
         self.resolve_model(req.model)
         if req.messages is not None:
-            ids = self._encode(self._render_chat(req.messages, req.add_generation_prompt), False)
+            ids = await self._encode(self._render_chat(req.messages, req.add_generation_prompt), False, None,
+                                     "messages")
         else:
-            ids = self._encode(req.prompt or "", req.add_special_tokens)
+            ids = await self._encode(req.prompt or "", req.add_special_tokens, None, "prompt")
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
