@@ -3,10 +3,14 @@ directories, and the path of the real default model."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# The suite never runs on a silent fallback: a missing or stale C++ build fails the tests that reach it.
+os.environ.setdefault("TOKENMILL_REQUIRE_KERNELS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -63,3 +67,20 @@ def tiny_llama(tmp_path_factory, gguf_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory, gguf_tokenizer) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", gguf_tokenizer, seed=1)
+
+
+def supported_isas() -> list[str]:
+    """The instruction-set levels the C++ kernels can run at on this CPU, lowest first."""
+    from tokenmill import native
+    levels = ["generic", "avx512", "avx512_bf16"]
+    detected = native.module().detected_isa()
+    return levels[:levels.index(detected) + 1]
+
+
+@pytest.fixture(params=supported_isas())
+def each_isa(request):
+    """Runs the test once per instruction-set level this CPU supports (the kernels' generic paths too)."""
+    from tokenmill import native
+    previous = native.module().set_max_isa(request.param)
+    yield request.param
+    native.module().set_max_isa(previous)

@@ -8,7 +8,7 @@ from tokenmill.attention import cpu_kernels
 from tokenmill.attention.backend import TorchPagedAttention
 from tokenmill.attention.metadata import AttentionMetadata
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.is_available(), reason="C++ kernel could not be built here")
+pytestmark = pytest.mark.usefixtures("each_isa")  # the generic C++ paths too
 
 
 def make_decode_meta(seq_lens: list[int], num_blocks: int, block_size: int, gen: torch.Generator):

@@ -28,48 +28,12 @@ import time
 import torch
 
 from tokenmill.bench.common import environment, format_table, set_threads, write_json
-from tokenmill.layers import cpp_ext
-
-_READ_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-// Reads a float32 buffer once, in parallel chunks, with four independent accumulators per thread;
-// returns the sum so the loads cannot be optimized away.
-double stream_read(torch::Tensor x) {
-    const float* p = x.data_ptr<float>();
-    const int64_t n = x.numel();
-    std::vector<double> part(at::get_num_threads() + 1, 0.0);
-    at::parallel_for(0, n / 64, 4096, [&](int64_t b, int64_t e) {
-        double s = 0.0;
-#if defined(__AVX512F__)
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t i = b; i < e; ++i) {
-            const float* q = p + i * 64;
-            a0 = _mm512_add_ps(a0, _mm512_loadu_ps(q));
-            a1 = _mm512_add_ps(a1, _mm512_loadu_ps(q + 16));
-            a2 = _mm512_add_ps(a2, _mm512_loadu_ps(q + 32));
-            a3 = _mm512_add_ps(a3, _mm512_loadu_ps(q + 48));
-        }
-        s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-#else
-        for (int64_t i = b * 64; i < e * 64; ++i) s += p[i];
-#endif
-        part[at::get_thread_num()] += s;
-    });
-    double t = 0.0;
-    for (double v : part) t += v;
-    return t;
-}
-"""
-
+from tokenmill import native
 
 def _read_kernel():
-    ext = cpp_ext.load("tokenmill_stream_read_v1", "double stream_read(torch::Tensor x);", _READ_SOURCE,
-                       ["stream_read"])
-    return None if ext is None else ext.stream_read
+    """The streaming read of csrc/stream_read.cpp, or None without the C++ kernels."""
+    ops = native.ops()
+    return None if ops is None else ops.stream_read
 
 
 def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> dict:

@@ -1,0 +1,52 @@
+// Shared by every kernel file: scalar conversions, the row loop, and the CPU features found at run time.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace tokenmill {
+
+// The instruction sets a kernel may need, lowest first. The level in force is the highest this CPU and
+// its OS support, capped by TOKENMILL_ISA or set_max_isa (tests use that to run the generic paths).
+enum class Isa : int { generic = 0, avx512 = 1, avx512_bf16 = 2 };
+
+Isa detected_isa();           // what the CPU and OS support
+Isa current_isa();            // min(detected, cap)
+Isa set_max_isa(Isa cap);     // returns the previous cap
+const char* isa_name(Isa isa);
+Isa isa_from_name(const std::string& name);   // throws on an unknown name
+
+inline bool cpu_has_avx512() { return current_isa() >= Isa::avx512; }
+inline bool cpu_has_avx512_bf16() { return current_isa() >= Isa::avx512_bf16; }
+
+inline float ld(float x) { return x; }
+inline float ld(at::BFloat16 x) {
+    uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+template <typename T> inline T st(float x) { return static_cast<T>(x); }   // round to nearest even for bf16
+
+// Rows are independent; run small calls (decode) on the calling thread: a parallel region costs more
+// than it saves below ~64K elements.
+template <typename F>
+inline void for_rows(int64_t n_rows, int64_t row_elems, const F& f) {
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(row_elems, 1));
+    at::parallel_for(0, n_rows, grain, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) f(i); });
+}
+
+}  // namespace tokenmill
+
+// float32 or bfloat16 tensors only: runs the statement with T bound to the element type.
+#define TOKENMILL_DISPATCH_FLOAT(t, name, ...)                                          \
+    if ((t).scalar_type() == at::kFloat) { using T = float; __VA_ARGS__; }              \
+    else if ((t).scalar_type() == at::kBFloat16) { using T = at::BFloat16; __VA_ARGS__; } \
+    else TORCH_CHECK(false, name ": float32 or bfloat16 only")

@@ -1,0 +1,56 @@
+// The instruction sets found at run time, and the cap that tests and TOKENMILL_ISA put on them.
+#include "common.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+namespace tokenmill {
+
+static Isa detect() {
+#if defined(__x86_64__) || defined(__i386__)
+    // __builtin_cpu_supports also checks that the OS saves the AVX-512 state (XCR0).
+    __builtin_cpu_init();
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (avx512 && __builtin_cpu_supports("avx512bf16")) return Isa::avx512_bf16;
+    if (avx512) return Isa::avx512;
+#endif
+    return Isa::generic;
+}
+
+static Isa initial_cap() {
+    const char* env = std::getenv("TOKENMILL_ISA");
+    return env && *env ? isa_from_name(env) : Isa::avx512_bf16;
+}
+
+static std::atomic<int>& cap_slot() {
+    static std::atomic<int> cap(static_cast<int>(initial_cap()));
+    return cap;
+}
+
+Isa detected_isa() {
+    static const Isa isa = detect();
+    return isa;
+}
+
+Isa current_isa() { return static_cast<Isa>(std::min(static_cast<int>(detected_isa()), cap_slot().load())); }
+
+Isa set_max_isa(Isa cap) { return static_cast<Isa>(cap_slot().exchange(static_cast<int>(cap))); }
+
+const char* isa_name(Isa isa) {
+    switch (isa) {
+        case Isa::avx512_bf16: return "avx512_bf16";
+        case Isa::avx512: return "avx512";
+        default: return "generic";
+    }
+}
+
+Isa isa_from_name(const std::string& name) {
+    if (name == "avx512_bf16") return Isa::avx512_bf16;
+    if (name == "avx512") return Isa::avx512;
+    if (name == "generic") return Isa::generic;
+    TORCH_CHECK(false, "TOKENMILL_ISA: unknown instruction set '", name, "' (generic, avx512, avx512_bf16)");
+}
+
+}  // namespace tokenmill

@@ -1,0 +1,308 @@
+// Fused CPU kernels for the small ops between a decoder layer's matmuls, and the few-row linears
+// (tokenmill/layers/fused_ops.py has the PyTorch references and the measurements behind each choice).
+// Every op runs on any x86-64 CPU: the AVX-512 paths are chosen at run time (common.h), the scalar
+// loops serve the rest. The kernels round exactly where the reference does (float32 math, results cast
+// to the tensor's dtype), so outputs agree to the last bit or within one rounding of a differently
+// ordered float32 sum.
+#include "fused_ops.h"
+
+namespace tokenmill {
+
+// ---------------------------------------------------------------------------------- generic code
+
+// out = w * cast(x * rsqrt(mean(x^2) + eps)), as RMSNorm's reference: float32 math, the normalized
+// value cast to dtype before the (dtype) multiply by the weight.
+template <typename T>
+static inline void norm_row(const T* x, const T* w, T* out, int64_t H, float eps) {
+    float ss = 0.f;
+    #pragma omp simd reduction(+:ss)
+    for (int64_t j = 0; j < H; ++j) { const float v = ld(x[j]); ss += v * v; }
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+    for (int64_t j = 0; j < H; ++j) out[j] = st<T>(ld(w[j]) * ld(st<T>(ld(x[j]) * r)));
+}
+
+template <typename T>
+static void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+    const int64_t H = x.size(-1), N = x.numel() / H;
+    const T* xp = x.data_ptr<T>(); const T* wp = w.data_ptr<T>(); T* op = out.data_ptr<T>();
+    for_rows(N, H, [&](int64_t i) { norm_row(xp + i * H, wp, op + i * H, H, (float)eps); });
+}
+
+template <typename T>
+static void add_rms_norm_impl(at::Tensor& out, at::Tensor& sum, const at::Tensor& x, const at::Tensor& r,
+                              const at::Tensor& w, double eps) {
+    const int64_t H = x.size(-1), N = x.numel() / H;
+    const T* xp = x.data_ptr<T>(); const T* rp = r.data_ptr<T>(); const T* wp = w.data_ptr<T>();
+    T* op = out.data_ptr<T>(); T* sp = sum.data_ptr<T>();
+    for_rows(N, H, [&](int64_t i) {
+        T* s = sp + i * H;
+        for (int64_t j = 0; j < H; ++j) s[j] = st<T>(ld(rp[i * H + j]) + ld(xp[i * H + j]));
+        norm_row(s, wp, op + i * H, H, (float)eps);
+    });
+}
+
+// qk: [N, row_stride] rows whose first n_heads * D elements are heads to rotate (q heads then k heads of
+// a packed qkv row). cos_sin: [max_pos, D] float32, cos in [:D/2], sin in [D/2:].
+template <typename T>
+static void rope_impl(at::Tensor& qk, int64_t n_heads, int64_t D, const at::Tensor& cos_sin, const at::Tensor& pos) {
+    const int64_t N = qk.size(0), stride = qk.stride(0), half = D / 2;
+    T* base = qk.data_ptr<T>();
+    const float* cs = cos_sin.data_ptr<float>();
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    for_rows(N, n_heads * D, [&](int64_t i) {
+        const float* c = cs + pp[i] * D; const float* s = c + half;
+        for (int64_t h = 0; h < n_heads; ++h) {
+            T* x = base + i * stride + h * D;
+            for (int64_t j = 0; j < half; ++j) {
+                const float x1 = ld(x[j]), x2 = ld(x[j + half]);
+                const float a = x1 * c[j], b = x2 * s[j], e = x2 * c[j], f = x1 * s[j];
+                x[j] = st<T>(a - b);
+                x[j + half] = st<T>(e + f);
+            }
+        }
+    });
+}
+
+// silu(g) * u for elements [j, d) of a row, rounded like the reference: silu in float32, rounded to T,
+// times u, rounded to T.
+template <typename T>
+static inline void silu_mul_tail(const T* g, const T* u, T* o, int64_t j, int64_t d) {
+    for (; j < d; ++j) {
+        const float gv = ld(g[j]);
+        const float sv = ld(st<T>(gv / (1.f + std::exp(-gv))));
+        o[j] = st<T>(sv * ld(u[j]));
+    }
+}
+
+// ------------------------------------------------------------------------------------ AVX-512 code
+#include "isa/avx512_begin.h"
+#include "vec_avx512.h"
+
+// The first multiple of 16 elements of a silu_mul row, 16 lanes at a time (the scalar loop cost ~12% of
+// a batched run's time); returns how far it got, the scalar tail does the rest.
+template <typename T>
+static int64_t silu_mul_avx512(const T* g, const T* u, T* o, int64_t d) {
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16) {
+        const __m512 gv = load16(g + j);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 sv = round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), (T*)nullptr);
+        store16(o + j, round16(_mm512_mul_ps(sv, load16(u + j)), (T*)nullptr));
+    }
+    return j;
+}
+
+// y [M, N] = x [M, K] @ w[N, K]^T (+ bias), bf16 in and out, float32 accumulation with
+// vdpbf16ps, for a few rows (decode). Each weight row is read once for all M rows; output rows
+// split across threads in blocks when the matrix is large enough to pay for a parallel region.
+template <int M>
+static int64_t gemv_rows(const uint16_t* xp, const uint16_t* wp, at::BFloat16* yp, const at::BFloat16* bp,
+                         int64_t K, int64_t N, int64_t n, int64_t n1) {
+    for (; n + 2 <= n1; n += 2) {
+        __m512 a0[M], a1[M];
+        for (int m = 0; m < M; ++m) { a0[m] = _mm512_setzero_ps(); a1[m] = _mm512_setzero_ps(); }
+        const uint16_t* w0 = wp + n * K;
+        for (int64_t k = 0; k < K; k += 32) {
+            const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + k);
+            const __m512bh v1 = (__m512bh)_mm512_loadu_si512(w0 + K + k);
+            for (int m = 0; m < M; ++m) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xp + m * K + k);
+                a0[m] = _mm512_dpbf16_ps(a0[m], xv, v0);
+                a1[m] = _mm512_dpbf16_ps(a1[m], xv, v1);
+            }
+        }
+        const float b0 = bp ? static_cast<float>(bp[n]) : 0.f, b1 = bp ? static_cast<float>(bp[n + 1]) : 0.f;
+        for (int m = 0; m < M; ++m) {
+            yp[m * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(a0[m]) + b0);
+            yp[m * N + n + 1] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(a1[m]) + b1);
+        }
+    }
+    return n;
+}
+
+static bool gemv_bf16_avx512(at::Tensor y, at::Tensor x, at::Tensor w, const std::optional<at::Tensor>& bias) {
+    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+    if (K % 32 != 0 || M > 8) return false;
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+    const int64_t grain = N * K < (int64_t(1) << 17) ? N : 64;
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        int64_t n = n0;
+        if (M == 1) {  // one row after another: one sequential stream per thread (measured ~14% more
+                       // bandwidth here than four rows side by side), four chains inside a row
+            for (; n < n1; ++n) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+                const uint16_t* w0 = wp + n * K;
+                int64_t k = 0;
+                for (; k + 128 <= K; k += 128) {
+                    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xp + k), (__m512bh)_mm512_loadu_si512(w0 + k));
+                    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(xp + k + 32), (__m512bh)_mm512_loadu_si512(w0 + k + 32));
+                    a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(xp + k + 64), (__m512bh)_mm512_loadu_si512(w0 + k + 64));
+                    a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(xp + k + 96), (__m512bh)_mm512_loadu_si512(w0 + k + 96));
+                }
+                for (; k < K; k += 32)
+                    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xp + k), (__m512bh)_mm512_loadu_si512(w0 + k));
+                const float b = bp ? static_cast<float>(bp[n]) : 0.f;
+                yp[n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))) + b);
+            }
+        }
+        switch (M) {  // a few rows: two weight rows at a time against every input row, unrolled by M
+            case 2: n = gemv_rows<2>(xp, wp, yp, bp, K, N, n, n1); break;
+            case 3: n = gemv_rows<3>(xp, wp, yp, bp, K, N, n, n1); break;
+            case 4: n = gemv_rows<4>(xp, wp, yp, bp, K, N, n, n1); break;
+            case 5: n = gemv_rows<5>(xp, wp, yp, bp, K, N, n, n1); break;
+            case 6: n = gemv_rows<6>(xp, wp, yp, bp, K, N, n, n1); break;
+            case 7: n = gemv_rows<7>(xp, wp, yp, bp, K, N, n, n1); break;
+            case 8: n = gemv_rows<8>(xp, wp, yp, bp, K, N, n, n1); break;
+            default: break;
+        }
+        for (; n < n1; ++n) {
+            __m512 acc[8];
+            for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+            const uint16_t* wr = wp + n * K;
+            for (int64_t k = 0; k < K; k += 32) {
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
+                for (int64_t m = 0; m < M; ++m)
+                    acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(xp + m * K + k), wv);
+            }
+            const float b = bp ? static_cast<float>(bp[n]) : 0.f;
+            for (int64_t m = 0; m < M; ++m) yp[m * N + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m]) + b);
+        }
+    });
+    return true;
+}
+
+// The few-row kernel over a VNNI-packed weight (docs/cpu_decode.md, "Few rows: the VNNI layout"):
+// wv = pack of w [N, K] as [N/64, K/2, 64, 2], each block of 64 outputs stored k-pair after
+// k-pair, an output's two weights side by side. One vdpbf16ps multiplies a broadcast pair of x
+// with the pairs of 16 outputs and adds into 16 float lanes that each belong to one output, so
+// nothing is summed across lanes at the end; each 64-byte weight load feeds all M rows.
+template <int M>
+static inline void vnni_tile(const uint32_t* xp, int64_t P, const uint16_t* wc, float* out) {
+    // rows M (<= 6) x 64 outputs: 4M accumulators, 4 weight registers and a broadcast in 32 zmm.
+    __m512 acc[M][4];
+    for (int m = 0; m < M; ++m) for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < P; ++p) {
+        __m512bh wv[4];
+        for (int b = 0; b < 4; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(wc + p * 128 + b * 32);
+        for (int m = 0; m < M; ++m) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[m * P + p]);
+            for (int b = 0; b < 4; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
+        }
+    }
+    for (int m = 0; m < M; ++m) for (int b = 0; b < 4; ++b) _mm512_store_ps(out + m * 64 + b * 16, acc[m][b]);
+}
+
+template <int M>
+static inline void vnni_chunk(const uint32_t* xp, int64_t P, const uint16_t* wc, float* out) {
+    if constexpr (M <= 6) vnni_tile<M>(xp, P, wc, out);
+    else {  // 7-8 rows: two passes over the chunk (the second from L2) rather than spilling registers
+        vnni_tile<4>(xp, P, wc, out);
+        vnni_tile<M - 4>(xp + 4 * P, P, wc, out + 4 * 64);
+    }
+}
+
+static bool gemm_vnni_bf16_avx512(at::Tensor y, at::Tensor x, at::Tensor wv, const std::optional<at::Tensor>& bias) {
+    const int64_t M = x.size(0), K = x.size(1), NC = wv.size(0), N = NC * 64, P = K / 2;
+    if (M < 1 || M > 8 || K % 2 || wv.size(1) != P) return false;
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(wv.data_ptr<at::BFloat16>());
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+    const int64_t grain = N * K < (int64_t(1) << 17) ? NC : 1;
+    at::parallel_for(0, NC, grain, [&](int64_t c0, int64_t c1) {
+        alignas(64) float out[8 * 64];
+        for (int64_t c = c0; c < c1; ++c) {
+            const uint16_t* wc = wp + c * 64 * K;
+            switch (M) {
+                case 1: vnni_chunk<1>(xp, P, wc, out); break;
+                case 2: vnni_chunk<2>(xp, P, wc, out); break;
+                case 3: vnni_chunk<3>(xp, P, wc, out); break;
+                case 4: vnni_chunk<4>(xp, P, wc, out); break;
+                case 5: vnni_chunk<5>(xp, P, wc, out); break;
+                case 6: vnni_chunk<6>(xp, P, wc, out); break;
+                case 7: vnni_chunk<7>(xp, P, wc, out); break;
+                default: vnni_chunk<8>(xp, P, wc, out); break;
+            }
+            for (int64_t m = 0; m < M; ++m)
+                for (int b = 0; b < 4; ++b) {
+                    __m512 v = _mm512_load_ps(out + m * 64 + b * 16);
+                    if (bp) v = _mm512_add_ps(v, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i*)(bp + c * 64 + b * 16))));
+                    _mm256_storeu_si256((__m256i*)(yp + m * N + c * 64 + b * 16), (__m256i)_mm512_cvtneps_pbh(v));
+                }
+        }
+    });
+    return true;
+}
+
+// The float32 twin of gemv_bf16 for one row: y [1, N] = x [1, K] @ w[N, K]^T, K % 16 == 0, row
+// after row with 16-lane FMAs. (MKL's sgemv reads ~16 GB/s here; this reaches the bandwidth.)
+static bool gemv_f32_avx512(at::Tensor y, at::Tensor x, at::Tensor w) {
+    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+    if (K % 16 != 0 || M != 1) return false;
+    const float* xp = x.data_ptr<float>();
+    const float* wp = w.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const int64_t grain = N * K < (int64_t(1) << 16) ? N : 32;
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+        int64_t n = n0;
+        for (; n < n1; ++n) {  // row after row (one sequential stream), four chains inside a row
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+            const float* w0 = wp + n * K;
+            int64_t k = 0;
+            for (; k + 64 <= K; k += 64) {
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + k), _mm512_loadu_ps(w0 + k), a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + k + 16), _mm512_loadu_ps(w0 + k + 16), a1);
+                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + k + 32), _mm512_loadu_ps(w0 + k + 32), a2);
+                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + k + 48), _mm512_loadu_ps(w0 + k + 48), a3);
+            }
+            for (; k < K; k += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xp + k), _mm512_loadu_ps(w0 + k), a0);
+            yp[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+        }
+    });
+    return true;
+}
+
+
+#include "isa/avx512_end.h"
+
+// ------------------------------------------------------------------------------------ entry points
+
+template <typename T>
+static void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
+    const int64_t d = out.size(-1), N = out.numel() / d;
+    const T* xp = x.data_ptr<T>(); T* op = out.data_ptr<T>();
+    const bool vec = cpu_has_avx512();
+    for_rows(N, d, [&](int64_t i) {
+        const T* g = xp + i * 2 * d; const T* u = g + d; T* o = op + i * d;
+        silu_mul_tail(g, u, o, vec ? silu_mul_avx512(g, u, o, d) : 0, d);
+    });
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps) {
+    TOKENMILL_DISPATCH_FLOAT(x, "rms_norm", rms_norm_impl<T>(out, x, w, eps));
+}
+void add_rms_norm(at::Tensor out, at::Tensor sum, const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
+                  double eps) {
+    TOKENMILL_DISPATCH_FLOAT(x, "add_rms_norm", add_rms_norm_impl<T>(out, sum, x, r, w, eps));
+}
+void rope_inplace(at::Tensor qk, int64_t n_heads, int64_t head_dim, const at::Tensor& cos_sin, const at::Tensor& pos) {
+    TOKENMILL_DISPATCH_FLOAT(qk, "rope_inplace", rope_impl<T>(qk, n_heads, head_dim, cos_sin, pos));
+}
+void silu_mul(at::Tensor out, const at::Tensor& x) {
+    TOKENMILL_DISPATCH_FLOAT(x, "silu_mul", silu_mul_impl<T>(out, x));
+}
+
+bool linear_bf16_small(at::Tensor y, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+    return cpu_has_avx512_bf16() && gemv_bf16_avx512(y, x, w, bias);
+}
+bool linear_bf16_vnni(at::Tensor y, const at::Tensor& x, const at::Tensor& wv, const std::optional<at::Tensor>& bias) {
+    return cpu_has_avx512_bf16() && gemm_vnni_bf16_avx512(y, x, wv, bias);
+}
+bool linear_f32_small(at::Tensor y, const at::Tensor& x, const at::Tensor& w) {
+    return cpu_has_avx512() && gemv_f32_avx512(y, x, w);
+}
+
+}  // namespace tokenmill

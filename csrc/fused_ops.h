@@ -1,0 +1,20 @@
+// The small ops between a decoder layer's matmuls, and the few-row linears (tokenmill/layers/fused_ops.py).
+#pragma once
+
+#include "common.h"
+
+namespace tokenmill {
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps);
+void add_rms_norm(at::Tensor out, at::Tensor sum, const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
+                  double eps);
+void rope_inplace(at::Tensor qk, int64_t n_heads, int64_t head_dim, const at::Tensor& cos_sin, const at::Tensor& pos);
+void silu_mul(at::Tensor out, const at::Tensor& x);
+
+// y = x @ w^T (+ bias) for a few rows; false (nothing written) when the kernel does not serve the call:
+// the shape, or this CPU lacks the instructions (AVX512-BF16 for bf16, AVX-512 for float32).
+bool linear_bf16_small(at::Tensor y, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+bool linear_bf16_vnni(at::Tensor y, const at::Tensor& x, const at::Tensor& wv, const std::optional<at::Tensor>& bias);
+bool linear_f32_small(at::Tensor y, const at::Tensor& x, const at::Tensor& w);
+
+}  // namespace tokenmill

@@ -1,0 +1,60 @@
+// The one registration of tokenmill's C++ kernels: each op's schema (arguments written in place are
+// marked `(a!)`), under the `tokenmill` namespace (torch.ops.tokenmill.<name>), and the module
+// tokenmill._C, which loads them and reports the instruction sets chosen at run time.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "attention.h"
+#include "common.h"
+#include "decode_stack.h"
+#include "fused_ops.h"
+#include "misc.h"
+#include "quant.h"
+
+#ifndef TOKENMILL_SOURCE_HASH
+#define TOKENMILL_SOURCE_HASH "unknown"
+#endif
+
+TORCH_LIBRARY(tokenmill, m) {
+    // layers/fused_ops.py
+    m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor w, float eps) -> ()", &tokenmill::rms_norm);
+    m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor r, Tensor w, float eps) -> ()",
+          &tokenmill::add_rms_norm);
+    m.def("rope_inplace(Tensor(a!) qk, int n_heads, int head_dim, Tensor cos_sin, Tensor pos) -> ()",
+          &tokenmill::rope_inplace);
+    m.def("silu_mul(Tensor(a!) out, Tensor x) -> ()", &tokenmill::silu_mul);
+    m.def("linear_bf16_small(Tensor(a!) y, Tensor x, Tensor w, Tensor? bias) -> bool", &tokenmill::linear_bf16_small);
+    m.def("linear_bf16_vnni(Tensor(a!) y, Tensor x, Tensor wv, Tensor? bias) -> bool", &tokenmill::linear_bf16_vnni);
+    m.def("linear_f32_small(Tensor(a!) y, Tensor x, Tensor w) -> bool", &tokenmill::linear_f32_small);
+    // attention/cpu_kernels.py
+    m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+          "Tensor seq_lens, float scale) -> ()", &tokenmill::paged_decode);
+    m.def("write_and_decode(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor slots, Tensor(b!) k_cache, "
+          "Tensor(c!) v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> ()", &tokenmill::write_and_decode);
+    m.def("paged_prefill(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+          "Tensor seq_lens, Tensor q_start, Tensor q_len, float scale) -> bool", &tokenmill::paged_prefill);
+    // quant/cpu_int4.py
+    m.def("int4_linear(Tensor(a!) y, Tensor x, Tensor qweight, Tensor sz, Tensor? bias, int gs) -> bool",
+          &tokenmill::int4_linear);
+    m.def("int8_linear(Tensor(a!) y, Tensor x, Tensor qweight, Tensor scales, Tensor? offsets) -> bool",
+          &tokenmill::int8_linear);
+    // worker/cpu_decode.py: the layers' tensors, KV caches among them (written)
+    m.def("decode_stack(Tensor h, Tensor positions, Tensor slots, Tensor tables, Tensor seq_lens, Tensor cos_sin, "
+          "Tensor(a!)[] t, int[] kinds, int[] groups, Tensor final_norm, int nh, int nkv, int d, float eps, "
+          "float scale) -> Tensor", &tokenmill::decode_stack);
+    // layers/sampler.py, bench/roofline.py
+    m.def("argmax_rows(Tensor x) -> Tensor", &tokenmill::argmax_rows);
+    m.def("stream_read(Tensor x) -> float", &tokenmill::stream_read);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "tokenmill's C++ kernels; the ops themselves are torch.ops.tokenmill.*";
+    m.def("detected_isa", [] { return std::string(tokenmill::isa_name(tokenmill::detected_isa())); },
+          "The instruction sets this CPU and OS support: generic, avx512 or avx512_bf16.");
+    m.def("isa", [] { return std::string(tokenmill::isa_name(tokenmill::current_isa())); },
+          "The instruction sets the kernels use now: the detected ones, capped by TOKENMILL_ISA / set_max_isa.");
+    m.def("set_max_isa", [](const std::string& name) {
+              return std::string(tokenmill::isa_name(tokenmill::set_max_isa(tokenmill::isa_from_name(name))));
+          }, "Caps the instruction sets the kernels may use (tests run the generic paths so); returns the old cap.");
+    m.attr("source_hash") = TOKENMILL_SOURCE_HASH;
+}
