@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from tokenmill.eval.perplexity import evaluate_perplexity, wikitext2_ids  # noqa: E402
 from tokenmill.models.loader import load_model, resolve_model_path  # noqa: E402
 from tokenmill.quant.calibration import calibration_windows, default_data_dir, read_jsonl_texts  # noqa: E402
-from tokenmill.quant.kernels import measured_choices, quantized_nbytes  # noqa: E402
+from tokenmill.quant.kernels import quantized_nbytes  # noqa: E402
 from tokenmill.quant.pipeline import QuantConfig, quantize_model  # noqa: E402
 from tokenmill.quant.save import save_quantized  # noqa: E402
 
@@ -102,7 +102,6 @@ def speed_part(args, work: Path, results: Path, done: dict) -> None:
                                 "rounds": tps, "weight_bytes": weight_bytes[label],
                                 "loadavg": os.getloadavg()[0]})
     del llms
-    print("kernel choices:", {str(k): v for k, v in measured_choices().items()})
 
 
 def ppl_part(args, work: Path, results: Path, done: dict) -> None:

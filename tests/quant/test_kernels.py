@@ -7,7 +7,7 @@ import torch
 from tokenmill.layers.linear import Linear
 from tokenmill.quant.grid import quantize_groupwise
 from tokenmill.quant import cpu_int4
-from tokenmill.quant.kernels import install_quantized, tinygemm_layout_ok, tinygemm_unpack
+from tokenmill.quant.kernels import DEFAULT_PLAN, KernelPlan, install_quantized, tinygemm_layout_ok, tinygemm_unpack
 
 
 def _layer(out, cols, dtype, bias=False):
@@ -101,7 +101,40 @@ def test_int4_kernel_is_selected_for_bf16_decode():
     install_quantized(layer, quantize_groupwise(layer.weight.data.float(), 4, 64, True))
     assert layer.quant_method.layout == ("k64" if cpu_int4.available() else "tinygemm")
     assert layer.qweight.numel() == 192 * 576 // 2  # 4 bits per weight
-    layer(torch.randn(1, 576, dtype=torch.bfloat16))  # runs the measurement; either path is valid
+    assert layer.quant_method.path(1, torch.randn(1, 576, dtype=torch.bfloat16)) == "kernel"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_plan_is_a_rule_of_rows_not_a_timing(bits):
+    """The path depends on the row count, dtype and plan alone: the same call gives the same path (and
+    bits) however loaded the machine is, and a plan with other limits moves the boundary exactly."""
+    x = lambda m, dtype=torch.bfloat16: torch.zeros(m, 576, dtype=dtype)
+    layer = _layer(192, 576, torch.bfloat16)
+    plan = KernelPlan(int4_k64_max_rows=3, int4_tinygemm_max_rows=3, int8_max_rows=3)
+    install_quantized(layer, quantize_groupwise(layer.weight.data.float(), bits, 64 if bits == 4 else -1, True),
+                      plan=plan)
+    method = layer.quant_method
+    path = (lambda m, dtype=torch.bfloat16: method.path(m, x(m, dtype))) if bits == 4 else \
+        (lambda m, dtype=torch.bfloat16: method.path(layer, x(m, dtype)))
+    assert [path(m) for m in (1, 2, 3, 4, 64)] == ["kernel"] * 3 + ["dequant"] * 2
+    assert path(1, torch.float32) == "dequant"  # float32 activations always dequantize
+    default = _layer(192, 576, torch.bfloat16)
+    install_quantized(default, quantize_groupwise(default.weight.data.float(), bits, 64 if bits == 4 else -1, True))
+    limit = DEFAULT_PLAN.int8_max_rows if bits == 8 else DEFAULT_PLAN.int4_k64_max_rows
+    y1 = default(torch.ones(limit, 576, dtype=torch.bfloat16))
+    y2 = default(torch.ones(limit, 576, dtype=torch.bfloat16))
+    assert torch.equal(y1, y2)
+
+
+def test_kernel_plan_rejects_negative_limits():
+    with pytest.raises(ValueError, match="int8_max_rows"):
+        KernelPlan(int8_max_rows=-1)
+
+
+def test_forced_layout_that_cannot_serve_is_refused():
+    layer = _layer(80, 128, torch.bfloat16)  # N % 64 != 0: no tinygemm
+    with pytest.raises(ValueError, match="tinygemm"):
+        install_quantized(layer, quantize_groupwise(layer.weight.data.float(), 4, 32, True), int4_layout="tinygemm")
 
 
 @pytest.mark.skipif(not cpu_int4.available(), reason="needs AVX512-BF16 and a C++ compiler")

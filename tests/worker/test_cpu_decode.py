@@ -80,14 +80,11 @@ def test_loop_matches_module_path_quantized(tiny_llama, tmp_path, bits, group_si
                          tmp_path / "q", qcfg.sym)
     llm = LLM(model=str(out), dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=64,
               enable_prefix_caching=False, quantize_lm_head="none")
-    for m in llm.engine.model.modules():  # the module path's timed kernel choice, pinned for a deterministic test
-        if hasattr(getattr(m, "quant_method", None), "force_path"):
-            m.quant_method.force_path = "kernel"
     fast, slow = generate_both_ways(llm)
     assert fast == slow
     runner = llm.engine.runner
     loop = runner.decode_loop
-    assert loop._stack is not None  # quantized layers run in the C++ layer loop too
+    assert loop._stack is not None and loop._stack_multi  # quantized layers run in the C++ layer loop too
     if kind is not None:
         assert kind in loop._stack[1]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -1,8 +1,9 @@
 """Weight-only int4 / int8 linear methods for `tokenmill.layers.linear.Linear`.
 
 `install_quantized(layer, qw)` replaces a layer's dense weight by packed buffers and sets
-`layer.quant_method`. Each call then takes one of two paths, chosen per (shape, activation dtype,
-batch-size bucket) by timing both on the first call of that kind:
+`layer.quant_method`. Each call then takes one of two paths, chosen by `KernelPlan` from the number of
+activation rows, the activation dtype and the layout: fixed rules, never a timing inside the serving
+process, so one checkpoint gives the same bits on a busy machine and a quiet one:
 
   * "kernel":  int4: our AVX512-BF16 kernel (quant/cpu_int4.py, layout "k64": K and the group size
                multiples of 64, bf16 activations), else torch's `_weight_int4pack_mm_for_cpu`
@@ -33,8 +34,7 @@ Int8 buffers:
 """
 from __future__ import annotations
 
-import time
-from typing import Callable
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -43,46 +43,29 @@ from tokenmill.quant import cpu_int4
 from tokenmill.quant.grid import QuantizedWeight
 
 _INT4_KERNEL_GROUPS = (32, 64, 128, 256)
-_TIMING_RUNS = 5
-_SWITCH_MARGIN = 1.25
 
-# NOTE: a process-wide table of measured choices; keys are shapes, so every layer of one shape
-# shares one measurement. Deterministic callers (tests) set `force_path` on the method instead.
-_CHOICES: dict[tuple, str] = {}
+PATHS = ("kernel", "dequant")
 
 
-def _bucket(m: int) -> int:
-    return min(1 << max(0, (m - 1).bit_length()), 4096)
+@dataclass(frozen=True)
+class KernelPlan:
+    """The most activation rows each quantized kernel takes before dequantize-then-matmul does; measured
+    by benchmarks/quant_kernel_plan.py (docs/native_kernels.md, "Kernel plans")."""
+
+    int4_k64_max_rows: int = 32
+    """int4, our k64 kernel (bf16 activations): 0.28-0.75x of dequantize-then-matmul at 32 rows, 0.5-1.4x at 64."""
+    int4_tinygemm_max_rows: int = 64
+    """int4, torch's tinygemm layout (bf16/fp16 activations): 0.58-0.70x at 64 rows, 1.07-1.34x at 128."""
+    int8_max_rows: int = 16
+    """Per-channel int8 (our GEMV up to 8 rows, torch's int8 kernel above): 0.58-0.67x at 16 rows, 1.1-1.3x at 32."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 0:
+                raise ValueError(f"KernelPlan.{f.name} must be >= 0")
 
 
-def _choose(key: tuple, candidates: dict[str, Callable[[], torch.Tensor]]) -> str:
-    if len(candidates) == 1:
-        return next(iter(candidates))
-    choice = _CHOICES.get(key)
-    if choice is None:
-        best = float("inf")
-        for name, fn in candidates.items():
-            try:
-                fn()  # warm-up (and proof it runs for this shape)
-            except RuntimeError:
-                continue
-            dt = float("inf")
-            for _ in range(_TIMING_RUNS):  # NOTE: min, not mean: robust to other processes on shared cores
-                t0 = time.perf_counter()
-                fn()
-                dt = min(dt, time.perf_counter() - t0)
-            # NOTE: the first candidate ("kernel" when listed first) keeps its place unless another
-            # is clearly faster; on busy shared cores single timings jitter by far more than 25%.
-            if choice is None or dt * _SWITCH_MARGIN < best:
-                best, choice = dt, name
-        assert choice is not None, f"no kernel ran for {key}"
-        _CHOICES[key] = choice
-    return choice
-
-
-def measured_choices() -> dict[tuple, str]:
-    """What was chosen so far: (kind, N, K, group, dtype, batch bucket) -> path."""
-    return dict(_CHOICES)
+DEFAULT_PLAN = KernelPlan()
 
 
 # ------------------------------------------------------------------------------------ int4
@@ -136,11 +119,13 @@ INT4_LAYOUTS = ("k64", "tinygemm", "plain")
 class Int4WeightOnlyMethod:
     """int4 (or 2/3-bit codes, which fit the same nibbles) weight-only linear."""
 
-    def __init__(self, group_size: int, layout: str) -> None:
+    def __init__(self, group_size: int, layout: str, plan: KernelPlan = DEFAULT_PLAN) -> None:
         assert layout in INT4_LAYOUTS
         self.group_size = group_size
         self.layout = layout
+        self.plan = plan
         self.force_path: str | None = None
+        """None: the plan decides; "kernel" or "dequant" pins every call (tests)."""
 
     @property
     def is_tinygemm(self) -> bool:
@@ -174,7 +159,20 @@ class Int4WeightOnlyMethod:
             return x2.dtype == torch.bfloat16
         return self.is_tinygemm and x2.dtype in (torch.bfloat16, torch.float16)
 
-    def _kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
+    def path(self, rows: int, x2: torch.Tensor) -> str:
+        """The path a call with `rows` activation rows like x2 takes: "kernel" or "dequant"."""
+        if not self.kernel_serves(x2):
+            return "dequant"
+        return "kernel" if rows <= self.max_kernel_rows else "dequant"
+
+    @property
+    def max_kernel_rows(self) -> int:
+        """The most activation rows a call served by the kernel takes it (bf16/fp16 on CPU)."""
+        if self.force_path is not None:
+            return 1 << 62 if self.force_path == "kernel" else 0
+        return self.plan.int4_k64_max_rows if self.layout == "k64" else self.plan.int4_tinygemm_max_rows
+
+    def kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
         sz = layer.scales_and_zeros if layer.scales_and_zeros.dtype == x2.dtype else layer.scales_and_zeros.to(x2.dtype)
         if self.layout == "k64":
             y = cpu_int4.linear(x2, layer.qweight, sz, self.group_size)
@@ -188,12 +186,10 @@ class Int4WeightOnlyMethod:
         x2 = x.reshape(-1, x.shape[-1])                                         # [M, K]
         if layer.col_perm is not None:
             x2 = x2[:, layer.col_perm]
-        path = "dequant"
-        if self.kernel_serves(x2):
-            path = self.force_path or _choose(
-                ("int4", layer.out_features, layer.in_features, self.group_size, x2.dtype, _bucket(x2.shape[0])),
-                {"kernel": lambda: self._kernel(layer, x2), "dequant": lambda: F.linear(x2, self.dequantize(layer, x2.dtype))})
-        y = self._kernel(layer, x2) if path == "kernel" else F.linear(x2, self.dequantize(layer, x2.dtype))
+        if self.path(x2.shape[0], x2) == "kernel":
+            y = self.kernel(layer, x2)
+        else:
+            y = F.linear(x2, self.dequantize(layer, x2.dtype))
         if layer.bias is not None:
             y = y + layer.bias
         return y.reshape(*lead, layer.out_features)
@@ -202,9 +198,11 @@ class Int4WeightOnlyMethod:
 class Int8WeightOnlyMethod:
     """int8 (or 5..8-bit codes) weight-only linear."""
 
-    def __init__(self, group_size: int) -> None:
+    def __init__(self, group_size: int, plan: KernelPlan = DEFAULT_PLAN) -> None:
         self.group_size = group_size
+        self.plan = plan
         self.force_path: str | None = None
+        """None: the plan decides; "kernel" or "dequant" pins every call (tests)."""
 
     def dequantize(self, layer, dtype: torch.dtype) -> torch.Tensor:
         n, k = layer.out_features, layer.in_features
@@ -214,8 +212,21 @@ class Int8WeightOnlyMethod:
             w = w + layer.offsets.to(dtype)[..., None]
         return w.reshape(n, k)
 
+    def path(self, layer, x2: torch.Tensor) -> str:
+        """The path a call with x2's rows takes: "kernel" (per-channel scales, bf16/fp16 on CPU) or "dequant"."""
+        if not (layer.scales.shape[1] == 1 and x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float16)):
+            return "dequant"
+        return "kernel" if x2.shape[0] <= self.max_kernel_rows else "dequant"
+
+    @property
+    def max_kernel_rows(self) -> int:
+        """The most activation rows a call served by the kernel takes it (per-channel, bf16/fp16 on CPU)."""
+        if self.force_path is not None:
+            return 1 << 62 if self.force_path == "kernel" else 0
+        return self.plan.int8_max_rows
+
     @staticmethod
-    def _kernel(layer, x2: torch.Tensor) -> torch.Tensor:
+    def kernel(layer, x2: torch.Tensor) -> torch.Tensor:
         if x2.shape[0] <= cpu_int4.INT8_MAX_ROWS:  # our GEMV (quant/cpu_int4.py) reads ~2x faster at a few rows
             y = cpu_int4.int8_linear(x2, layer.qweight, layer.scales, layer.offsets)
             if y is not None:
@@ -230,21 +241,22 @@ class Int8WeightOnlyMethod:
         x2 = x.reshape(-1, x.shape[-1])                                         # [M, K]
         if layer.col_perm is not None:
             x2 = x2[:, layer.col_perm]
-        path = "dequant"
-        if layer.scales.shape[1] == 1 and x2.device.type == "cpu" and x2.dtype in (torch.bfloat16, torch.float16):
-            path = self.force_path or _choose(
-                ("int8", layer.out_features, layer.in_features, self.group_size, x2.dtype, _bucket(x2.shape[0])),
-                {"kernel": lambda: self._kernel(layer, x2), "dequant": lambda: F.linear(x2, self.dequantize(layer, x2.dtype))})
-        y = self._kernel(layer, x2) if path == "kernel" else F.linear(x2, self.dequantize(layer, x2.dtype))
+        if self.path(layer, x2) == "kernel":
+            y = self.kernel(layer, x2)
+        else:
+            y = F.linear(x2, self.dequantize(layer, x2.dtype))
         if layer.bias is not None:
             y = y + layer.bias
         return y.reshape(*lead, layer.out_features)
 
 
-def install_quantized(layer, qw: QuantizedWeight, dtype: torch.dtype | None = None) -> None:
+def install_quantized(layer, qw: QuantizedWeight, dtype: torch.dtype | None = None, int4_layout: str | None = None,
+                      plan: KernelPlan = DEFAULT_PLAN) -> None:
     """Replace `layer.weight` [N, K] by the packed buffers of `qw` and set its quant method.
 
-    dtype: of scales / zeros / bias (defaults to the layer's current weight dtype)."""
+    dtype: of scales / zeros / bias (defaults to the layer's current weight dtype).
+    int4_layout: None picks the fastest layout this CPU serves ("k64", else "tinygemm", else "plain");
+    a name forces that layout (benchmarks), a ValueError where the shape or CPU cannot take it."""
     if (qw.out_features, qw.in_features) != (layer.out_features, layer.in_features):
         raise ValueError(f"quantized weight {tuple(qw.codes.shape)} does not fit layer "
                          f"[{layer.out_features}, {layer.in_features}]")
@@ -270,11 +282,15 @@ def install_quantized(layer, qw: QuantizedWeight, dtype: torch.dtype | None = No
         layer.bias.data = layer.bias.data.to(dtype)
     if qw.bits <= 4:
         sz = torch.stack([s.t(), ((8 - z) * s).t()], dim=-1)                     # [G, N, 2]
-        if device.type == "cpu" and cpu_int4.layout_ok(k, gs) and cpu_int4.available():
+        k64_ok = device.type == "cpu" and cpu_int4.layout_ok(k, gs) and cpu_int4.available()
+        tinygemm_ok = device.type == "cpu" and n % 64 == 0 and gs in _INT4_KERNEL_GROUPS and tinygemm_layout_ok()
+        if int4_layout is not None and not {"k64": k64_ok, "tinygemm": tinygemm_ok, "plain": True}.get(int4_layout):
+            raise ValueError(f"int4 layout {int4_layout!r} cannot serve a [{n}, {k}] weight, group {gs}, here")
+        if int4_layout == "k64" or (int4_layout is None and k64_ok):
             layout = "k64"
             packed = cpu_int4.pack(codes)
             sz = sz.transpose(0, 1)                                              # [N, G, 2]
-        elif device.type == "cpu" and n % 64 == 0 and gs in _INT4_KERNEL_GROUPS and tinygemm_layout_ok():
+        elif int4_layout == "tinygemm" or (int4_layout is None and tinygemm_ok):
             layout = "tinygemm"
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
         else:
@@ -282,14 +298,14 @@ def install_quantized(layer, qw: QuantizedWeight, dtype: torch.dtype | None = No
             packed = _plain_pack(codes.to(torch.uint8))
         layer.register_buffer("qweight", packed.to(device), persistent=False)
         layer.register_buffer("scales_and_zeros", sz.to(dtype).contiguous().to(device), persistent=False)
-        layer.quant_method = Int4WeightOnlyMethod(gs, layout)
+        layer.quant_method = Int4WeightOnlyMethod(gs, layout, plan)
     elif qw.bits <= 8:
         offsets = None if bool((qw.zeros == 128).all()) else ((128 - z) * s).to(dtype)
         layer.register_buffer("qweight", (codes.to(torch.int16) - 128).to(torch.int8).contiguous().to(device),
                               persistent=False)
         layer.register_buffer("scales", s.to(dtype).to(device), persistent=False)
         layer.register_buffer("offsets", None if offsets is None else offsets.to(device), persistent=False)
-        layer.quant_method = Int8WeightOnlyMethod(qw.group_size if qw.group_size > 0 else k)
+        layer.quant_method = Int8WeightOnlyMethod(qw.group_size if qw.group_size > 0 else k, plan)
     else:
         raise ValueError(f"weight-only kernels support up to 8 bits, got {qw.bits}")
     layer.quant_bits = qw.bits

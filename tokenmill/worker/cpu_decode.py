@@ -57,6 +57,8 @@ class _Layer:
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     stack_linears: list[tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor] | None]
+    few_rows_like_stack: bool
+    """Every quantized linear's plan takes SMALL_LINEAR_MAX_ROWS rows on its kernel, as the C++ loop does."""
     """(kind, a, b, group, c) of qkv, o, gate_up, down for the C++ loop (csrc/decode_stack.cpp), None if unsupported."""
 
 
@@ -82,6 +84,15 @@ def _stack_linear(layer: Linear) -> tuple[int, torch.Tensor, torch.Tensor, int, 
         return (4, layer.qweight, layer.scales.reshape(-1).contiguous(), 0,
                 empty if offsets is None else offsets.reshape(-1).contiguous())
     return None
+
+
+def _few_rows_like_stack(layer: Linear) -> bool:
+    """A step of up to SMALL_LINEAR_MAX_ROWS tokens takes the same kernel through `layer`'s method as the
+    C++ loop's `stack_linear` (unquantized layers: fused_ops.linear_small's rule, shared by both)."""
+    method = layer.quant_method
+    if isinstance(method, (Int4WeightOnlyMethod, Int8WeightOnlyMethod)):
+        return method.max_kernel_rows >= fused_ops.SMALL_LINEAR_MAX_ROWS
+    return isinstance(method, PackedBf16LinearMethod) or layer.weight.dtype == torch.float32
 
 
 def _int8_serves(layer: Linear) -> bool:
@@ -169,9 +180,9 @@ class CpuDecodeLoop:
                     groups.append(g)
             self._stack = (tensors, kinds, groups)
         # Above one token, only where the C++ loop picks each linear's kernel exactly as the Python loop
-        # does (bf16: fused_ops.linear_small's rule; float32: at::linear). Quantized methods choose
-        # per shape by timing, so their multi-token steps stay in Python.
-        self._stack_multi = self._stack is not None and all(k in (0, 1) for k in self._stack[1])
+        # does: bf16 by fused_ops.linear_small's rule, float32 by at::linear, quantized layers when their
+        # plans (quant/kernels.py) keep a few rows on the kernel the C++ loop calls.
+        self._stack_multi = self._stack is not None and all(L.few_rows_like_stack for L in layers)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         ext = attn = native.ops()   # the fused ops and the attention kernels (csrc/)
@@ -240,9 +251,10 @@ def build(model: torch.nn.Module, kv_caches: list[torch.Tensor]) -> CpuDecodeLoo
             fns = [_linear_fn(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(f is None for f in fns):
                 return None
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             out.append(_Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *fns,
-                              cache[0], cache[1],
-                              [_stack_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]))
+                              cache[0], cache[1], [_stack_linear(m) for m in linears],
+                              all(_few_rows_like_stack(m) for m in linears)))
         a0 = layers[0].self_attn
         eps = layers[0].input_layernorm.eps
     except AttributeError:  # not the Llama layout
