@@ -13,9 +13,9 @@
 
 namespace tokenmill {
 
-// The instruction sets a kernel may need, lowest first. The level in force is the highest this CPU and
+// The instruction sets a kernel may need, lowest first (amx: avx512_bf16 plus AMX-BF16 tiles). The level in force is the highest this CPU and
 // its OS support, capped by TOKENMILL_ISA or set_max_isa (tests use that to run the generic paths).
-enum class Isa : int { generic = 0, avx512 = 1, avx512_bf16 = 2 };
+enum class Isa : int { generic = 0, avx512 = 1, avx512_bf16 = 2, amx = 3 };
 
 Isa detected_isa();           // what the CPU and OS support
 Isa current_isa();            // min(detected, cap)
@@ -25,6 +25,9 @@ Isa isa_from_name(const std::string& name);   // throws on an unknown name
 
 inline bool cpu_has_avx512() { return current_isa() >= Isa::avx512; }
 inline bool cpu_has_avx512_bf16() { return current_isa() >= Isa::avx512_bf16; }
+inline bool cpu_has_amx() { return current_isa() >= Isa::amx; }   // AMX-BF16 tiles, granted by the OS
+
+bool os_allows_amx();         // asks Linux for the AMX tile state once (gemm_amx.cpp)
 
 inline float ld(float x) { return x; }
 inline float ld(at::BFloat16 x) {

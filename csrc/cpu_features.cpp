@@ -13,7 +13,10 @@ static Isa detect() {
     __builtin_cpu_init();
     const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    if (avx512 && __builtin_cpu_supports("avx512bf16")) return Isa::avx512_bf16;
+    const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+    if (bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && os_allows_amx())
+        return Isa::amx;
+    if (bf16) return Isa::avx512_bf16;
     if (avx512) return Isa::avx512;
 #endif
     return Isa::generic;
@@ -21,7 +24,7 @@ static Isa detect() {
 
 static Isa initial_cap() {
     const char* env = std::getenv("TOKENMILL_ISA");
-    return env && *env ? isa_from_name(env) : Isa::avx512_bf16;
+    return env && *env ? isa_from_name(env) : Isa::amx;
 }
 
 static std::atomic<int>& cap_slot() {
@@ -40,6 +43,7 @@ Isa set_max_isa(Isa cap) { return static_cast<Isa>(cap_slot().exchange(static_ca
 
 const char* isa_name(Isa isa) {
     switch (isa) {
+        case Isa::amx: return "amx";
         case Isa::avx512_bf16: return "avx512_bf16";
         case Isa::avx512: return "avx512";
         default: return "generic";
@@ -47,10 +51,11 @@ const char* isa_name(Isa isa) {
 }
 
 Isa isa_from_name(const std::string& name) {
+    if (name == "amx") return Isa::amx;
     if (name == "avx512_bf16") return Isa::avx512_bf16;
     if (name == "avx512") return Isa::avx512;
     if (name == "generic") return Isa::generic;
-    TORCH_CHECK(false, "TOKENMILL_ISA: unknown instruction set '", name, "' (generic, avx512, avx512_bf16)");
+    TORCH_CHECK(false, "TOKENMILL_ISA: unknown instruction set '", name, "' (generic, avx512, avx512_bf16, amx)");
 }
 
 }  // namespace tokenmill

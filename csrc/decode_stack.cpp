@@ -28,9 +28,14 @@ static at::Tensor stack_linear(int64_t kind, const at::Tensor& x, const at::Tens
         return y;
     }
     if (kind == 1) {
-        // As fused_ops.linear_small chooses: with b (the VNNI-packed copy), the VNNI kernel from `group`
+        // As fused_ops.linear_small chooses: with b (the VNNI-packed copy), the AMX kernel where the CPU
+        // has it, else the VNNI kernel from `group`
         // rows up (VNNI_MIN_ROWS); without it, the GEMV for one row, or up to 8 rows while rows x outputs
         // <= group (SMALL_LINEAR_MAX_OUTPUTS); else oneDNN with the prepacked weight c.
+        if (b.numel() && cpu_has_amx()) {   // every row count on AMX, as fused_ops.linear_small
+            TORCH_CHECK(linear_bf16_amx(y, x, b, std::nullopt), "decode_stack: AMX kernel refused its shape");
+            return y;
+        }
         if (b.numel() && x.size(0) >= group) {
             TORCH_CHECK(linear_bf16_vnni(y, x, b, std::nullopt), "decode_stack: VNNI kernel refused its shape");
             return y;

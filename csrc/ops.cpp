@@ -26,6 +26,7 @@ TORCH_LIBRARY(tokenmill, m) {
     m.def("linear_bf16_small(Tensor(a!) y, Tensor x, Tensor w, Tensor? bias) -> bool", &tokenmill::linear_bf16_small);
     m.def("linear_bf16_vnni(Tensor(a!) y, Tensor x, Tensor wv, Tensor? bias) -> bool", &tokenmill::linear_bf16_vnni);
     m.def("linear_f32_small(Tensor(a!) y, Tensor x, Tensor w) -> bool", &tokenmill::linear_f32_small);
+    m.def("linear_bf16_amx(Tensor(a!) y, Tensor x, Tensor wv, Tensor? bias) -> bool", &tokenmill::linear_bf16_amx);
     // attention/cpu_kernels.py
     m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
           "Tensor seq_lens, float scale) -> ()", &tokenmill::paged_decode);
@@ -50,7 +51,7 @@ TORCH_LIBRARY(tokenmill, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "tokenmill's C++ kernels; the ops themselves are torch.ops.tokenmill.*";
     m.def("detected_isa", [] { return std::string(tokenmill::isa_name(tokenmill::detected_isa())); },
-          "The instruction sets this CPU and OS support: generic, avx512 or avx512_bf16.");
+          "The instruction sets this CPU and OS support: generic, avx512, avx512_bf16 or amx.");
     m.def("isa", [] { return std::string(tokenmill::isa_name(tokenmill::current_isa())); },
           "The instruction sets the kernels use now: the detected ones, capped by TOKENMILL_ISA / set_max_isa.");
     m.def("set_max_isa", [](const std::string& name) {

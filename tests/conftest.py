@@ -72,9 +72,8 @@ def tiny_qwen2(tmp_path_factory, gguf_tokenizer) -> Path:
 def supported_isas() -> list[str]:
     """The instruction-set levels the C++ kernels can run at on this CPU, lowest first."""
     from tokenmill import native
-    levels = ["generic", "avx512", "avx512_bf16"]
     detected = native.module().detected_isa()
-    return levels[:levels.index(detected) + 1]
+    return list(native.ISA_LEVELS[:native.ISA_LEVELS.index(detected) + 1])
 
 
 @pytest.fixture(params=supported_isas())

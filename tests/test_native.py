@@ -17,7 +17,7 @@ from tokenmill.layers import fused_ops
 # Every op csrc/ops.cpp registers, with the arguments its schema declares as written in place.
 EXPECTED_OPS = {
     "rms_norm": {"out"}, "add_rms_norm": {"out", "sum"}, "rope_inplace": {"qk"}, "silu_mul": {"out"},
-    "linear_bf16_small": {"y"}, "linear_bf16_vnni": {"y"}, "linear_f32_small": {"y"},
+    "linear_bf16_small": {"y"}, "linear_bf16_vnni": {"y"}, "linear_f32_small": {"y"}, "linear_bf16_amx": {"y"},
     "paged_decode": {"out"}, "write_and_decode": {"out", "k_cache", "v_cache"}, "paged_prefill": {"out"},
     "int4_linear": {"y"}, "int8_linear": {"y"}, "decode_stack": {"t"}, "argmax_rows": set(), "stream_read": set(),
 }
@@ -31,7 +31,9 @@ def cpuinfo_isa() -> str:
             flags = set(line.split(":", 1)[1].split())
             break
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "avx512_bf16" if "avx512_bf16" in flags else "avx512"
+        if "avx512_bf16" not in flags:
+            return "avx512"
+        return "amx" if {"amx_tile", "amx_bf16"} <= flags else "avx512_bf16"
     return "generic"
 
 
@@ -131,14 +133,20 @@ def test_few_row_linears_serve_exactly_where_the_cpu_allows(each_isa):
     x = torch.randn(3, 256, generator=g).bfloat16()
     ref = (x.float() @ w.float().T)
     y = x.new_empty(3, 128)
+    bf16 = each_isa in ("avx512_bf16", "amx")
     served = ops.linear_bf16_small(y, x, w, None)
-    assert served == (each_isa == "avx512_bf16")
+    assert served == bf16
     if served:
         torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.02)
     vnni = w.reshape(2, 64, 128, 2).permute(0, 2, 1, 3).contiguous()
     y = x.new_empty(3, 128)
     served = ops.linear_bf16_vnni(y, x, vnni, None)
-    assert served == (each_isa == "avx512_bf16")
+    assert served == bf16
+    if served:
+        torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.02)
+    y = x.new_empty(3, 128)
+    served = ops.linear_bf16_amx(y, x, vnni, None)
+    assert served == (each_isa == "amx")
     if served:
         torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.02)
     xf, wf = x.float()[:1], w.float()
@@ -147,3 +155,24 @@ def test_few_row_linears_serve_exactly_where_the_cpu_allows(each_isa):
     assert served == (each_isa != "generic")
     if served:
         torch.testing.assert_close(y, xf @ wf.T, atol=1e-4, rtol=1e-5)
+
+
+def test_amx_linear_gives_a_row_the_same_bits_whatever_the_row_count(each_isa):
+    """The batch invariance of bf16 on AMX CPUs: row i of a 70-row call equals row i of every smaller call
+    (1, 2, 5, 16, 17, 33 rows: full and ragged 16-row blocks), bit for bit, bias included."""
+    if each_isa != "amx":
+        pytest.skip("the AMX kernel serves only at the amx level")
+    ops = torch.ops.tokenmill
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(192, 576, generator=g).bfloat16()
+    b = torch.randn(192, generator=g).bfloat16()
+    vnni = fused_ops.pack_vnni(w)
+    x = torch.randn(70, 576, generator=g).bfloat16()
+    full = x.new_empty(70, 192)
+    assert ops.linear_bf16_amx(full, x, vnni, b)
+    ref = x.double() @ w.double().T + b.double()
+    assert torch.all((full.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-2)
+    for m in (1, 2, 5, 16, 17, 33):
+        y = x.new_empty(m, 192)
+        assert ops.linear_bf16_amx(y, x[:m].contiguous(), vnni, b)
+        assert torch.equal(y, full[:m]), m

@@ -81,6 +81,11 @@ class ModelConfig:
     from `tokenmill quantize --lm-head`; else RTN int8 for quantized checkpoints on CPU in bf16/fp16),
     int8 or int4 (RTN from the fp16 table), or none (the fp16 table as is)."""
 
+    batch_invariant: bool = True
+    """Give each request's tokens the same bits whatever else is batched or how its prompt is chunked:
+    prompt chunks attended token by token like decodes (not by the faster tiled prefill kernel); with
+    bf16 on an AMX CPU the linears are batch-invariant too (docs/native_kernels.md)."""
+
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         if self.quantize_lm_head not in ("auto", "none", "int8", "int4"):

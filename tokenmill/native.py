@@ -2,7 +2,7 @@
 
 The ops are `torch.ops.tokenmill.<name>` (schemas in csrc/ops.cpp). Every op runs on any x86-64 CPU;
 inside, AVX-512 and AVX512-BF16 paths are chosen at run time from the CPU's features (`isa()`), capped
-by TOKENMILL_ISA=generic|avx512|avx512_bf16.
+by TOKENMILL_ISA=generic|avx512|avx512_bf16|amx.
 
 Each caller keeps a PyTorch reference, the oracle of its tests, and falls back to it only when `ops()`
 is None: the build is missing, or TOKENMILL_NO_CPP_KERNELS=1. With TOKENMILL_REQUIRE_KERNELS=1 (CI sets
@@ -72,15 +72,28 @@ def available() -> bool:
     return module() is not None
 
 
+ISA_LEVELS = ("generic", "avx512", "avx512_bf16", "amx")
+"""Lowest first; each level has every instruction set of the ones before it (amx: AMX-BF16 tiles)."""
+
+
 def isa() -> str:
-    """The instruction sets the kernels use: "avx512_bf16", "avx512", "generic", or "none" without kernels."""
+    """The instruction sets the kernels use (one of ISA_LEVELS), or "none" without kernels."""
     m = module()
     return "none" if m is None else m.isa()
 
 
+def _at_least(level: str) -> bool:
+    current = isa()
+    return current != "none" and ISA_LEVELS.index(current) >= ISA_LEVELS.index(level)
+
+
 def has_avx512() -> bool:
-    return isa() in ("avx512", "avx512_bf16")
+    return _at_least("avx512")
 
 
 def has_avx512_bf16() -> bool:
-    return isa() == "avx512_bf16"
+    return _at_least("avx512_bf16")
+
+
+def has_amx() -> bool:
+    return _at_least("amx")

@@ -42,7 +42,14 @@ class TorchPagedAttention:
     [num_decodes, max_len] and masked by length. Prefill chunks run one request at a time with a
     causal mask offset by the request's cached context (a chunk at positions [c, c + n) sees keys
     [0, c + n)).
+
+    tiled_prefill: with it, prompt chunks of TILED_PREFILL_MIN_TOKENS or more take the tiled kernel (3-4x
+    faster prompt attention); without it (ModelConfig.batch_invariant) every token is attended as a
+    decode over its own prefix, so its bits do not depend on how its prompt was chunked or batched.
     """
+
+    def __init__(self, tiled_prefill: bool = True) -> None:
+        self.tiled_prefill = tiled_prefill
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
                 meta: AttentionMetadata | None, scale: float) -> torch.Tensor:
@@ -55,7 +62,7 @@ class TorchPagedAttention:
                 return out
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if meta.custom_mask is None:  # CPU: the C++ kernels, one or two calls per layer
-            out = _cpu_kernel_attention(q, kv_cache, meta, scale)
+            out = _cpu_kernel_attention(q, kv_cache, meta, scale, self.tiled_prefill)
             if out is not None:
                 return out
         out = torch.empty_like(q)
@@ -117,12 +124,12 @@ decodes, so a generated token's attention is the same arithmetic whether it was 
 
 
 def _cpu_kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                          scale: float) -> torch.Tensor | None:
+                          scale: float, tiled_prefill: bool) -> torch.Tensor | None:
     """The step's attention by the C++ kernels (None when they do not serve it): long prompt chunks
     tiled (cpu_kernels.paged_prefill_attention, bf16), the other tokens each as a decode over its
     own prefix (paged_decode_attention). On the 64-request offline benchmark (bf16) prefill
     attention took 1.74 s as one SDPA call per request, 1.53 s token by token, and ~0.45 s tiled."""
-    plan = _tiled_plan(meta)
+    plan = _tiled_plan(meta) if tiled_prefill else None
     if plan is not None:
         long_args, short_idx, short_tables, short_lens = plan
         out = paged_prefill_attention(q, kv_cache, *long_args, scale)

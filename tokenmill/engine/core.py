@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.attention.backend import TorchPagedAttention
+
 from tokenmill.config import EngineConfig, ModelArchConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
@@ -96,7 +98,8 @@ class EngineCore:
         if os.environ.get("TOKENMILL_NUM_THREADS"):
             torch.set_num_threads(int(os.environ["TOKENMILL_NUM_THREADS"]))
         t0 = time.time()
-        loaded = load_model(mc.model, dtype=mc.torch_dtype, device=mc.device, quantize_lm_head=mc.quantize_lm_head)
+        loaded = load_model(mc.model, dtype=mc.torch_dtype, device=mc.device, quantize_lm_head=mc.quantize_lm_head,
+                            backend=TorchPagedAttention(tiled_prefill=not mc.batch_invariant))
         self.model = loaded.model
         self.arch: ModelArchConfig = loaded.config
         self.tokenizer = loaded.tokenizer

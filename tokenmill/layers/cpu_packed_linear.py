@@ -40,10 +40,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 class PackedBf16LinearMethod:
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= fused_ops.SMALL_LINEAR_MAX_ROWS:  # decode: skip oneDNN's fixed cost
-            y = fused_ops.linear_small(x, layer.weight, layer.bias, layer.vnni_weight)
-            if y is not None:
-                return y
+        # Our kernels first: any row count on AMX (batch-invariant), a few rows elsewhere (decode: they
+        # skip oneDNN's fixed cost); oneDNN for the rest.
+        x2 = x.reshape(-1, x.shape[-1])
+        y = fused_ops.linear_small(x2, layer.weight, layer.bias, layer.vnni_weight)
+        if y is not None:
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         return packed_linear(x, layer.packed_weight, layer.bias)
 
 

@@ -159,12 +159,20 @@ def _has_avx512_bf16() -> bool:
 
 def linear_small(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  vnni: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [M, K] @ weight[N, K]^T + bias for a few bf16 rows on CPU, or None when no kernel here
+    """x [M, K] @ weight[N, K]^T + bias for bf16 rows on CPU, or None when no kernel here
     applies or would be slower (other dtype or shape, no AVX512-BF16); the caller then uses its own path.
-    With `vnni` (pack_vnni(weight)), 1 to 8 rows run on the VNNI kernel, which stays memory-bound at
+    With `vnni` (pack_vnni(weight)) on an AMX CPU, any number of rows runs on the AMX kernel, whose
+    result for a row does not depend on the other rows (the bf16 batch invariance). Elsewhere, with
+    `vnni`, 1 to 8 rows run on the VNNI kernel, which stays memory-bound at
     every M up to 8 and gives each row the same bits whatever M is. Without it, the row-major GEMV
     takes one row, or up to 8 while M x N <= 5000.
     Float32 accumulation, one rounding to bf16 (like F.linear; sums run in another order)."""
+    if (vnni is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
+            and (bias is None or bias.dtype == torch.bfloat16) and native.has_amx()):
+        # AMX: every row count, one reduction order (batch-invariant bf16, docs/native_kernels.md)
+        y = x.new_empty(x.shape[0], weight.shape[0])
+        if native.ops().linear_bf16_amx(y, x, vnni, bias):
+            return y
     if (vnni is not None and x.dim() == 2 and VNNI_MIN_ROWS <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS and x.dtype == torch.bfloat16
             and x.is_contiguous() and (bias is None or bias.dtype == torch.bfloat16)):
         y = x.new_empty(x.shape[0], weight.shape[0])

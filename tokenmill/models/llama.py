@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
                 return as_head(hidden).float()
             packed = getattr(self, "packed_lm_head", None)  # bf16 CPU: see layers/cpu_packed_linear.py
             if packed is not None:
-                if hidden.dim() == 2 and hidden.shape[0] <= 8:  # a few rows: our kernels (fused_ops.linear_small)
+                if hidden.dim() == 2:  # our kernels where they serve (fused_ops.linear_small: AMX, or a few rows)
                     from tokenmill.layers import fused_ops
                     y = fused_ops.linear_small(hidden, self.model.embed_tokens.weight, None,
                                                getattr(self, "vnni_lm_head", None))

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import DEFAULT_MODEL_ALIAS, ModelArchConfig
 from tokenmill.models.registry import GGUF_ARCHITECTURES, resolve_model_class, supported_architectures
 from tokenmill.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
@@ -58,13 +59,15 @@ class LoadedModel:
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               load_tokenizer: bool = True, quantize_lm_head: str = "checkpoint") -> LoadedModel:
+               load_tokenizer: bool = True, quantize_lm_head: str = "checkpoint",
+               backend: AttentionBackend | None = None) -> LoadedModel:
     """quantize_lm_head: see ModelConfig.quantize_lm_head (quant/head.py). "checkpoint" (the default
     here) keeps the head as the checkpoint stores it: its quantized lm_head if it has one, else the
     dense table. "auto" takes the checkpoint's quantized head too; without one it quantizes the head
     with RTN (int8) for quantized checkpoints on CPU in bf16/fp16 and leaves float32 models alone.
     "none", "int8" and "int4" build the head from the checkpoint's fp16 table (none: as is; int8 /
-    int4: RTN), whatever quantized head the checkpoint has."""
+    int4: RTN), whatever quantized head the checkpoint has. backend: the attention backend of every
+    layer (default: the model's own, TorchPagedAttention())."""
     from tokenmill.quant.head import CHECKPOINT, CHOICES
 
     if quantize_lm_head not in CHOICES + (CHECKPOINT,):
@@ -79,7 +82,7 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
     cfg = source.config()
     cls = resolve_model_class(cfg.architecture)
     with torch.device("meta"):
-        net = cls(cfg, dtype=dtype)
+        net = cls(cfg, dtype=dtype, backend=backend)
     net = net.to_empty(device=device)
     _reset_buffers(net, device)
     tied_head = None
