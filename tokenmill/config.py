@@ -53,11 +53,22 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def auto_dtype(device: str = "cpu") -> torch.dtype:
+    """What dtype "auto" means on `device`. CPU: bfloat16 where tokenmill's bf16 is batch-invariant (an
+    AMX CPU with the C++ kernels: greedy output then does not depend on batching, chunking, prefix hits,
+    preemption or speculation, docs/native_kernels.md), else float32. CUDA: bfloat16 where the GPU has
+    it, else float16 (vLLM's choice for a float32 or float16 checkpoint)."""
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
+    from tokenmill import native  # lazy: loading the kernels is not needed to validate a config
+    return torch.bfloat16 if native.has_amx() else torch.float32
+
+
+def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.float32
+        return auto_dtype(device)
     try:
         return _DTYPES[dtype]
     except KeyError:
@@ -69,7 +80,8 @@ class ModelConfig:
     model: str = DEFAULT_MODEL_ALIAS
     """Path to a GGUF file or Hugging Face checkpoint directory, or the alias of the default model."""
     dtype: str = "auto"
-    """Weights and activations dtype: auto (float32), float32, bfloat16, float16."""
+    """Weights and activations dtype: auto (bfloat16 on CPUs with AMX, where bf16 is batch-invariant, and on
+    GPUs; float32 on other CPUs), float32, bfloat16, float16."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; defaults to the model's context length."""
     device: str = "cpu"
@@ -87,7 +99,8 @@ class ModelConfig:
     bf16 on an AMX CPU the linears are batch-invariant too (docs/native_kernels.md)."""
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
         if self.quantize_lm_head not in ("auto", "none", "int8", "int4"):
             raise ValueError(f"quantize_lm_head must be one of auto, none, int8, int4; got {self.quantize_lm_head!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -95,7 +108,7 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return parse_dtype(self.dtype)
+        return parse_dtype(self.dtype, self.device)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ BS = 4
 
 
 def make_llm(path, num_blocks: int = 256, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")  # the dense references and byte counts below are float32
     kw.setdefault("max_num_seqs", 16)
     kw.setdefault("max_num_batched_tokens", 256)
     return LLM(str(path), block_size=BS, num_gpu_blocks_override=num_blocks, max_model_len=256, **kw)

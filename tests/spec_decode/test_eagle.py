@@ -22,8 +22,9 @@ def _target(path):
 
 @pytest.fixture(scope="module")
 def corpus(tiny_llama):
-    """Greedy continuations of the tiny target (its own outputs) and their features."""
-    llm = LLM(str(tiny_llama))
+    """Greedy continuations of the tiny target (its own outputs) and their features. Every LLM here is float32:
+    the head trains on the float32 target's features (`_target`)."""
+    llm = LLM(str(tiny_llama), dtype="float32")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 2000, (int(n),), generator=g).tolist() for n in torch.randint(4, 24, (24,), generator=g)]
     outs = run(llm, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
@@ -76,7 +77,7 @@ def test_training_learns(trained_head):
 def test_runner_hands_the_true_features(tiny_llama, trained_head):
     path, *_ = trained_head
     cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3, "adaptive": False}
-    llm = LLM(str(tiny_llama), speculative_config=cfg)
+    llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
     store = llm.engine.spec.proposer.store
     seen: list[tuple[list[int], int, torch.Tensor]] = []
     write = store.write
@@ -101,7 +102,7 @@ def test_runner_hands_the_true_features(tiny_llama, trained_head):
 @pytest.fixture(scope="module")
 def greedy_ref(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    return params, run(LLM(str(tiny_llama), **TIGHT), PROMPTS, params)
+    return params, run(LLM(str(tiny_llama), dtype="float32", **TIGHT), PROMPTS, params)
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -109,7 +110,7 @@ def test_greedy_identical_with_chunking_preemption_and_prefix_hits(tiny_llama, t
     path, *_ = trained_head
     params, ref = greedy_ref
     cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 4, "adaptive": adaptive}
-    llm = LLM(str(tiny_llama), speculative_config=cfg, **TIGHT)
+    llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT)
     assert run(llm, PROMPTS, params) == ref           # mixed batch, 8-token budget, a pool that preempts
     assert run(llm, PROMPTS[:1], params) == ref[:1]   # alone, with prefix-cache hits
     stats = llm.stats()
@@ -124,7 +125,7 @@ def test_drafts_are_the_heads_teacher_forced_predictions(tiny_llama, trained_hea
     target's feature at N - 2 and token N - 1, as the dense training forward computes it."""
     path, head, *_ = trained_head
     cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 1, "adaptive": False}
-    llm = LLM(str(tiny_llama), speculative_config=cfg)
+    llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
     prop = llm.engine.spec.proposer
     inner, log = prop.propose, []
 
@@ -154,8 +155,8 @@ def test_seeded_sampling_reproduces_and_greedy_rows_match(tiny_llama, trained_he
               SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=1.0, top_k=20, presence_penalty=0.5, seed=4, max_tokens=12, ignore_eos=True)]
-    a = run(LLM(str(tiny_llama), speculative_config=cfg, **TIGHT), PROMPTS, params)
-    b = run(LLM(str(tiny_llama), speculative_config=cfg, **TIGHT), PROMPTS, params)
+    a = run(LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT), PROMPTS, params)
+    b = run(LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT), PROMPTS, params)
     assert a == b and a[0] == ref[0] and a[2] == ref[2] and len(a[1]) == len(a[3]) == 12
 
 
@@ -177,7 +178,7 @@ def test_bad_head_files_name_the_file(tiny_llama, trained_head, tmp_path):
     with pytest.raises(ValueError, match="model.safetensors"):
         load_eagle_head(bad, target.config, embed, lm, torch.float32)
     with pytest.raises(ValueError, match="model is required"):
-        LLM(str(tiny_llama), speculative_config={"method": "eagle"})
+        LLM(str(tiny_llama), dtype="float32", speculative_config={"method": "eagle"})
 
 
 def test_answers_only_bf16_training_runs(corpus):
@@ -202,7 +203,7 @@ def test_train_eagle_command_end_to_end(tiny_llama, tmp_path):
                  "--num-prompts", "4", "--max-tokens", "8", "--epochs", "1", "--draft-vocab", "128"]) == 0
     stats = json.loads((out / "train_stats.json").read_text())
     assert stats["tokens"] > 4 * 8
-    llm = LLM(str(tiny_llama), speculative_config={"method": "eagle", "model": str(out), "num_speculative_tokens": 2,
+    llm = LLM(str(tiny_llama), dtype="float32", speculative_config={"method": "eagle", "model": str(out), "num_speculative_tokens": 2,
                                                    "adaptive": False})
     run(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert llm.stats().spec_decode["num_drafts"] > 0

@@ -118,7 +118,7 @@ def test_sampled_tokens_follow_the_target(tiny_llama, perturbed_draft):
     """Temperature 1, top-k 3: the token after t1 is verified against a separate draft checkpoint
     (one draft token, pinned γ); grouped by t1, its counts must match the target's distribution."""
     cfg = {"method": "draft_model", "model": str(perturbed_draft), "num_speculative_tokens": 1, "adaptive": False}
-    llm = LLM(str(tiny_llama), speculative_config=cfg, max_num_seqs=64)
+    llm = LLM(str(tiny_llama), speculative_config=cfg, max_num_seqs=64, dtype="float32")  # the oracle's dtype
     prompt = [1, 20, 30, 40]
     n = 200
     params = [SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
