@@ -138,6 +138,16 @@ def test_cache_salt_isolates_prefix_cache(tiny_llama):
     llm.check_integrity()
 
 
+@pytest.mark.parametrize("salt", ["", "\ud800"])
+def test_bad_cache_salt_is_rejected_before_it_reaches_the_engine(tiny_llama, salt):
+    """A lone surrogate used to fail inside the step loop's block hashing and stop the engine."""
+    llm = make_llm(tiny_llama)
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.engine.add_request("bad", PROMPTS[0], GREEDY, cache_salt=salt)
+    assert greedy(llm, [PROMPTS[0]])  # the engine still serves
+    llm.check_integrity()
+
+
 def test_memory_accounting(tiny_llama):
     llm = make_llm(tiny_llama, num_blocks=64)
     st = llm.stats()

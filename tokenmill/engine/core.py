@@ -162,6 +162,13 @@ class EngineCore:
                              f"{self.kv_spec.num_blocks}; raise the KV-cache budget or lower max_tokens")
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
+        if cache_salt is not None:  # hashed as UTF-8 with the blocks: checked here, not in the step loop
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise ValueError("cache_salt must be a non-empty string")
+            try:
+                cache_salt.encode()
+            except UnicodeEncodeError:
+                raise ValueError("cache_salt is not valid Unicode text (a lone surrogate?)") from None
         arrival = arrival_time if arrival_time is not None else time.time()
         children, detoks = [], []
         for i in range(params.n):
