@@ -72,7 +72,7 @@ def _causal_reference(q, cache, tables, seq_lens, q_start, q_len, scale):
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
-def test_tiled_prefill_matches_reference(num_heads, num_kv_heads, head_dim):
+def test_tiled_prefill_matches_reference(num_heads, num_kv_heads, head_dim, each_isa):
     gen = torch.Generator().manual_seed(1)
     block_size, num_blocks = 16, 80
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).bfloat16()
@@ -92,8 +92,9 @@ def test_tiled_prefill_matches_reference(num_heads, num_kv_heads, head_dim):
     args = (tables, torch.tensor(seq_lens), q_start, torch.tensor(q_len), head_dim ** -0.5)
     out = torch.full((total, num_heads, head_dim), 7.0, dtype=torch.bfloat16)
     got = cpu_kernels.paged_prefill_attention(q, cache, *args, out=out)
-    if got is None:
-        pytest.skip("the tiled prefill kernel needs AVX512-BF16")
+    if each_isa in ("generic", "avx512"):  # the kernel needs AVX512-BF16: it declines, writing nothing
+        assert got is None and bool((out == 7.0).all())
+        return
     ref = _causal_reference(q, cache, *args)
     torch.testing.assert_close(got[3:].float(), ref[3:], atol=2e-2, rtol=2e-2)
     assert bool((got[:3] == 7.0).all())

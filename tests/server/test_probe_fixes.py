@@ -263,14 +263,13 @@ def test_timeout_flags_are_validated(tmp_path):
     ("/tokenize", {"prompt": "z" * 5_000_000}, "prompt"),
 ])
 def test_five_megabyte_prompt_is_a_quick_400_naming_the_context_length(srv, path, body, param):
-    t0 = time.perf_counter()
     r = httpx.post(f"{srv.url}{path}", json=body, headers=srv.headers, timeout=60)
-    elapsed = time.perf_counter() - t0
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == param
+    # "at least N tokens": the bound from the text's length answered, so the prompt was never tokenized
+    # (an exact count, as in the test below, means it was)
     assert "maximum context length is 512 tokens" in err["message"] and "at least" in err["message"]
-    assert elapsed < 5.0  # NOTE: secondary; tokenizing 5 MB of one repeated letter takes seconds
 
 
 def test_prompt_near_the_limit_is_still_counted_exactly(srv):

@@ -47,19 +47,16 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tmp_path):
         for t in threads:
             t.start()
         assert got_short.wait(120) and got_long.wait(120)
-        t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(1.0)
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{server.url}/health", timeout=2)
         rc = server.proc.wait(60)
-        elapsed = time.monotonic() - t0
         for t in threads:
             t.join(30)
     finally:
         server.stop(signal.SIGKILL)
     assert rc == 0, server.log()
-    assert elapsed < 30
     # The short request finished normally within the grace period...
     assert short["done"], short
     finishes = [c["choices"][0]["finish_reason"] for c in short["chunks"] if c["choices"]]
@@ -68,6 +65,8 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tmp_path):
     assert long_["done"], long_
     assert "error" in long_["chunks"][-1] and "shutting down" in long_["chunks"][-1]["error"]["message"]
     assert all(c["choices"][0]["finish_reason"] is None for c in long_["chunks"][:-1] if c.get("choices"))
+    # ... cut short: the server exited without waiting for its 480 tokens
+    assert sum(1 for c in long_["chunks"] if c.get("choices")) < 480   # one chunk per token at most
     assert "Application shutdown complete" in server.log()
 
 

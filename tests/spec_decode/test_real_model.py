@@ -42,7 +42,7 @@ def test_greedy_identical_on_the_real_model(target, spec):
 _VNNI = fused_ops.pack_vnni(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
 
 
-@pytest.mark.skipif(not _VNNI, reason="bf16 identity needs the row-order-invariant VNNI kernel (AVX512-BF16)")
+@pytest.mark.skipif(not _VNNI, reason="bf16 identity needs a row-order-invariant few-row kernel (VNNI or AMX: an AVX512-BF16 CPU)")
 @pytest.mark.parametrize("gamma", [2, 5])
 def test_bf16_greedy_speculation_reproduces_plain_decoding(gamma):
     """In bf16 a near-tie flips when a token's logits are computed differently. Verification rows run
