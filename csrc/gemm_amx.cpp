@@ -5,7 +5,7 @@
 // Per 64-output chunk and block of 16 rows, four 16x16 float32 tiles accumulate over K in blocks of 32,
 // always in the order k = 0, 32, 64, ...: tile C[j] += A[16 rows, 32 k] . B[32 k, 16 outputs of j].
 // A row's result depends only on that row and the weights, never on how many rows share the call
-// (rows past M in the last block are zeros and are not stored), so a token gets the same bits decoded
+// (rows past M in the last block are never stored), so a token gets the same bits decoded
 // alone, in a batch of 64, or inside a prefill chunk.
 //
 //   B tile of chunk c, k-block q, outputs 16j..16j+15:   row p (k-pair 16q + p) = 16 (w[2p], w[2p+1]) pairs,
@@ -66,9 +66,12 @@ static bool gemm_amx_impl(const at::Tensor& y, const at::Tensor& x, const at::Te
     at::parallel_for(0, NC, grain, [&](int64_t c0, int64_t c1) {
         configure_tiles();
         alignas(64) float out[16 * 64];
-        std::vector<uint16_t> pad;   // the last block's rows, zero-padded to 16
+        // The last block's rows copied into 16 rows of K. The rows past `tail` hold zeros or an earlier
+        // call's activations: a tile row only ever meets its own row of A, and those rows are never
+        // stored, so they need no clearing (a decode step copies one row per linear, nothing more).
+        thread_local std::vector<uint16_t> pad;
         if (tail < 16) {
-            pad.assign(16 * K, 0);
+            if (pad.size() < static_cast<size_t>(16 * K)) pad.assign(16 * K, 0);
             std::memcpy(pad.data(), xp + (MB - 1) * 16 * K, tail * K * sizeof(uint16_t));
         }
         for (int64_t c = c0; c < c1; ++c) {
