@@ -16,15 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+from tokenmill.bench.common import stop_process
+from tokenmill.bench.peers import LlamaServerPeer
+from tokenmill.bench.serve import LaunchedServer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -40,57 +40,23 @@ print(json.dumps({"tok_s": (m.num_generation_tokens - 1) / (m.last_token_time - 
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url}: not ready after {timeout} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 class Condition:
     """Background load that runs while measurements are taken: none, two busy loops, or a second tokenmill
     server kept busy by a client process with `streams` concurrent requests."""
 
     def __init__(self, name: str, streams: int = 4) -> None:
         self.name, self.streams, self.procs = name, streams, []
+        self.server: LaunchedServer | None = None
 
     def __enter__(self) -> "Condition":
         if self.name == "busy2":
             for _ in range(2):
-                self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True))
+                self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
         elif self.name == "tokenmill-server":
-            port = free_port()
-            server = subprocess.Popen([str(REPO / ".venv/bin/tokenmill"), "serve", "--host", "127.0.0.1", "--port",
-                                       str(port), "--dtype", "bfloat16"], start_new_session=True,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            self.procs.append(server)
-            wait_ready(f"http://127.0.0.1:{port}/health", server)
+            self.server = LaunchedServer(["--dtype", "bfloat16"])
             client = (
                 "import httpx, concurrent.futures as f, time\n"
-                f"url = 'http://127.0.0.1:{port}/v1/completions'\n"
+                f"url = '{self.server.base_url}/v1/completions'\n"
                 "body = {'model': 'smollm2-135m', 'prompt': 'Tell me about rivers.', 'max_tokens': 64, 'ignore_eos': True}\n"
                 "def loop():\n"
                 "    end = time.time() + 3600\n"
@@ -98,13 +64,15 @@ class Condition:
                 "        httpx.post(url, json=body, timeout=600)\n"
                 f"with f.ThreadPoolExecutor({self.streams}) as ex:\n"
                 f"    [ex.submit(loop) for _ in range({self.streams})]\n")
-            self.procs.append(subprocess.Popen([sys.executable, "-c", client], start_new_session=True))
+            self.procs.append(subprocess.Popen([sys.executable, "-c", client]))
             time.sleep(3)
         return self
 
     def __exit__(self, *exc) -> None:
         for p in reversed(self.procs):
-            stop(p)
+            stop_process(p, 20)
+        if self.server is not None:
+            self.server.stop()
 
 
 def tokenmill_tok_s(variant: str, tokens: int) -> float:
@@ -116,20 +84,11 @@ def tokenmill_tok_s(variant: str, tokens: int) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
 
 
-def llama_tok_s(binary: Path, gguf: Path, threads: int, tokens: int) -> float:
-    port = free_port()
-    env = dict(os.environ, LD_LIBRARY_PATH=str(binary.parent))
-    proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t",
-                             str(threads), "-c", "1024", "-np", "1"], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}/health", proc)
-        body = {"prompt": PROMPT, "n_predict": tokens, "ignore_eos": True, "temperature": 0, "cache_prompt": False}
-        httpx.post(f"http://127.0.0.1:{port}/completion", json={**body, "n_predict": 8}, timeout=600)
-        r = httpx.post(f"http://127.0.0.1:{port}/completion", json=body, timeout=1800).json()
-        return float(r["timings"]["predicted_per_second"])
-    finally:
-        stop(proc)
+def llama_tok_s(binary: Path, gguf: Path, threads: int, tokens: int, prompt_ids: list[int]) -> float:
+    """llama-server's own decode speed (timings.predicted_per_second) for one greedy request, one slot."""
+    with LlamaServerPeer(str(gguf), threads, slots=1, binary=binary) as peer:
+        peer.complete(prompt_ids, 8)  # warm-up
+        return float(peer.complete(prompt_ids, tokens)["timings"]["predicted_per_second"])
 
 
 def f16_gguf(binary: Path, out_dir: Path) -> Path:
@@ -157,6 +116,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     gguf = f16_gguf(args.llama_server, args.gguf_dir) if args.llama_server else None
+    prompt_ids = load_tokenizer("smollm2-135m").encode(PROMPT) if gguf is not None else []
     rows = []
     for cond in args.conditions:
         with Condition(cond):
@@ -165,7 +125,8 @@ def main() -> None:
                 for v in args.variants:
                     row.setdefault(v, []).append(tokenmill_tok_s(v, args.tokens))
                 if gguf is not None:
-                    row.setdefault("llama.cpp", []).append(llama_tok_s(args.llama_server, gguf, args.threads, args.tokens))
+                    row.setdefault("llama.cpp", []).append(llama_tok_s(args.llama_server, gguf, args.threads, args.tokens,
+                                                                       prompt_ids))
             rows.append(row)
             print(json.dumps(row), flush=True)
     names = args.variants + (["llama.cpp"] if gguf is not None else [])

@@ -7,25 +7,15 @@ linear shapes and its tied LM head, for 1..512 rows. Best of --repeats, one run,
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from tokenmill.bench.common import best_seconds
 from tokenmill.layers import fused_ops
 from tokenmill.layers.cpu_packed_linear import pack_weight, packed_linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 ROWS = (1, 2, 4, 8, 16, 64, 128, 512)
-
-
-def best_us(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e6
 
 
 def main() -> None:
@@ -42,9 +32,9 @@ def main() -> None:
         for m in ROWS:
             x = torch.randn(m, k).bfloat16()
             y = x.new_empty(m, n)
-            amx = best_us(lambda: ops.linear_bf16_amx(y, x, vnni, None), args.repeats)
-            few = best_us(lambda: ops.linear_bf16_vnni(y, x, vnni, None), args.repeats) if m <= 8 else float("nan")
-            dnn = best_us(lambda: packed_linear(x, packed, None), args.repeats)
+            amx = best_seconds(lambda: ops.linear_bf16_amx(y, x, vnni, None), args.repeats) * 1e6
+            few = best_seconds(lambda: ops.linear_bf16_vnni(y, x, vnni, None), args.repeats) * 1e6 if m <= 8 else float("nan")
+            dnn = best_seconds(lambda: packed_linear(x, packed, None), args.repeats) * 1e6
             print(f"{name:8} {m:5d} {amx:9.1f} {few:9.1f} {dnn:10.1f} {amx / dnn:11.2f} {amx / few:9.2f}")
 
 

@@ -8,27 +8,17 @@ of `--repeats`, in one run. Run it on a quiet machine:
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
+from tokenmill.bench.common import best_seconds
 from tokenmill.layers.linear import Linear
 from tokenmill.quant.kernels import install_quantized
 from tokenmill.quant.rtn import rtn_quantize_weight
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def layer_for(n: int, k: int, bits: int, layout: str | None) -> Linear:
@@ -53,8 +43,8 @@ def main() -> None:
             ratios = []
             for m in ROWS:
                 x = torch.randn(m, k).bfloat16()
-                kernel = best_of(lambda: method.kernel(layer, x), args.repeats)
-                dequant = best_of(lambda: F.linear(x, method.dequantize(layer, x.dtype)), args.repeats)
+                kernel = best_seconds(lambda: method.kernel(layer, x), args.repeats)
+                dequant = best_seconds(lambda: F.linear(x, method.dequantize(layer, x.dtype)), args.repeats)
                 ratios.append(kernel / dequant)
             label = f"int{bits} {layout or 'channel'}"
             print(f"{label:16} {name:10} " + " ".join(f"{r:6.2f}" for r in ratios))

@@ -181,3 +181,15 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def best_seconds(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of fn after one untimed warm-up call (the minimum: robust to
+    other processes on shared cores)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
