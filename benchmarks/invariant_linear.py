@@ -12,7 +12,6 @@ import torch
 
 from tokenmill.bench.common import best_seconds
 from tokenmill.layers import fused_ops
-from tokenmill.layers.cpu_packed_linear import pack_weight, packed_linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 ROWS = (1, 2, 4, 8, 16, 64, 128, 512)
@@ -28,13 +27,13 @@ def main() -> None:
     print(f"{'shape':8} {'rows':>5} {'amx us':>9} {'vnni us':>9} {'onednn us':>10} {'amx/onednn':>11} {'amx/vnni':>9}")
     for name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k) * 0.05).bfloat16()
-        packed, vnni = pack_weight(w), fused_ops.pack_vnni(w)
+        packed, vnni = fused_ops.pack_onednn(w), fused_ops.pack_vnni(w)
         for m in ROWS:
             x = torch.randn(m, k).bfloat16()
             y = x.new_empty(m, n)
             amx = best_seconds(lambda: ops.linear_bf16_amx(y, x, vnni, None), args.repeats) * 1e6
             few = best_seconds(lambda: ops.linear_bf16_vnni(y, x, vnni, None), args.repeats) * 1e6 if m <= 8 else float("nan")
-            dnn = best_seconds(lambda: packed_linear(x, packed, None), args.repeats) * 1e6
+            dnn = best_seconds(lambda: fused_ops.onednn_linear(x, packed, None), args.repeats) * 1e6
             print(f"{name:8} {m:5d} {amx:9.1f} {few:9.1f} {dnn:10.1f} {amx / dnn:11.2f} {amx / few:9.2f}")
 
 

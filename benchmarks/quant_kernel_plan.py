@@ -43,7 +43,7 @@ def main() -> None:
             ratios = []
             for m in ROWS:
                 x = torch.randn(m, k).bfloat16()
-                kernel = best_seconds(lambda: method.kernel(layer, x), args.repeats)
+                kernel = best_seconds(lambda: method.run_kernel(layer, x), args.repeats)
                 dequant = best_seconds(lambda: F.linear(x, method.dequantize(layer, x.dtype)), args.repeats)
                 ratios.append(kernel / dequant)
             label = f"int{bits} {layout or 'channel'}"

@@ -1,13 +1,51 @@
-// One decode step through every layer of a Llama-family model in C++ (tokenmill/worker/cpu_decode.py).
+// The decoder layers of a Llama-family model as one C++ loop (tokenmill/worker/cpu_decode.py): the
+// layer the module path defines (models/llama.py, LlamaDecoderLayer.forward), with each linear
+// described by its method's kernel (layers/linear.py, LinearKernel) instead of a module call.
 #pragma once
 
 #include "common.h"
 
+#include <torch/custom_class.h>
+
 namespace tokenmill {
 
-at::Tensor decode_stack(at::Tensor h, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& tables,
-                        const at::Tensor& seq_lens, const at::Tensor& cos_sin, at::TensorList t, c10::IntArrayRef kinds,
-                        c10::IntArrayRef groups, const at::Tensor& final_norm, int64_t nh, int64_t nkv, int64_t d,
-                        double eps, double scale);
+// How one linear runs; the numbers are layers/linear.py's KernelKind.
+enum class LinearKind : int64_t { dense = 0, int4_tinygemm = 1, int4_k64 = 2, int8 = 3 };
+
+struct StackLinear {
+    LinearKind kind;
+    at::Tensor weight;                 // dense: [N, K]; quantized: the packed codes
+    std::optional<at::Tensor> aux;     // dense: the VNNI copy; int4: scales_and_zeros; int8: scales [N]
+    std::optional<at::Tensor> extra;   // dense: oneDNN's prepacked copy; int8: offsets [N]
+    std::optional<at::Tensor> bias;    // dense only
+    int64_t group;                     // int4: the group size
+    int64_t out_features;
+};
+
+struct StackLayer {
+    at::Tensor in_norm, post_norm, k_cache, v_cache;
+    std::vector<StackLinear> linears;  // qkv, o, gate_up, down
+};
+
+class DecodeStack : public torch::CustomClassHolder {
+  public:
+    DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                at::Tensor cos_sin, at::Tensor final_norm);
+    // Appends a layer; its four linears follow with add_linear, in the order qkv, o, gate_up, down.
+    void add_layer(at::Tensor in_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache);
+    void add_linear(int64_t kind, at::Tensor weight, std::optional<at::Tensor> aux, std::optional<at::Tensor> extra,
+                    std::optional<at::Tensor> bias, int64_t group, int64_t out_features);
+    int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+    // h [n, hidden] embedded tokens -> final-normed hidden states [n, hidden]; every token attends as a
+    // decode over its own prefix (tables [n, max_blocks], seq_lens [n]); K/V written at `slots`.
+    at::Tensor forward(at::Tensor h, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& tables,
+                       const at::Tensor& seq_lens) const;
+
+  private:
+    int64_t nh_, nkv_, d_;
+    double eps_, scale_;
+    at::Tensor cos_sin_, final_norm_;
+    std::vector<StackLayer> layers_;
+};
 
 }  // namespace tokenmill

@@ -8,6 +8,7 @@
 #include "common.h"
 #include "decode_stack.h"
 #include "fused_ops.h"
+#include "linear.h"
 #include "misc.h"
 #include "quant.h"
 
@@ -27,6 +28,9 @@ TORCH_LIBRARY(tokenmill, m) {
     m.def("linear_bf16_vnni(Tensor(a!) y, Tensor x, Tensor wv, Tensor? bias) -> bool", &tokenmill::linear_bf16_vnni);
     m.def("linear_f32_small(Tensor(a!) y, Tensor x, Tensor w) -> bool", &tokenmill::linear_f32_small);
     m.def("linear_bf16_amx(Tensor(a!) y, Tensor x, Tensor wv, Tensor? bias) -> bool", &tokenmill::linear_bf16_amx);
+    // layers/linear.py: the dense linear's kernel rule (linear.h), shared with DecodeStack
+    m.def("dense_linear(Tensor x, Tensor w, Tensor? vnni, Tensor? packed, Tensor? bias) -> Tensor",
+          &tokenmill::dense_linear);
     // attention/cpu_kernels.py
     m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
           "Tensor seq_lens, float scale) -> ()", &tokenmill::paged_decode);
@@ -39,10 +43,14 @@ TORCH_LIBRARY(tokenmill, m) {
           &tokenmill::int4_linear);
     m.def("int8_linear(Tensor(a!) y, Tensor x, Tensor qweight, Tensor scales, Tensor? offsets) -> bool",
           &tokenmill::int8_linear);
-    // worker/cpu_decode.py: the layers' tensors, KV caches among them (written)
-    m.def("decode_stack(Tensor h, Tensor positions, Tensor slots, Tensor tables, Tensor seq_lens, Tensor cos_sin, "
-          "Tensor(a!)[] t, int[] kinds, int[] groups, Tensor final_norm, int nh, int nkv, int d, float eps, "
-          "float scale) -> Tensor", &tokenmill::decode_stack);
+    // worker/cpu_decode.py: the layer loop as an object built once at load (decode_stack.h); the KV
+    // caches it was given are written by forward
+    m.class_<tokenmill::DecodeStack>("DecodeStack")
+        .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
+        .def("add_layer", &tokenmill::DecodeStack::add_layer)
+        .def("add_linear", &tokenmill::DecodeStack::add_linear)
+        .def("num_layers", &tokenmill::DecodeStack::num_layers)
+        .def("forward", &tokenmill::DecodeStack::forward);
     // layers/sampler.py, bench/roofline.py
     m.def("argmax_rows(Tensor x) -> Tensor", &tokenmill::argmax_rows);
     m.def("stream_read(Tensor x) -> float", &tokenmill::stream_read);

@@ -19,7 +19,7 @@ EXPECTED_OPS = {
     "rms_norm": {"out"}, "add_rms_norm": {"out", "sum"}, "rope_inplace": {"qk"}, "silu_mul": {"out"},
     "linear_bf16_small": {"y"}, "linear_bf16_vnni": {"y"}, "linear_f32_small": {"y"}, "linear_bf16_amx": {"y"},
     "paged_decode": {"out"}, "write_and_decode": {"out", "k_cache", "v_cache"}, "paged_prefill": {"out"},
-    "int4_linear": {"y"}, "int8_linear": {"y"}, "decode_stack": {"t"}, "argmax_rows": set(), "stream_read": set(),
+    "int4_linear": {"y"}, "int8_linear": {"y"}, "dense_linear": set(), "argmax_rows": set(), "stream_read": set(),
 }
 
 
@@ -54,6 +54,11 @@ def test_every_op_is_registered_with_its_schema():
         schema = getattr(torch.ops.tokenmill, name).default._schema
         mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
         assert mutated == written, name
+    # the C++ layer loop's class (csrc/decode_stack.h)
+    stack = torch.classes.tokenmill.DecodeStack(1, 1, 2, 1e-6, 1.0, torch.zeros(4, 2), torch.ones(2))
+    assert stack.num_layers() == 0
+    for method in ("add_layer", "add_linear", "forward"):
+        assert hasattr(stack, method), method
 
 
 def test_no_cpp_source_left_in_python():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tokenmill.layers import fused_ops
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -88,7 +89,6 @@ def test_unsupported_dtype_falls_back():
 def test_vnni_linear_matches_float32_reference(rows, bias, monkeypatch, each_isa):
     """Every row count 1..8 (the 7-8 row path runs two passes over each weight chunk), with and without
     bias, on a matrix large enough to be split across threads: one bf16 rounding of the exact sum."""
-    monkeypatch.setattr(fused_ops, "VNNI_MIN_ROWS", 1)  # one row too (the engine keeps it on the GEMV)
     torch.manual_seed(rows)
     n, k = 320, 576
     w = torch.randn(n, k).to(torch.bfloat16)
@@ -100,7 +100,8 @@ def test_vnni_linear_matches_float32_reference(rows, bias, monkeypatch, each_isa
         return
     assert vnni.shape == (n // 64, k // 2, 64, 2)
     assert torch.equal(vnni[1, 3, 5], w[64 + 5, 6:8])          # chunk 1, k-pair 3, output 5 of the chunk
-    y = fused_ops.linear_small(x, w, b, vnni)
+    y = x.new_empty(rows, n)
+    assert torch.ops.tokenmill.linear_bf16_vnni(y, x, vnni, b)
     ref = x.double() @ w.double().t() + (b.double() if bias else 0)
     assert y is not None and y.dtype == torch.bfloat16 and y.shape == (rows, n)
     # float32 accumulation then one rounding to bf16: within one bf16 ulp (2^-8 relative) plus float32 noise
@@ -111,3 +112,30 @@ def test_vnni_pack_declines_shapes_it_cannot_serve():
     assert fused_ops.pack_vnni(torch.zeros(96, 64, dtype=torch.bfloat16)) is None     # N % 64
     assert fused_ops.pack_vnni(torch.zeros(64, 63, dtype=torch.bfloat16)) is None     # K odd
     assert fused_ops.pack_vnni(torch.zeros(64, 64, dtype=torch.float32)) is None      # not bf16
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 9, 64])
+def test_dense_linear_without_vnni_is_f_linear_or_the_gemv(bias, rows):
+    """The dense rule without a VNNI copy: oneDNN's prepacked weight gives F.linear's bits exactly (above
+    the GEMV's rows); the GEMV's few rows are one rounding of the float32 sum."""
+    torch.manual_seed(rows)
+    w = torch.randn(160, 96).to(torch.bfloat16)
+    b = torch.randn(160).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    packed = fused_ops.pack_onednn(w)
+    y = fused_ops.dense_linear(x, w, None, packed, b)
+    ref = F.linear(x, w, b)
+    if rows > 8 or rows * 160 > 5000:
+        assert torch.equal(y, ref)
+    else:
+        exact = x.double() @ w.double().t() + (b.double() if bias else 0)
+        assert torch.all((y.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3)
+
+
+def test_dense_linear_float32_one_row_is_the_gemv_else_f_linear():
+    torch.manual_seed(0)
+    w, x = torch.randn(128, 64), torch.randn(5, 64)
+    assert torch.equal(fused_ops.dense_linear(x, w, None, None, None), F.linear(x, w))
+    torch.testing.assert_close(fused_ops.dense_linear(x[:1], w, None, None, None), F.linear(x[:1], w),
+                               atol=1e-5, rtol=1e-5)

@@ -47,7 +47,7 @@ _VNNI = fused_ops.pack_vnni(torch.zeros(64, 64, dtype=torch.bfloat16)) is not No
 def test_bf16_greedy_speculation_reproduces_plain_decoding(gamma):
     """In bf16 a near-tie flips when a token's logits are computed differently. Verification rows run
     through the same few-row kernel as a one-token decode step, summed in the same order (layers/
-    fused_ops.py, VNNI_MIN_ROWS), so greedy speculation with up to 7 drafts must give plain decoding's
+    fused_ops.dense_linear), so greedy speculation with up to 7 drafts must give plain decoding's
     tokens exactly, for several prompts and long enough replies to meet near-ties."""
     prompts = [[{"role": "user", "content": c}] for c in (
         "Explain how a bicycle gear system works, step by step.",

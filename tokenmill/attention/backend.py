@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tokenmill.attention.kv_quant import dequantize_kv, is_quantized, write_kv_int8
 from tokenmill.attention.cpu_kernels import paged_decode_attention, paged_prefill_attention, write_and_decode
-from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.metadata import AttentionMetadata, PerTokenTables, TiledPlan
 
 
 class AttentionBackend(Protocol):
@@ -131,25 +131,26 @@ def _cpu_kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attenti
     attention took 1.74 s as one SDPA call per request, 1.53 s token by token, and ~0.45 s tiled."""
     plan = _tiled_plan(meta) if tiled_prefill else None
     if plan is not None:
-        long_args, short_idx, short_tables, short_lens = plan
-        out = paged_prefill_attention(q, kv_cache, *long_args, scale)
+        out = paged_prefill_attention(q, kv_cache, plan.block_tables, plan.seq_lens, plan.q_start, plan.q_len, scale)
         if out is not None:
-            if short_idx is None:
+            if plan.short is None:
                 return out
-            qs = q.index_select(0, short_idx)
-            o = paged_decode_attention(qs, kv_cache, short_tables, short_lens, scale)
+            short_idx, short = plan.short
+            o = paged_decode_attention(q.index_select(0, short_idx), kv_cache, short.block_tables, short.seq_lens,
+                                       scale)
             if o is not None:
                 out.index_copy_(0, short_idx, o)
                 return out
-    return paged_decode_attention(q, kv_cache, *_per_token_tables(meta), scale)
+    tables = _per_token_tables(meta)
+    return paged_decode_attention(q, kv_cache, tables.block_tables, tables.seq_lens, scale)
 
 
-def _tiled_plan(meta: AttentionMetadata):
-    """((block_tables, seq_lens, q_start, q_len) of the long requests, and the index, block tables and
-    key counts of the remaining tokens, or Nones when there are none), or None when no request is long.
-    Built once per step, cached on the metadata."""
-    if hasattr(meta, "_tiled_plan"):
-        return meta._tiled_plan
+def _tiled_plan(meta: AttentionMetadata) -> TiledPlan | None:
+    """The long requests (prompt chunks of TILED_PREFILL_MIN_TOKENS or more) for the tiled kernel and the
+    other tokens per token, or None when no request is long. Built once per step (meta.derived)."""
+    derived = meta.derived
+    if derived.tiled_done:
+        return derived.tiled
     plan = None
     if meta.token_block_tables is None:  # set only when every request has few new tokens
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
@@ -158,43 +159,41 @@ def _tiled_plan(meta: AttentionMetadata):
         if long:
             dev = meta.block_tables.device
             sel = torch.tensor(long, device=dev)
-            long_args = (meta.block_tables.index_select(0, sel), meta.seq_lens.index_select(0, sel),
-                         torch.tensor([qsl[i] for i in long], device=dev),
-                         torch.tensor([counts[i] for i in long], device=dev))
             short = [i for i, n in enumerate(counts) if n < TILED_PREFILL_MIN_TOKENS]
-            short_idx = short_tables = short_lens = None
+            short_part = None
             if short:
                 idx = [t for i in short for t in range(qsl[i], qsl[i + 1])]
-                short_idx = torch.tensor(idx, device=dev)
                 req = torch.tensor([i for i in short for _ in range(counts[i])], device=dev)
-                short_tables = meta.block_tables.index_select(0, req).contiguous()
-                short_lens = torch.tensor([lens[i] - counts[i] + 1 + j for i in short for j in range(counts[i])],
-                                          device=dev)
-            plan = (long_args, short_idx, short_tables, short_lens)
-    meta._tiled_plan = plan
+                short_part = (torch.tensor(idx, device=dev), PerTokenTables(
+                    meta.block_tables.index_select(0, req).contiguous(),
+                    torch.tensor([lens[i] - counts[i] + 1 + j for i in short for j in range(counts[i])], device=dev)))
+            plan = TiledPlan(meta.block_tables.index_select(0, sel), meta.seq_lens.index_select(0, sel),
+                             torch.tensor([qsl[i] for i in long], device=dev),
+                             torch.tensor([counts[i] for i in long], device=dev), short_part)
+    derived.tiled, derived.tiled_done = plan, True
     return plan
 
 
-def _per_token_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_token_tables(meta: AttentionMetadata) -> PerTokenTables:
     """[num_tokens, max_blocks] block tables and [num_tokens] causal key counts: token j of a request
-    whose chunk ends at seq_len sees keys [0, seq_len - n + j + 1). Built once per step (cached on the
-    metadata) for the C++ kernel, which then serves prefill chunks and decodes in one call per layer.
+    whose chunk ends at seq_len sees keys [0, seq_len - n + j + 1). Built once per step (meta.derived)
+    for the C++ kernel, which then serves prefill chunks and decodes in one call per layer.
     On the 64-request offline benchmark (bf16) prefill attention took 1.74 s as one SDPA call per
     request and 1.53 s this way. A side effect: a query row's attention no longer depends on how
     its prompt was chunked."""
-    cached = getattr(meta, "_per_token", None)
-    if cached is not None:
-        return cached
+    derived = meta.derived
+    if derived.per_token is not None:
+        return derived.per_token
     if meta.token_block_tables is not None and meta.token_seq_lens is not None:
-        cached = (meta.token_block_tables, meta.token_seq_lens)
+        tables = PerTokenTables(meta.token_block_tables, meta.token_seq_lens)
     else:
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         counts = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(lens))])
-        tables = meta.block_tables.repeat_interleave(counts.to(meta.block_tables.device), dim=0)
+        bt = meta.block_tables.repeat_interleave(counts.to(meta.block_tables.device), dim=0)
         seq = torch.cat([torch.arange(lens[i] - int(counts[i]) + 1, lens[i] + 1) for i in range(len(lens))])
-        cached = (tables.contiguous(), seq.to(meta.block_tables.device))
-    meta._per_token = cached
-    return cached
+        tables = PerTokenTables(bt.contiguous(), seq.to(meta.block_tables.device))
+    derived.per_token = tables
+    return tables
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

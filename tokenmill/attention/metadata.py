@@ -10,7 +10,7 @@ Token layout of one step (the runner orders decodes first):
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -37,6 +37,38 @@ class AttentionMetadata:
     max_blocks], each token's request's block table, so each token can be attended as its own decode."""
     token_seq_lens: torch.Tensor | None = None
     """With token_block_tables: [num_tokens] keys each token sees (its position + 1; causal)."""
+    derived: "DerivedPlans" = field(default_factory=lambda: DerivedPlans(), repr=False)
+    """Per-step plans the attention backend derives from the fields above once and every layer reuses."""
+
+
+@dataclass
+class PerTokenTables:
+    """Every query token as a decode over its own prefix: its request's block table and key count."""
+
+    block_tables: torch.Tensor   # [num_tokens, max_blocks]
+    seq_lens: torch.Tensor       # [num_tokens]
+
+
+@dataclass
+class TiledPlan:
+    """A step with long prompt chunks: those requests for the tiled prefill kernel, the rest per token."""
+
+    block_tables: torch.Tensor   # [num_long, max_blocks]
+    seq_lens: torch.Tensor       # [num_long]
+    q_start: torch.Tensor        # [num_long] first query row of each long request
+    q_len: torch.Tensor          # [num_long]
+    short: "tuple[torch.Tensor, PerTokenTables] | None"
+    """(query row indices, their per-token tables) of the other requests' tokens, or None."""
+
+
+@dataclass
+class DerivedPlans:
+    """Built by the first layer that needs them (attention/backend.py), read by the others."""
+
+    per_token: PerTokenTables | None = None
+    tiled: TiledPlan | None = None
+    tiled_done: bool = False
+    """tiled is final (None then means: no request is long)."""
 
 
 _CONTEXT: list[AttentionMetadata] = []

@@ -9,10 +9,10 @@ not arithmetic. Each function here replaces such a chain with one call:
     add_rms_norm(x, r, w)           s = r + x; (rms_norm(s, w), s)
     rope_inplace(qk, cos_sin, pos)  rotate-half RoPE on every head of qk's rows, in place
     silu_and_mul(x)                 silu(x[:, :d]) * x[:, d:]
-    linear_small(x, w, b)           x @ w.T + b for a few bf16 rows (decode, verification), AVX512-BF16;
-                                    float32: one row, no bias, AVX-512 FMAs (MKL's sgemv reads ~16 GB/s here)
+    dense_linear(x, w, ...)         x @ w.T + b by one kernel rule for every caller (AMX, VNNI, GEMVs,
+                                    oneDNN), shared with the C++ layer loop
 
-The last one exists because oneDNN's prepacked bf16 linear has a fixed cost of ~10 us per call
+The few-row GEMVs exist because oneDNN's prepacked bf16 linear has a fixed cost of ~10 us per call
 here (measured on a 64x64 weight, 1 or 2 threads) - 1.3 ms of a ~10 ms decode step over the
 model's 121 linears - while a plain dot-product kernel over the row-major weight starts in ~2 us
 and reads the weight at the same bandwidth.
@@ -127,71 +127,54 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-SMALL_LINEAR_MAX_ROWS = 8
-SMALL_LINEAR_MAX_OUTPUTS = 5000
-"""Above one row the kernel's cost grows with rows x outputs (it turns compute-bound); measured here
-at 5 rows it beats oneDNN on [960|576, 576] and [576, 1536] weights but loses 2x on [3072, 576], and at
-2 rows it already loses on [3072, 576]. So: one row always, else rows x outputs <= 5000."""
-
-
-VNNI_MIN_ROWS = 1
-"""The fewest rows `linear_small` sends to the VNNI kernel when it has the packed copy. One row goes there
-too, although the row-major GEMV is 2% faster per decoded token at batch 1 (5 interleaved rounds: 148.9
-vs 145.7 tok/s): the VNNI kernel sums each row in the same order whatever the number of rows, so a
-token's logits are bitwise the same decoded alone, in a batch of up to 8, or verified among drafts,
-and greedy speculation reproduces plain decoding exactly (with the GEMV at one row it diverged from
-plain decoding at near-ties in every configuration of benchmarks/spec_decode.py)."""
-
-
 def pack_vnni(weight: torch.Tensor) -> torch.Tensor | None:
-    """bf16 weight [N, K] -> its VNNI-packed copy [N/64, K/2, 64, 2] for `linear_small`'s few-row
-    kernel, or None where that kernel cannot run (no C++ kernels or AVX512-BF16, N % 64 or K % 2)."""
+    """bf16 weight [N, K] -> its VNNI-packed copy [N/64, K/2, 64, 2], which the AMX kernel (any row count)
+    and the VNNI kernel (1 to 8 rows) read, or None where neither can run (no C++ kernels or AVX512-BF16,
+    N % 64 or K % 2)."""
     n, k = weight.shape
     if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or n % 64 or k % 2
-            or not _has_avx512_bf16()):
+            or not native.has_avx512_bf16()):
         return None
     return weight.detach().reshape(n // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def _has_avx512_bf16() -> bool:
-    return native.has_avx512_bf16()
+def onednn_available() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def linear_small(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 vnni: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [M, K] @ weight[N, K]^T + bias for bf16 rows on CPU, or None when no kernel here
-    applies or would be slower (other dtype or shape, no AVX512-BF16); the caller then uses its own path.
-    With `vnni` (pack_vnni(weight)) on an AMX CPU, any number of rows runs on the AMX kernel, whose
-    result for a row does not depend on the other rows (the bf16 batch invariance). Elsewhere, with
-    `vnni`, 1 to 8 rows run on the VNNI kernel, which stays memory-bound at
-    every M up to 8 and gives each row the same bits whatever M is. Without it, the row-major GEMV
-    takes one row, or up to 8 while M x N <= 5000.
-    Float32 accumulation, one rounding to bf16 (like F.linear; sums run in another order)."""
-    if (vnni is not None and x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_contiguous()
-            and (bias is None or bias.dtype == torch.bfloat16) and native.has_amx()):
-        # AMX: every row count, one reduction order (batch-invariant bf16, docs/native_kernels.md)
-        y = x.new_empty(x.shape[0], weight.shape[0])
-        if native.ops().linear_bf16_amx(y, x, vnni, bias):
-            return y
-    if (vnni is not None and x.dim() == 2 and VNNI_MIN_ROWS <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS and x.dtype == torch.bfloat16
-            and x.is_contiguous() and (bias is None or bias.dtype == torch.bfloat16)):
-        y = x.new_empty(x.shape[0], weight.shape[0])
-        if _ext().linear_bf16_vnni(y, x, vnni, bias):
-            return y
-    if (x.dtype == torch.float32 and weight.dtype == torch.float32 and bias is None and x.dim() == 2
-            and x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous() and x.device.type == "cpu"):
-        ext = _ext()
-        if ext is None:
-            return None
-        y = x.new_empty(1, weight.shape[0])
-        return y if ext.linear_f32_small(y, x, weight) else None
-    if (x.dim() != 2 or x.shape[0] > SMALL_LINEAR_MAX_ROWS or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or (x.shape[0] > 1 and x.shape[0] * weight.shape[0] > SMALL_LINEAR_MAX_OUTPUTS)
-            or not x.is_contiguous() or not weight.is_contiguous() or x.device.type != "cpu"
-            or (bias is not None and bias.dtype != torch.bfloat16)):
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """bf16 CPU weight [out, in] -> oneDNN's blocked layout (an opaque tensor), or None without oneDNN.
+    Unpacked, oneDNN reorders the weight on every call: measured on the 2-core reference machine, one
+    [3072, 576] layer at one row took 0.32 ms plain vs 0.06 ms prepacked. Results are bitwise F.linear's."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not onednn_available():
         return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ the prepacked weight -> [..., out], the values of F.linear(x, weight, bias)."""
+    return torch.ops.mkldnn._linear_pointwise.default(x.contiguous(), packed, bias, "none", [None], "")
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, vnni: torch.Tensor | None, packed: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias on CPU by the dense linear's kernel rule (csrc/linear.h), which the
+    C++ layer loop shares:
+
+        bf16 with vnni (pack_vnni)       AMX tiles at any M: a row's sum runs in one order whatever M is
+                                         (bf16 batch invariance, docs/native_kernels.md); else the VNNI
+                                         kernel at 1 to 8 rows
+        float32, one row, no bias        the AVX-512 GEMV (MKL's sgemv reads ~16 GB/s here)
+        bf16, a few rows                 the row-major GEMV: one row, or up to 8 while M x N <= 5000
+        bf16 with packed (pack_onednn)   oneDNN; otherwise F.linear
+
+    Float32 accumulation, one rounding (like F.linear; sums in another order). Without the C++ kernels
+    (or with autograd recording) oneDNN / F.linear serve every call."""
     ext = _ext()
-    if ext is None:
-        return None
-    y = x.new_empty(x.shape[0], weight.shape[0])
-    return y if ext.linear_bf16_small(y, x, weight, bias) else None
+    if (ext is not None and x.device.type == "cpu" and x.dim() == 2 and x.dtype in _DTYPES
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return ext.dense_linear(x, weight, vnni, packed, bias)
+    if packed is not None and x.dtype == torch.bfloat16:
+        return onednn_linear(x, packed, bias)
+    return F.linear(x, weight, bias)

@@ -18,9 +18,11 @@ from tokenmill.attention.backend import AttentionBackend, TorchPagedAttention
 from tokenmill.attention.metadata import get_forward_context
 from tokenmill.config import ModelArchConfig
 from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.interface import DecoderLayerParts, DecoderLayout
 
 
 class LlamaAttention(nn.Module):
@@ -60,6 +62,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """The one definition of a layer: `forward` is the module path, and `parts()` hands the same norms
+    and linears to the C++ layer loop (csrc/decode_stack.cpp), which runs this forward's steps in
+    order with the kernels each linear's method names (tests/worker/test_cpu_decode.py checks that
+    both give the same tokens)."""
+
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding,
                  backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -72,12 +79,17 @@ class LlamaDecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(h)), h)
         return h + self.mlp(x)
 
+    def parts(self) -> DecoderLayerParts:
+        return DecoderLayerParts(self.input_layernorm.weight, self.post_attention_layernorm.weight,
+                                 self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
+                                 self.mlp.down_proj)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens: nn.Module = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        """A VocabEmbedding, or quant/head.py's QuantizedEmbedding: both serve rows and tied logits."""
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, backend, dtype)
                                     for i in range(cfg.num_hidden_layers))
@@ -118,22 +130,22 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] in float32."""
-        if self.lm_head is None:
-            as_head = getattr(self.model.embed_tokens, "as_lm_head", None)  # a quantized table (quant/head.py)
-            if as_head is not None:
-                return as_head(hidden).float()
-            packed = getattr(self, "packed_lm_head", None)  # bf16 CPU: see layers/cpu_packed_linear.py
-            if packed is not None:
-                if hidden.dim() == 2:  # our kernels where they serve (fused_ops.linear_small: AMX, or a few rows)
-                    from tokenmill.layers import fused_ops
-                    y = fused_ops.linear_small(hidden, self.model.embed_tokens.weight, None,
-                                               getattr(self, "vnni_lm_head", None))
-                    if y is not None:
-                        return y.float()
-                from tokenmill.layers.cpu_packed_linear import packed_linear
-                return packed_linear(hidden, packed, None).float()
-            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        if self.lm_head is None:  # tied: the table is the head (dense, or quantized by quant/head.py)
+            return self.model.embed_tokens.as_lm_head(hidden).float()
         return self.lm_head(hidden).float()
+
+    def process_weights_after_loading(self) -> None:
+        """The weights are final (load_model calls this last): every linear method, and a tied head's,
+        builds the copies its kernels read. Call it again after changing weights in place."""
+        for m in self.modules():
+            if isinstance(m, (Linear, VocabEmbedding)):
+                m.process_weights_after_loading()
+
+    def decoder_layout(self) -> DecoderLayout:
+        a0 = self.model.layers[0].self_attn
+        return DecoderLayout(self.model.embed_tokens, [layer.parts() for layer in self.model.layers],
+                             self.model.norm.weight, self.model.norm.eps, a0.num_heads, a0.num_kv_heads,
+                             a0.head_dim, a0.scale, self.model.rotary.cos_sin)
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -22,6 +22,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import DEFAULT_MODEL_ALIAS, ModelArchConfig
+from tokenmill.layers.linear import Linear
 from tokenmill.models.registry import GGUF_ARCHITECTURES, resolve_model_class, supported_architectures
 from tokenmill.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
 
@@ -111,13 +112,15 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
         if bits is not None:
             quantize_head(net, bits)
     net.eval()
+    net.process_weights_after_loading()
     tok = source.tokenizer() if load_tokenizer else None
     return LoadedModel(model=net, config=cfg, tokenizer=tok, path=path)
 
 
 def checkpoint_weight_bits(net: torch.nn.Module) -> int | None:
     """Bits of the quantized linears of a loaded model, None if it has none."""
-    return max((b for b in (getattr(m, "quant_bits", None) for m in net.modules()) if b is not None), default=None)
+    return max((m.quant_bits for m in net.modules() if isinstance(m, Linear) and m.quant_bits is not None),
+               default=None)
 
 
 def _reset_buffers(net: torch.nn.Module, device: str) -> None:

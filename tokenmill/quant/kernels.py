@@ -39,6 +39,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.linear import KernelKind, LinearKernel
 from tokenmill.quant import cpu_int4
 from tokenmill.quant.grid import QuantizedWeight
 
@@ -172,7 +173,7 @@ class Int4WeightOnlyMethod:
             return 1 << 62 if self.force_path == "kernel" else 0
         return self.plan.int4_k64_max_rows if self.layout == "k64" else self.plan.int4_tinygemm_max_rows
 
-    def kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
+    def run_kernel(self, layer, x2: torch.Tensor) -> torch.Tensor:
         sz = layer.scales_and_zeros if layer.scales_and_zeros.dtype == x2.dtype else layer.scales_and_zeros.to(x2.dtype)
         if self.layout == "k64":
             y = cpu_int4.linear(x2, layer.qweight, sz, self.group_size)
@@ -181,13 +182,31 @@ class Int4WeightOnlyMethod:
             return y
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), layer.qweight, self.group_size, sz)
 
+    def process_weights_after_loading(self, layer) -> None:
+        """Nothing to do: install_quantized packed the codes for the layout this method reads."""
+
+    def kernel(self, layer) -> LinearKernel | None:
+        """Our k64 kernel or tinygemm on bf16 activations, for as many rows as the plan keeps on the kernel;
+        None for act-order columns, a bias or the plain layout (those run the module path)."""
+        sz = layer.scales_and_zeros
+        if layer.bias is not None or layer.col_perm is not None or sz.dtype != torch.bfloat16 or sz.device.type != "cpu":
+            return None
+        if self.layout == "k64" and cpu_int4.available():
+            kind = KernelKind.INT4_K64
+        elif self.is_tinygemm:
+            kind = KernelKind.INT4_TINYGEMM
+        else:
+            return None
+        return LinearKernel(kind, layer.qweight, sz, None, None, self.group_size, layer.out_features,
+                            self.max_kernel_rows)
+
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])                                         # [M, K]
         if layer.col_perm is not None:
             x2 = x2[:, layer.col_perm]
         if self.path(x2.shape[0], x2) == "kernel":
-            y = self.kernel(layer, x2)
+            y = self.run_kernel(layer, x2)
         else:
             y = F.linear(x2, self.dequantize(layer, x2.dtype))
         if layer.bias is not None:
@@ -225,8 +244,23 @@ class Int8WeightOnlyMethod:
             return 1 << 62 if self.force_path == "kernel" else 0
         return self.plan.int8_max_rows
 
+    def process_weights_after_loading(self, layer) -> None:
+        """Nothing to do: install_quantized stored the codes this method reads."""
+
+    def kernel(self, layer) -> LinearKernel | None:
+        """Our per-channel int8 GEMV on bf16 activations, up to the rows where `apply` calls it (8, or fewer
+        by the plan); None for groups, act-order columns, a bias, or shapes the GEMV does not take."""
+        scales, offsets = layer.scales, layer.offsets
+        if (layer.bias is not None or layer.col_perm is not None or scales.shape[-1] != 1
+                or scales.dtype != torch.bfloat16 or (offsets is not None and offsets.dtype != torch.bfloat16)
+                or layer.in_features % 64 or not cpu_int4.available()):
+            return None
+        return LinearKernel(KernelKind.INT8, layer.qweight, scales.reshape(-1).contiguous(),
+                            None if offsets is None else offsets.reshape(-1).contiguous(), None, 0,
+                            layer.out_features, min(cpu_int4.INT8_MAX_ROWS, self.max_kernel_rows))
+
     @staticmethod
-    def kernel(layer, x2: torch.Tensor) -> torch.Tensor:
+    def run_kernel(layer, x2: torch.Tensor) -> torch.Tensor:
         if x2.shape[0] <= cpu_int4.INT8_MAX_ROWS:  # our GEMV (quant/cpu_int4.py) reads ~2x faster at a few rows
             y = cpu_int4.int8_linear(x2, layer.qweight, layer.scales, layer.offsets)
             if y is not None:
@@ -242,7 +276,7 @@ class Int8WeightOnlyMethod:
         if layer.col_perm is not None:
             x2 = x2[:, layer.col_perm]
         if self.path(layer, x2) == "kernel":
-            y = self.kernel(layer, x2)
+            y = self.run_kernel(layer, x2)
         else:
             y = F.linear(x2, self.dequantize(layer, x2.dtype))
         if layer.bias is not None:

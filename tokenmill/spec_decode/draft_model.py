@@ -103,6 +103,7 @@ def build_draft_model(target: torch.nn.Module, target_arch: ModelArchConfig, dra
     for name, buf in net.named_buffers():
         assert buf.device.type != "meta", f"draft buffer {name} left on meta"
     net.eval()
+    net.process_weights_after_loading()  # its own linears' kernel copies (the parameters are shared)
     return net, draft_arch
 
 

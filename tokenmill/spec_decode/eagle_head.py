@@ -74,6 +74,10 @@ class EagleHead(nn.Module):
         self.head.weight = nn.Parameter(lm_rows.detach().to(dtype).contiguous(), requires_grad=False)
 
     # The runner binds KV caches through these (one layer).
+    def decoder_layout(self) -> None:
+        """Not the Llama layer layout (one layer fed by fc): the runner runs the module path."""
+        return None
+
     def attention_layers(self) -> list[LlamaAttention]:
         return [self.layer.self_attn]
 
@@ -168,6 +172,9 @@ def load_eagle_head(directory: str | Path, target_arch: ModelArchConfig, embed: 
             raise ValueError(f"{w_path}: {k} has shape {tuple(tensors[k].shape)}, expected {tuple(p.shape)}")
         p.data.copy_(tensors[k].to(p.dtype))
     head.eval()
+    for m in head.modules():  # weights final: build the copies the linears' kernels read
+        if isinstance(m, Linear):
+            m.process_weights_after_loading()
     return head
 
 

@@ -23,7 +23,6 @@ from tokenmill.attention.kv_quant import cache_head_dim
 from tokenmill.attention.metadata import AttentionMetadata, forward_context
 from tokenmill.config import ModelArchConfig
 from tokenmill.core.scheduler import SamplerResult, ScheduledRequest, SchedulerOutput
-from tokenmill.layers.cpu_packed_linear import prepack_bf16_linears
 from tokenmill.layers.sampler import Sampler, SamplingMetadata
 from tokenmill.worker import cpu_decode
 from tokenmill.worker.kv_cache_ops import add_forked_samples, copy_blocks
@@ -57,9 +56,7 @@ also get per-token attention metadata, so the CPU decode loop can serve them."""
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, kv_spec: KVCacheSpec,
                  device: torch.device, seed: int = 0) -> None:
-        self.model = model
-        if device.type == "cpu":
-            prepack_bf16_linears(model)  # bf16 only; bitwise-identical outputs, ~2x faster decode
+        self.model = model  # weights already processed for their kernels (load_model)
         self.arch = arch
         self.kv_spec = kv_spec
         self.device = device
@@ -71,8 +68,8 @@ class ModelRunner:
                           for _ in range(kv_spec.num_layers)]
         for attn, cache in zip(model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache
-        # Decode-only steps on CPU: a flat loop over the same kernels (worker/cpu_decode.py), or None.
-        self.decode_loop = cpu_decode.build(model, self.kv_caches) if device.type == "cpu" else None
+        # Steps of a few tokens per request on CPU: the C++ layer loop (worker/cpu_decode.py), or None.
+        self.decode_loop = cpu_decode.build(model.decoder_layout(), self.kv_caches) if device.type == "cpu" else None
         self.sampler = Sampler(seed, device=str(device))
         self.generators: dict[str, torch.Generator] = {}
         self.spec_verifier: Callable[..., dict[str, SamplerResult]] | None = None
@@ -95,7 +92,7 @@ class ModelRunner:
         meta, input_ids, positions, logits_indices, sampling = self._prepare(batch)
         if sched.forked:
             logits_indices, sampling = add_forked_samples(sched.forked, logits_indices, sampling)
-        if self.decode_loop is not None and self.decode_loop.serves(meta, input_ids):
+        if self.decode_loop is not None and self.decode_loop.serves(meta, input_ids.shape[0]):
             hidden = self.decode_loop(input_ids, positions, meta)
         else:
             with forward_context(meta):
