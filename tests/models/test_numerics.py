@@ -6,7 +6,8 @@ import torch
 
 from tokenmill.attention.metadata import forward_context
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.step_io import StepTokens
 from tokenmill.models.loader import load_model
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
@@ -39,7 +40,7 @@ def paged_logits(loaded, prompts_ids: list[list[int]], chunk: int, block_size: i
         sched.add_request(r)
     # admit everyone, then step manually with per-request chunk sizes
     while any(r.num_computed_tokens < r.num_tokens for r in reqs):
-        step = SchedulerOutput()
+        step: list[StepTokens] = []
         for r in reqs:
             n = min(chunk, r.num_tokens - r.num_computed_tokens)
             if n == 0:
@@ -47,19 +48,20 @@ def paged_logits(loaded, prompts_ids: list[list[int]], chunk: int, block_size: i
             if r.request_id not in sched.kv.req_blocks:
                 sched.kv.allocate_slots(r, 0)
             assert sched.kv.allocate_slots(r, n) is not None
-            from tokenmill.core.scheduler import ScheduledRequest
-            step.scheduled.append(ScheduledRequest(r, n, r.num_computed_tokens, sched.kv.get_block_ids(r.request_id)))
-        batch = sorted(step.scheduled, key=lambda s: s.num_new_tokens != 1)
-        meta, input_ids, positions, _, _ = runner._prepare(batch)
-        with torch.inference_mode(), forward_context(meta):
-            hidden = loaded.model(input_ids, positions)
+            start = r.num_computed_tokens
+            step.append(StepTokens(r.request_id, start, r.all_token_ids[start:start + n],
+                                   sched.kv.get_block_ids(r.request_id)))
+        batch = sorted(step, key=lambda s: s.num_new_tokens != 1)
+        inp = runner.prepare_inputs(batch)
+        with torch.inference_mode(), forward_context(inp.meta):
+            hidden = loaded.model(inp.input_ids, inp.positions)
             logits = loaded.model.compute_logits(hidden)
         pos = 0
         for s in batch:
             i = int(s.request_id)
             out[i].append(logits[pos:pos + s.num_new_tokens])
             pos += s.num_new_tokens
-            s.request.num_computed_tokens += s.num_new_tokens
+            reqs[i].num_computed_tokens += s.num_new_tokens
     return [torch.cat(o) for o in out]
 
 

@@ -78,18 +78,18 @@ def test_runner_hands_the_true_features(tiny_llama, trained_head):
     path, *_ = trained_head
     cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
-    store = llm.engine.spec.proposer.store
+    runner = llm.engine.runner
     seen: list[tuple[list[int], int, torch.Tensor]] = []
-    write = store.write
+    write = runner.feature_sink
 
     def spy(batch, hidden):
         off = 0
         for s in batch:
-            seen.append((list(s.request.all_token_ids[:s.start_pos]) + list(s.token_ids), s.start_pos,
+            seen.append((runner.requests[s.request_id].token_ids[:s.start_pos] + list(s.token_ids), s.start_pos,
                          hidden[off:off + s.num_new_tokens].clone()))
             off += s.num_new_tokens
         write(batch, hidden)
-    llm.engine.runner.hidden_sink = spy
+    runner.feature_sink = spy  # a test's spy on the declared hook
     run(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     target = _target(tiny_llama)
     assert len(seen) > 4 and any(len(rows) > 1 for _, start, rows in seen if start > 0)  # verification steps

@@ -19,10 +19,10 @@ that others also hold, `allocate_slots` gives it a fresh block and queues (src, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from tokenmill.core.block_hash import BlockHash, extend_block_hashes
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
+from tokenmill.core.step_io import BlockCopy
 from tokenmill.request import Request
 
 
@@ -38,11 +38,6 @@ class PrefixCacheStats:
     """Prompt tokens looked up."""
     hits: int = 0
     """Prompt tokens found cached."""
-
-
-class BlockCopy(NamedTuple):
-    src: int
-    dst: int
 
 
 @dataclass

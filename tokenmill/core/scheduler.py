@@ -15,7 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.kv_cache_manager import BlockCopy, KVCacheManager
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.step_io import BlockCopy, NewRequestData, SamplerResult, ScheduledChunk, StepInput
 from tokenmill.request import Request, RequestStatus
 
 
@@ -60,6 +61,8 @@ class SchedulerOutput:
     block_copies: list[BlockCopy] = field(default_factory=list)
     """Copy-on-write: (src, dst) block pairs whose K/V (all layers) the runner copies, in order,
     before this step's forward."""
+    step: StepInput = field(default_factory=StepInput)
+    """The runner's view of this step: plain data, new rows once, deltas after (core/step_io.py)."""
 
     @property
     def num_tokens(self) -> int:
@@ -71,13 +74,11 @@ class SchedulerOutput:
 
 
 @dataclass
-class SamplerResult:
-    """What the runner sampled for one request this step."""
+class _RunnerView:
+    """What the runner was last sent of a request (its row there): token count and block table."""
 
-    token_ids: list[int]
-    """Accepted tokens in order (one without speculation; up to 1 + k with k drafts)."""
-    logprobs: list | None = None
-    """Per token: dict[token_id, Logprob] (sampled + top-N), if requested."""
+    num_tokens: int
+    block_ids: list[int]
 
 
 class Scheduler:
@@ -93,6 +94,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.pending_forks: dict[str, list[Request]] = {}
         """Leader id -> samples that fork from it once its prompt is computed (n > 1)."""
+        self.runner_views: dict[str, _RunnerView] = {}
+        """Request id -> what the runner holds of it, so each step sends only what changed."""
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req: Request, forks: list[Request] | None = None) -> None:
@@ -234,7 +237,46 @@ class Scheduler:
                     self.running.extend(new_forks)
                 budget -= num_new
         out.block_copies = self.kv.take_block_copies()
+        out.step = self._runner_step(out)
         return out
+
+    def _runner_step(self, out: SchedulerOutput) -> StepInput:
+        """This step as the runner sees it: a request it holds no row for is sent whole (admitted,
+        resumed, forked, or rewound by beam search), the others as deltas of tokens and blocks."""
+        views = self.runner_views
+        for rid in out.finished_ids:
+            views.pop(rid, None)
+        for rid in out.preempted_ids:
+            views.pop(rid, None)
+        new: list[NewRequestData] = []
+
+        def chunk(s: ScheduledRequest) -> ScheduledChunk:
+            req, blocks = s.request, s.block_ids
+            rid = req.request_id
+            view = views.get(rid)
+            new_tokens: list[int] = []
+            new_blocks: list[int] = []
+            replace = False
+            if view is None or req.num_tokens < view.num_tokens:  # (beam search takes tokens back: a new row)
+                new.append(NewRequestData(rid, list(req.prompt_token_ids), list(req.output_token_ids),
+                                          req.sampling_params, req.eos_token_id, list(blocks)))
+                views[rid] = _RunnerView(req.num_tokens, list(blocks))
+            else:
+                new_tokens = req.all_token_ids[view.num_tokens:]
+                n = len(view.block_ids)
+                if blocks[:n] == view.block_ids:
+                    new_blocks = blocks[n:]
+                    view.block_ids.extend(new_blocks)
+                else:  # copy on write replaced a block
+                    new_blocks, replace = list(blocks), True
+                    view.block_ids = list(blocks)
+                view.num_tokens = req.num_tokens
+            return ScheduledChunk(rid, s.start_pos, s.num_new_tokens, new_tokens, new_blocks, replace,
+                                  list(req.spec_token_ids[:s.num_spec_tokens]), s.is_sampling, s.fork_of)
+
+        scheduled = [chunk(s) for s in out.scheduled]
+        forked = [chunk(s) for s in out.forked]
+        return StepInput(list(out.finished_ids), list(out.preempted_ids), new, list(out.block_copies), scheduled, forked)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

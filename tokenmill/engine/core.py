@@ -1,6 +1,6 @@
 """The engine core: owns the scheduler and the model runner and runs one step at a time.
 
-    step(): scheduler.schedule() -> runner.execute(batch) -> scheduler.update(results)
+    step(): scheduler.schedule() -> runner.execute(sched.step) -> scheduler.update(results)
             -> detokenize, stop strings -> RequestOutputs
 
 A request asking for n samples becomes n child requests ("<id>#<i>"); child i of a seeded
@@ -123,13 +123,14 @@ class EngineCore:
         if num_blocks < 1:
             raise ValueError("the KV-cache budget holds no block; raise kv_cache_memory_bytes")
         self.kv_spec = KVCacheSpec(num_blocks, cc.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype)
-        self.runner = ModelRunner(self.model, self.arch, self.kv_spec, self.device, seed=mc.seed)
         self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len)
         self.spec = None
         if config.speculative is not None:  # lazy import: engines without speculation never load it
             from tokenmill.spec_decode.decoder import SpeculativeDecoder
             self.spec = SpeculativeDecoder(config.speculative, self)
-            self.runner.spec_verifier = self.spec.verify
+        self.runner = ModelRunner(self.model, self.arch, self.kv_spec, self.device, seed=mc.seed,
+                                  verifier=self.spec.verify if self.spec else None,
+                                  feature_sink=self.spec.proposer.feature_sink if self.spec else None)
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, str] = {}
         self.num_prompt_tokens = 0
@@ -202,7 +203,7 @@ class EngineCore:
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        results = self.runner.execute(sched) if self.spec is None else self.spec.execute(self.runner, sched)
+        results = self.runner.execute(sched.step) if self.spec is None else self.spec.execute(self.runner, sched)
         changed = self.scheduler.update(sched, results)
         touched: dict[str, None] = {}
         for req in changed:

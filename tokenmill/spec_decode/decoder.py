@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.core.scheduler import SamplerResult, ScheduledRequest, Scheduler, SchedulerOutput
+from tokenmill.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.core.step_io import SamplerResult, SamplingRow, StepTokens
 from tokenmill.layers.sampler import SamplingMetadata
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec_decode.adaptive import AdaptiveGamma
@@ -54,18 +55,18 @@ class SpeculativeDecoder:
     def execute(self, runner: "ModelRunner", sched: SchedulerOutput) -> dict[str, SamplerResult]:
         self.proposer.on_schedule(sched)
         t0 = time.perf_counter()
-        results = runner.execute(sched)
+        results = runner.execute(sched.step)
         # The cost model T(n) is fitted to decode/verification steps only: prefill chunks take
         # other kernels and would understate what extra verification tokens cost.
         if all(s.num_new_tokens == 1 + s.num_spec_tokens for s in sched.scheduled):
             self.adaptive.observe_target_step(sched.num_tokens, time.perf_counter() - t0)
         return results
 
-    def verify(self, logits: torch.Tensor, sampling: list[ScheduledRequest], meta: SamplingMetadata,
-               global_gen: torch.Generator | None) -> dict[str, SamplerResult]:
+    def verify(self, logits: torch.Tensor, sampling: list[StepTokens], rows: list[SamplingRow],
+               meta: SamplingMetadata, global_gen: torch.Generator | None) -> dict[str, SamplerResult]:
         """The runner's verification hook: logits [sum(k_i + 1), V] for `sampling`."""
         acc0, judged0 = self.stats.num_accepted_tokens, self.stats.num_evaluated_tokens
-        out = self.rejection_sampler(logits, sampling, meta, self.draft_probs, global_gen)
+        out = self.rejection_sampler(logits, sampling, rows, meta, self.draft_probs, global_gen)
         self.adaptive.observe_acceptance(self.stats.num_evaluated_tokens - judged0,
                                          self.stats.num_accepted_tokens - acc0)
         return out

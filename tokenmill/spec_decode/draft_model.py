@@ -33,6 +33,7 @@ from tokenmill.attention.metadata import forward_context
 from tokenmill.config import ModelArchConfig
 from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits
 from tokenmill.request import Request
+from tokenmill.core.step_io import StepTokens
 from tokenmill.spec_decode.proposer import Proposal
 from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
 
@@ -40,26 +41,6 @@ if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
     from tokenmill.core.scheduler import SchedulerOutput
     from tokenmill.engine.core import EngineCore
-
-
-@dataclass
-class DraftSlice:
-    """The part of ScheduledRequest the runner's `_prepare` and `_sampling_metadata` read."""
-
-    request: Request
-    start_pos: int
-    token_ids: list[int]
-    block_ids: list[int]
-    num_spec_tokens: int = 0
-    is_sampling: bool = True
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
 
 
 def truncated_layer_ids(num_layers: int, keep: int) -> list[int]:
@@ -136,7 +117,7 @@ def advance(meta: SamplingMetadata, tokens: torch.Tensor, num_generated: list[in
 
 def mirror_block_copies(kv_caches: list[torch.Tensor], sched: "SchedulerOutput") -> None:
     """Copy-on-write copies the target makes this step, made in a mirrored draft pool too."""
-    copies = getattr(sched, "block_copies", None)  # NOTE: absent on cores without copy-on-write
+    copies = sched.block_copies
     if copies:
         from tokenmill.worker.kv_cache_ops import copy_blocks
         copy_blocks(kv_caches, copies)
@@ -185,6 +166,7 @@ class DraftModelProposer:
                            arch.head_dim, kv_dtype)
         self.runner = ModelRunner(model, arch, spec, device, seed=seed + 1)
         self.block_table = block_table
+        self.feature_sink = None  # drafts from its own layers
         self.num_computed: dict[str, tuple[int, int]] = {}
         """request id -> (num_preemptions when recorded, real tokens with draft K/V in mirrored blocks)."""
 
@@ -207,7 +189,7 @@ class DraftModelProposer:
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.num_computed.pop(rid, None)
-            self.runner.generators.pop(rid, None)
+        self.runner.forget(request_ids)
 
     def on_schedule(self, sched: "SchedulerOutput") -> None:
         mirror_block_copies(self.runner.kv_caches, sched)
@@ -221,7 +203,7 @@ class DraftModelProposer:
             return Proposal([[] for _ in requests], None)
         next_scratch = self.num_mirrored_blocks
         tables: list[list[int]] = []
-        catch_up: list[DraftSlice] = []
+        catch_up: list[StepTokens] = []
         for r, k in active:
             seen_preemptions, done = self.num_computed.get(r.request_id, (r.num_preemptions, 0))
             if seen_preemptions != r.num_preemptions:
@@ -234,26 +216,26 @@ class DraftModelProposer:
             next_scratch += extra
             assert next_scratch <= self.runner.kv_spec.num_blocks, "draft scratch blocks exhausted"
             tables.append(table)
-            catch_up.append(DraftSlice(r, done, r.all_token_ids[done:], table))
+            catch_up.append(StepTokens(r.request_id, done, r.all_token_ids[done:], table))
             self.num_computed[r.request_id] = (r.num_preemptions, min(r.num_tokens, len(real) * bs))
 
         reqs = [r for r, _ in active]
         ks = [k for _, k in active]
-        meta = self.runner._sampling_metadata(catch_up)  # per request; the draft's own generators
+        meta = self.runner.sampling_metadata(reqs)  # the target requests' parameters; the draft's own generators
 
         def step(alive: list[int], keep: list[int], j: int, last: list[int]) -> torch.Tensor:
-            return self._forward([DraftSlice(reqs[i], reqs[i].num_tokens + j, [t], tables[i])
+            return self._forward([StepTokens(reqs[i].request_id, reqs[i].num_tokens + j, [t], tables[i])
                                   for i, t in zip(alive, last)])
         drafts, probs = draft_loop(reqs, ks, meta, self._forward(catch_up), self._sample, step)
         return Proposal([drafts.get(r.request_id, []) for r in requests], probs)
 
-    def _forward(self, slices: list[DraftSlice]) -> torch.Tensor:
+    def _forward(self, slices: list[StepTokens]) -> torch.Tensor:
         """Logits [len(slices), V] at each slice's last token, in slice order."""
         order = sorted(range(len(slices)), key=lambda i: slices[i].num_new_tokens != 1)  # decodes first
-        meta, input_ids, positions, logits_indices, _ = self.runner._prepare([slices[i] for i in order])
-        with forward_context(meta):
-            hidden = self.runner.model(input_ids, positions)
-        logits_sorted = self.runner.model.compute_logits(hidden[logits_indices])
+        inp = self.runner.prepare_inputs([slices[i] for i in order])
+        with forward_context(inp.meta):
+            hidden = self.runner.model(inp.input_ids, inp.positions)
+        logits_sorted = self.runner.model.compute_logits(hidden[inp.logits_indices])
         logits = torch.empty_like(logits_sorted)
         logits[torch.tensor(order, device=logits.device)] = logits_sorted
         return logits

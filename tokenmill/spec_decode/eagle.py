@@ -1,7 +1,7 @@
 """EAGLE proposer: a one-layer head drafts from the target's own features (eagle_head.py).
 
 Per step the target runner hands every computed position's feature to a `FeatureStore` (the
-runner's `hidden_sink`). When a request is about to decode with N tokens, the target has features
+runner's `feature_sink`, which the proposer declares). When a request is about to decode with N tokens, the target has features
 for positions 0 .. N-2; the head catches up over the positions it has not seen yet, pairing
 feature f_i with token t_{i+1}, and its last output predicts f_{N-1}, whose logits give draft 1.
 Each further draft feeds the head its own prediction and the token it drafted:
@@ -27,13 +27,13 @@ import torch
 from tokenmill.attention.metadata import forward_context
 from tokenmill.layers.sampler import SamplingMetadata
 from tokenmill.request import Request
-from tokenmill.spec_decode.draft_model import DraftModelProposer, DraftSlice, draft_loop
+from tokenmill.core.step_io import StepTokens
+from tokenmill.spec_decode.draft_model import DraftModelProposer, draft_loop
 from tokenmill.spec_decode.eagle_head import EagleHead, load_eagle_head, target_tables
 from tokenmill.spec_decode.proposer import Proposal
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
-    from tokenmill.core.scheduler import ScheduledRequest
     from tokenmill.engine.core import EngineCore
 
 
@@ -43,7 +43,7 @@ class FeatureStore:
     def __init__(self) -> None:
         self.rows: dict[str, tuple[int, torch.Tensor]] = {}
 
-    def write(self, batch: list["ScheduledRequest"], hidden: torch.Tensor) -> None:
+    def write(self, batch: list[StepTokens], hidden: torch.Tensor) -> None:
         """The runner's hook: `hidden` [num_tokens, H] for `batch` in order, each request's
         num_new_tokens rows for positions start_pos .. start_pos + n - 1."""
         off = 0
@@ -85,15 +85,14 @@ class EagleProposer(DraftModelProposer):
         super().__init__(head, head.arch, **pool)
         self.head = head
         self.store = FeatureStore()
+        self.feature_sink = self.store.write  # the target's runner hands it every step's features
         # num_computed (inherited): positions whose head K/V came from real target features
 
     @classmethod
     def from_engine(cls, config: "SpeculativeConfig", engine: "EngineCore") -> "EagleProposer":
         embed, lm = target_tables(engine.model)
         head = load_eagle_head(config.model, engine.arch, embed, lm, engine.config.model.torch_dtype, engine.device)
-        prop = cls(head, **cls.pool_args(config, engine))
-        engine.runner.hidden_sink = prop.store.write
-        return prop
+        return cls(head, **cls.pool_args(config, engine))
 
     def forget(self, request_ids: list[str]) -> None:
         super().forget(request_ids)
@@ -108,7 +107,7 @@ class EagleProposer(DraftModelProposer):
         reqs: list[Request] = []
         ks: list[int] = []
         tables: list[list[int]] = []
-        catch_up: list[DraftSlice] = []
+        catch_up: list[StepTokens] = []
         feats: list[torch.Tensor] = []
         for r, k in zip(requests, num_tokens):
             if k <= 0:
@@ -131,34 +130,35 @@ class EagleProposer(DraftModelProposer):
             reqs.append(r)
             ks.append(k)
             tables.append(table)
-            catch_up.append(DraftSlice(r, first, r.all_token_ids[first + 1:n], table))
+            catch_up.append(StepTokens(r.request_id, first, r.all_token_ids[first + 1:n], table))
             feats.append(f)
             self.num_computed[r.request_id] = (r.num_preemptions, n - 1)
         if not reqs:
             return Proposal([[] for _ in requests], None)
 
-        meta = self.runner._sampling_metadata(catch_up)
+        meta = self.runner.sampling_metadata(reqs)
         logits, fhat = self._forward(catch_up, feats)
 
         def step(alive: list[int], keep: list[int], j: int, last: list[int]) -> torch.Tensor:
             nonlocal fhat
             if len(keep) < len(fhat):
                 fhat = fhat[torch.tensor(keep, device=fhat.device)]
-            slices = [DraftSlice(reqs[i], reqs[i].num_tokens - 1 + j, [t], tables[i]) for i, t in zip(alive, last)]
+            slices = [StepTokens(reqs[i].request_id, reqs[i].num_tokens - 1 + j, [t], tables[i])
+                      for i, t in zip(alive, last)]
             out, fhat = self._forward(slices, list(fhat.unsqueeze(1)))
             return out
         drafts, probs = draft_loop(reqs, ks, meta, logits, self._sample, step)
         return Proposal([drafts.get(r.request_id, []) for r in requests], probs)
 
-    def _forward(self, slices: list[DraftSlice], feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, slices: list[StepTokens], feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits over the draft vocab [n, V'], predicted features [n, H]) at each slice's last
         position, in slice order. feats[i]: the features paired with slices[i]'s tokens."""
         order = sorted(range(len(slices)), key=lambda i: slices[i].num_new_tokens != 1)  # decodes first
-        meta, input_ids, positions, logits_indices, _ = self.runner._prepare([slices[i] for i in order])
+        inp = self.runner.prepare_inputs([slices[i] for i in order])
         x = torch.cat([feats[i] for i in order]).to(self.head.norm.weight.dtype)
-        with forward_context(meta):
-            fhat = self.head(input_ids, positions, x)
-        last_sorted = fhat[logits_indices]
+        with forward_context(inp.meta):
+            fhat = self.head(inp.input_ids, inp.positions, x)
+        last_sorted = fhat[inp.logits_indices]
         last = torch.empty_like(last_sorted)
         last[torch.tensor(order, device=last.device)] = last_sorted
         return self.head.compute_logits(last), last

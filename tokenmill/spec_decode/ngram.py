@@ -53,6 +53,7 @@ class NgramProposer:
     next token 21% of the time, the datastore 46% where no longer prompt match exists."""
 
     def __init__(self, min_n: int, max_n: int, datastore=None, min_share: float = 0.3) -> None:
+        self.feature_sink = None  # drafts from tokens only
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}")
         self.min_n = min_n

@@ -10,6 +10,7 @@ import torch
 from tokenmill.request import Request
 
 if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import FeatureSink
     from tokenmill.config import SpeculativeConfig
     from tokenmill.core.scheduler import SchedulerOutput
     from tokenmill.engine.core import EngineCore
@@ -24,6 +25,9 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    feature_sink: "FeatureSink | None"
+    """Given to the target's runner: receives every step's final hidden states (EAGLE), or None."""
+
     def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
         """Drafts for running requests whose next step is a decode. `num_tokens[i]` caps request
         i's draft (0 = none). Drafts continue `all_token_ids`; they must not mutate requests."""

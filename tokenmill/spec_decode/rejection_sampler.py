@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tokenmill.core.scheduler import SamplerResult, ScheduledRequest
+from tokenmill.core.step_io import SamplerResult, SamplingRow, StepTokens
 from tokenmill.layers.sampler import (SamplingMetadata, apply_penalties, apply_temperature_and_masks,
                                       gather_logprobs)
 from tokenmill.spec_decode.stats import SpecDecodeStats
@@ -200,14 +200,14 @@ class RejectionSampler:
     def __init__(self, stats: SpecDecodeStats) -> None:
         self.stats = stats
 
-    def __call__(self, logits: torch.Tensor, sampling: list[ScheduledRequest], meta: SamplingMetadata,
-                 draft_probs: dict[str, torch.Tensor], global_gen: torch.Generator | None) -> dict[str, SamplerResult]:
-        """logits: [sum(k_i + 1), V] raw target logits, rows ordered as `sampling`."""
-        reqs = [s.request for s in sampling]
+    def __call__(self, logits: torch.Tensor, sampling: list[StepTokens], reqs: list[SamplingRow],
+                 meta: SamplingMetadata, draft_probs: dict[str, torch.Tensor],
+                 global_gen: torch.Generator | None) -> dict[str, SamplerResult]:
+        """logits: [sum(k_i + 1), V] raw target logits, rows ordered as `sampling`; reqs[i]: the runner's row
+        of sampling[i]."""
         ks = [s.num_spec_tokens if s.is_sampling else 0 for s in sampling]
-        drafts = [r.spec_token_ids[:k] for r, k in zip(reqs, ks)]
-        assert all(len(d) == k for d, k in zip(drafts, ks)), "scheduled drafts disagree with the request"
-        emeta = expand_sampling_metadata(meta, drafts, [r.num_output_tokens for r in reqs],
+        drafts = [s.token_ids[len(s.token_ids) - k:] if k else [] for s, k in zip(sampling, ks)]
+        emeta = expand_sampling_metadata(meta, drafts, [len(r.output_token_ids) for r in reqs],
                                          [r.sampling_params.min_tokens for r in reqs])
         dev = logits.device
         logits = apply_penalties(logits.float(), emeta)

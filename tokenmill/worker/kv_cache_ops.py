@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.core.kv_cache_manager import BlockCopy
-from tokenmill.core.scheduler import ScheduledRequest
+from tokenmill.core.step_io import BlockCopy, StepTokens
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], copies: list[BlockCopy]) -> None:
@@ -19,8 +18,8 @@ def copy_blocks(kv_caches: list[torch.Tensor], copies: list[BlockCopy]) -> None:
         cache[:, dst] = cache[:, src]
 
 
-def add_forked_samples(forked: list[ScheduledRequest], logits_indices: torch.Tensor,
-                       sampling: list[ScheduledRequest]) -> tuple[torch.Tensor, list[ScheduledRequest]]:
+def add_forked_samples(forked: list[StepTokens], logits_indices: torch.Tensor,
+                       sampling: list[StepTokens]) -> tuple[torch.Tensor, list[StepTokens]]:
     """Append one logits row per forked sample: its leader's row (the hidden state of the prompt's
     last token), so the sampler draws the fork's first token with the fork's own parameters.
 

@@ -11,19 +11,25 @@ Flattening one step (block_size 4; A decodes, B prefills a chunk of 3 after 2 ca
     logits_indices   [0, 3]          (last token of each request that samples)
 
 Decodes (one new token) are put first so attention can batch them.
+
+The runner never sees a scheduler `Request`: it keeps a `RequestState` row per request, built from the
+`NewRequestData` the scheduler sends once and advanced by each step's `ScheduledChunk` deltas
+(core/step_io.py), so it can run in another process (tests/worker/test_runner_process.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from tokenmill.attention.kv_quant import cache_head_dim
 from tokenmill.attention.metadata import AttentionMetadata, forward_context
 from tokenmill.config import ModelArchConfig
-from tokenmill.core.scheduler import SamplerResult, ScheduledRequest, SchedulerOutput
+from tokenmill.core.step_io import (NewRequestData, SamplerResult, SamplingRow, ScheduledChunk, StepInput,
+                                    StepTokens)
 from tokenmill.layers.sampler import Sampler, SamplingMetadata
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import cpu_decode
 from tokenmill.worker.kv_cache_ops import add_forked_samples, copy_blocks
 
@@ -48,6 +54,62 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.cache_head_dim * elem
 
 
+@dataclass
+class RequestState:
+    """The runner's row for one request: what it was sent, never what it sampled (step_io.py)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """Prompt + outputs the scheduler has confirmed."""
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]
+
+    @classmethod
+    def new(cls, d: NewRequestData) -> "RequestState":
+        return cls(d.request_id, list(d.prompt_token_ids), list(d.prompt_token_ids) + list(d.output_token_ids),
+                   d.sampling_params, d.eos_token_id, list(d.block_ids))
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    def advance(self, c: ScheduledChunk) -> StepTokens:
+        """Apply a step's delta; the tokens to compute this step."""
+        self.token_ids.extend(c.new_token_ids)
+        if c.replace_block_ids:
+            self.block_ids = list(c.new_block_ids)
+        else:
+            self.block_ids.extend(c.new_block_ids)
+        end = c.start_pos + c.num_new_tokens
+        k = len(c.spec_token_ids)
+        real_end = end - k
+        assert real_end <= len(self.token_ids), f"{self.request_id}: chunk past the tokens the runner was sent"
+        toks = self.token_ids[c.start_pos:real_end] + list(c.spec_token_ids)
+        return StepTokens(self.request_id, c.start_pos, toks, self.block_ids, k, c.is_sampling, c.fork_of)
+
+
+@dataclass
+class StepInputs:
+    """A forward pass's tensors, from `ModelRunner.prepare_inputs`."""
+
+    meta: AttentionMetadata
+    input_ids: torch.Tensor       # [num_tokens]
+    positions: torch.Tensor       # [num_tokens]
+    logits_indices: torch.Tensor  # rows of the hidden states whose logits are sampled
+    sampling: list[StepTokens]
+    """The requests that sample, in logits order (a request with k drafts owns 1 + k rows)."""
+
+
+Verifier = Callable[[torch.Tensor, list[StepTokens], list[RequestState], SamplingMetadata, "torch.Generator | None"],
+                    "dict[str, SamplerResult]"]
+"""(logits [sum(1 + k_i), V], the sampling requests, their rows, sampling metadata, the global generator) ->
+results, for a step where some requests carry drafts (spec_decode/rejection_sampler.py)."""
+FeatureSink = Callable[[list[StepTokens], torch.Tensor], None]
+"""(the step's requests in input order, final hidden states [num_tokens, hidden]) -> None (EAGLE's store)."""
+
+
 MAX_TOKENS_AS_DECODES = 9
 """Steps where no request has more new tokens than this (decodes; verification of up to 8 drafts)
 also get per-token attention metadata, so the CPU decode loop can serve them."""
@@ -55,7 +117,10 @@ also get per-token attention metadata, so the CPU decode loop can serve them."""
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, kv_spec: KVCacheSpec,
-                 device: torch.device, seed: int = 0) -> None:
+                 device: torch.device, seed: int = 0, verifier: Verifier | None = None,
+                 feature_sink: FeatureSink | None = None) -> None:
+        """verifier: verifies steps with drafts (speculative decoding); feature_sink: receives every
+        step's final hidden states (a proposer drafting from the target's features)."""
         self.model = model  # weights already processed for their kernels (load_model)
         self.arch = arch
         self.kv_spec = kv_spec
@@ -72,46 +137,57 @@ class ModelRunner:
         self.decode_loop = cpu_decode.build(model.decoder_layout(), self.kv_caches) if device.type == "cpu" else None
         self.sampler = Sampler(seed, device=str(device))
         self.generators: dict[str, torch.Generator] = {}
-        self.spec_verifier: Callable[..., dict[str, SamplerResult]] | None = None
-        """Set by the engine when speculating: (logits, sampling, meta, global_gen) -> results for a
-        batch where some requests carry drafts (spec_decode/rejection_sampler.py)."""
-        self.hidden_sink: Callable[[list[ScheduledRequest], torch.Tensor], None] | None = None
-        """Set by a proposer that drafts from the target's features (EAGLE): called every step with
-        the batch (in input order) and the final hidden states [num_tokens, hidden] of all its tokens."""
+        self.requests: dict[str, RequestState] = {}
+        """The persistent batch: one row per request the scheduler has sent and not dropped."""
+        self.verifier = verifier
+        self.feature_sink = feature_sink
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Drop requests' rows and random generators (they left the engine)."""
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+            self.generators.pop(rid, None)
 
     # ----------------------------------------------------------------- execute
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[str, SamplerResult]:
-        for rid in sched.finished_ids:
-            self.generators.pop(rid, None)
-        if sched.block_copies:
-            copy_blocks(self.kv_caches, sched.block_copies)
-        if sched.is_empty:
+    def execute(self, step: StepInput) -> dict[str, SamplerResult]:
+        self.forget(step.finished_ids)
+        for rid in step.preempted_ids:  # its generator stays: a resumed request continues its stream
+            self.requests.pop(rid, None)
+        for d in step.new_requests:
+            self.requests[d.request_id] = RequestState.new(d)
+        if step.block_copies:
+            copy_blocks(self.kv_caches, step.block_copies)
+        if not step.scheduled:
             return {}
-        batch = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
-        meta, input_ids, positions, logits_indices, sampling = self._prepare(batch)
-        if sched.forked:
-            logits_indices, sampling = add_forked_samples(sched.forked, logits_indices, sampling)
-        if self.decode_loop is not None and self.decode_loop.serves(meta, input_ids.shape[0]):
-            hidden = self.decode_loop(input_ids, positions, meta)
+        tokens = [self.requests[c.request_id].advance(c) for c in step.scheduled]
+        forked = [self.requests[c.request_id].advance(c) for c in step.forked]
+        batch = sorted(tokens, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
+        inp = self.prepare_inputs(batch)
+        logits_indices, sampling = inp.logits_indices, inp.sampling
+        if forked:
+            logits_indices, sampling = add_forked_samples(forked, logits_indices, sampling)
+        if self.decode_loop is not None and self.decode_loop.serves(inp.meta, inp.input_ids.shape[0]):
+            hidden = self.decode_loop(inp.input_ids, inp.positions, inp.meta)
         else:
-            with forward_context(meta):
-                hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
-        if self.hidden_sink is not None:
-            self.hidden_sink(batch, hidden)
+            with forward_context(inp.meta):
+                hidden = self.model(inp.input_ids, inp.positions)  # [num_tokens, hidden]
+        if self.feature_sink is not None:
+            self.feature_sink(batch, hidden)
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
-        reqs = [s.request for s in sampling]
-        smeta = self._sampling_metadata(sampling)
-        if self.spec_verifier is not None and any(s.num_spec_tokens for s in sampling):
-            return self.spec_verifier(logits, sampling, smeta, self.sampler.global_gen)
-        out = self.sampler(logits, smeta, [r.sampling_params.logprobs for r in reqs])
-        tokens = out.token_ids.tolist()
-        return {r.request_id: SamplerResult([tokens[i]], None if out.logprobs is None or out.logprobs[i] is None
-                                            else [out.logprobs[i]]) for i, r in enumerate(reqs)}
+        rows = [self.requests[s.request_id] for s in sampling]
+        smeta = self.sampling_metadata(rows)
+        if self.verifier is not None and any(s.num_spec_tokens for s in sampling):
+            return self.verifier(logits, sampling, rows, smeta, self.sampler.global_gen)
+        out = self.sampler(logits, smeta, [r.sampling_params.logprobs for r in rows])
+        toks = out.token_ids.tolist()
+        return {r.request_id: SamplerResult([toks[i]], None if out.logprobs is None or out.logprobs[i] is None
+                                            else [out.logprobs[i]]) for i, r in enumerate(rows)}
 
-    def _prepare(self, batch: list[ScheduledRequest]):
+    def prepare_inputs(self, batch: list[StepTokens]) -> StepInputs:
+        """The tensors of one forward pass over `batch` (decodes first, as `execute` orders them)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -119,7 +195,7 @@ class ModelRunner:
         qsl = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        sampling: list[ScheduledRequest] = []
+        sampling: list[StepTokens] = []
         max_blocks = 1
         for s in batch:
             n, start = s.num_new_tokens, s.start_pos
@@ -165,13 +241,14 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
             seq_lens_cpu=seq_lens, query_start_loc_cpu=qsl, max_decode_seq_len=max_dec, decode_mask=decode_mask,
             token_block_tables=token_tables, token_seq_lens=token_lens)
-        return (meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev),
-                torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling)
+        return StepInputs(meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev),
+                          torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling)
 
-    def _sampling_metadata(self, sampling: list[ScheduledRequest]) -> SamplingMetadata:
+    def sampling_metadata(self, reqs: Sequence[SamplingRow]) -> SamplingMetadata:
+        """Per-row sampling tensors for `reqs` (penalty counts from their outputs, min_tokens bans, the
+        seeded requests' own generators, created on first use)."""
         dev = self.device
-        reqs = [s.request for s in sampling]
         params = [r.sampling_params for r in reqs]
         n, V = len(reqs), self.vocab_size
         temps = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], device=dev)
@@ -202,7 +279,7 @@ class ModelRunner:
         ban = None
         for i, r in enumerate(reqs):
             p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
+            if len(r.output_token_ids) < p.min_tokens:
                 if ban is None:
                     ban = torch.zeros(n, V, dtype=torch.bool, device=dev)
                 ids = list(p.stop_token_ids) + ([r.eos_token_id] if r.eos_token_id is not None and not p.ignore_eos else [])

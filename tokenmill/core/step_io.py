@@ -1,0 +1,123 @@
+"""What crosses the scheduler/runner boundary: plain data, no live objects, picklable, so the runner can
+live in another process (a tensor-parallel rank, a prefill or decode worker).
+
+The runner keeps a row per request (worker/model_runner.py, `RequestState`): prompt, tokens so far,
+sampling parameters, block table. The scheduler sends a request's prompt and parameters once, as
+`NewRequestData`, and afterwards only what changed (`ScheduledChunk`):
+
+    step 1   new   A: prompt [5, 9, 2], blocks [7]          chunk A: start 0, 3 tokens
+    step 2         (A sampled 4 in step 1)                  chunk A: start 3, 1 token, new tokens [4]
+    step 5         (A reached a new block)                  chunk A: ..., new blocks [3]
+    step 9   A was preempted in step 8                      new A again: prompt + outputs, its new blocks
+
+The runner never samples into its rows: a token it returned becomes part of the row when the scheduler
+sends it back (`new_token_ids`), so what the engine keeps (stop conditions, rejected drafts, beams that
+take a token back) is what the runner sees.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol, Sequence
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class BlockCopy(NamedTuple):
+    """Copy-on-write: copy block src's K/V (every layer) into block dst before the step's forward."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has no row for: admitted, resumed after preemption, or forked."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens generated so far (a resumed request recomputes them; a fork of a prompt has none)."""
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's part of a step: tokens [start_pos, start_pos + num_new_tokens) of its row plus drafts."""
+
+    request_id: str
+    start_pos: int
+    num_new_tokens: int
+    """Tokens computed this step: a prompt chunk, 1 for a decode, 1 + k with k drafts, 0 for a fork."""
+    new_token_ids: list[int] = field(default_factory=list)
+    """Tokens appended to the request since the runner last heard of it (the ones it sampled)."""
+    new_block_ids: list[int] = field(default_factory=list)
+    """Blocks appended to its table since then."""
+    replace_block_ids: bool = False
+    """new_block_ids is the whole table (it changed other than by appending: copy on write)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens to verify: the last len(spec_token_ids) of this step's tokens."""
+    is_sampling: bool = False
+    """This step reaches the request's last token, so its logits are sampled."""
+    fork_of: str | None = None
+    """Forks (n > 1): sample this request from the logits of the named request's last token this step."""
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """Everything the runner needs for one step, in the order it applies it."""
+
+    finished_ids: list[str] = field(default_factory=list)
+    """Requests that left since the last step: rows and generators dropped."""
+    preempted_ids: list[str] = field(default_factory=list)
+    """Rows dropped (a resumed request comes back as new); generators kept, so seeded outputs hold."""
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    scheduled: list[ScheduledChunk] = field(default_factory=list)
+    forked: list[ScheduledChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.scheduled)
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """The runner's unit of work: one request's tokens in a forward pass, with its block table.
+    Proposers that run a model through a ModelRunner (draft model, EAGLE) build these too."""
+
+    request_id: str
+    start_pos: int
+    token_ids: list[int]
+    block_ids: list[int]
+    num_spec_tokens: int = 0
+    is_sampling: bool = True
+    fork_of: str | None = None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SamplerResult:
+    """What the runner sampled for one request this step."""
+
+    token_ids: list[int]
+    """Accepted tokens in order (one without speculation; up to 1 + k with k drafts)."""
+    logprobs: list | None = None
+    """Per token: dict[token_id, Logprob] (sampled + top-N), if requested."""
+
+
+class SamplingRow(Protocol):
+    """What the runner's sampling-metadata builder reads of a request: its own row, or a proposer's
+    request (a draft model samples with the target request's parameters)."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    eos_token_id: int | None
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
