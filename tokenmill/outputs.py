@@ -30,10 +30,25 @@ class CompletionOutput:
     """The stop string or stop token id that ended the sample, if any."""
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    num_tokens: int = -1
+    """Tokens generated so far in all (a delta's token_ids hold only the new ones); -1: len(token_ids)."""
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            self.num_tokens = len(self.token_ids)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def merged(self, later: "CompletionOutput") -> "CompletionOutput":
+        """This delta followed by `later`: texts, tokens and logprobs joined, the rest from `later`."""
+        lps = None
+        if self.logprobs is not None or later.logprobs is not None:
+            lps = (self.logprobs or []) + (later.logprobs or [])
+        return CompletionOutput(later.index, self.text + later.text, self.token_ids + later.token_ids,
+                                later.finish_reason, later.stop_reason, lps, later.cumulative_logprob,
+                                later.num_tokens)
 
 
 @dataclass
@@ -81,3 +96,17 @@ class RequestOutput:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
     prompt_logprobs: list | None = field(default=None)
+    is_delta: bool = False
+    """outputs hold only what is new since the previous output (SamplingParams.output_kind "delta")."""
+
+    def merged(self, later: "RequestOutput") -> "RequestOutput":
+        """Two consecutive outputs as one (a reader that lagged): deltas are joined choice by choice,
+        nothing lost and nothing repeated; a cumulative output simply supersedes."""
+        if not (self.is_delta and later.is_delta):
+            return later
+        mine = {c.index: c for c in self.outputs}
+        outs = [mine.pop(c.index).merged(c) if c.index in mine else c for c in later.outputs]
+        outs.extend(mine.values())  # choices with nothing new in `later`
+        outs.sort(key=lambda c: c.index)
+        return RequestOutput(later.request_id, later.prompt, later.prompt_token_ids, outs, later.finished,
+                             later.metrics, later.num_cached_tokens, later.prompt_logprobs, True)

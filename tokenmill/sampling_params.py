@@ -4,7 +4,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from tokenmill.errors import InvalidRequest
+
 _GREEDY_EPS = 1e-5
+
+OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 
 @dataclass
@@ -45,6 +49,9 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
+    output_kind: str = "cumulative"
+    """What each RequestOutput holds: "cumulative" (everything so far), "delta" (only what is new since the
+    last output: streaming readers; see RequestOutput.merge), or "final" (one output, when finished)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,8 +63,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        def bad(name: str, why: str) -> InvalidRequest:
+            return InvalidRequest(f"{name} {why}, got {getattr(self, name)!r}", param=name)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
@@ -89,6 +96,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "must hold non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
 
     @property
     def is_greedy(self) -> bool:

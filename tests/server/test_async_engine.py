@@ -54,6 +54,7 @@ class FakeCore:
         self.num_steps = 0
         self.fail_at_step = fail_at_step
         self.num_generation_tokens = 0
+        self.num_stats_calls = 0
 
     def _mark(self) -> None:
         self.thread_ids.add(threading.get_ident())
@@ -84,14 +85,19 @@ class FakeCore:
             toks.append(len(toks) + 1)
             self.num_generation_tokens += 1
             done = len(toks) >= params.max_tokens
-            comp = CompletionOutput(0, self.tokenizer.decode(toks), list(toks), "length" if done else None)
-            outs.append(RequestOutput(rid, None, prompt, [comp], done, RequestMetrics(arrival, arrival)))
+            delta = params.output_kind == "delta"
+            shown = toks[-1:] if delta else toks
+            comp = CompletionOutput(0, self.tokenizer.decode(shown), list(shown), "length" if done else None,
+                                    num_tokens=len(toks))
+            outs.append(RequestOutput(rid, None, prompt, [comp], done, RequestMetrics(arrival, arrival),
+                                      is_delta=delta))
             if done:
                 del self.requests[rid]
         return outs
 
     def stats(self):
         self._mark()
+        self.num_stats_calls += 1
         return FakeStats(num_running=len(self.requests), num_generation_tokens=self.num_generation_tokens)
 
     def check_integrity(self):
@@ -190,6 +196,47 @@ def test_slow_reader_skips_to_newest_cumulative_output():
 
     outs = run(main())
     assert len(outs) == 1 and outs[0].finished and len(outs[0].outputs[0].token_ids) == 20
+
+
+def test_slow_reader_gets_deltas_joined_nothing_lost_nothing_repeated():
+    core = FakeCore()
+
+    async def main():
+        engine = await _started(core)
+        stream = await engine.add_request([1], SamplingParams(max_tokens=20, output_kind="delta"))
+        first = await stream.__anext__()  # read one, then lag while the engine runs the rest
+        await asyncio.sleep(0.3)
+        rest = [o async for o in stream]
+        await engine.shutdown()
+        return first, rest
+
+    first, rest = run(main())
+    assert len(rest) == 1 and rest[0].finished and rest[0].is_delta
+    tokens = first.outputs[0].token_ids + rest[0].outputs[0].token_ids
+    assert tokens == list(range(1, 21))
+    assert first.outputs[0].text + rest[0].outputs[0].text == FakeTokenizer().decode(tokens)
+    assert rest[0].outputs[0].num_tokens == 20
+
+
+def test_stats_are_not_recomputed_after_every_step():
+    """EngineStats walk every block: the engine thread takes a snapshot at most every STATS_REFRESH_S
+    while stepping, and once more when it goes idle (so /metrics is current then)."""
+    core = FakeCore(step_s=0.002)
+
+    async def main():
+        engine = await _started(core)
+        streams = [await engine.add_request([1], SamplingParams(max_tokens=40)) for _ in range(4)]
+        for s in streams:
+            _ = [o async for o in s]
+        await asyncio.sleep(0.2)  # idle: one last snapshot
+        stats = engine.stats()
+        await engine.shutdown()
+        return stats, engine.num_stats_snapshots
+
+    stats, snapshots = run(main())
+    assert core.num_steps >= 40
+    assert core.num_stats_calls == snapshots < core.num_steps / 4
+    assert stats.num_running == 0 and stats.num_generation_tokens == 160
 
 
 def test_not_ready_and_load_failure():

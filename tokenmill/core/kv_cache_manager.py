@@ -76,6 +76,9 @@ class KVCacheManager:
         """Blocks of each request already registered in the prefix cache."""
         self.stats = PrefixCacheStats()
         self.pending_copies: list[BlockCopy] = []
+        self.rewritten: set[str] = set()
+        """Requests whose block table changed other than by appending (copy on write) since
+        take_rewritten(); every other table only grows."""
         """Copy-on-write copies queued since the last `take_block_copies`, in order."""
 
     # ------------------------------------------------------------------ lookups
@@ -135,6 +138,8 @@ class KVCacheManager:
                 self.pending_copies.append(BlockCopy(src.block_id, dst.block_id))
             self.pool.free_blocks([src])  # still held by the others
             blocks[j] = dst
+        if cow:
+            self.rewritten.add(req.request_id)
         blocks.extend(new[:num_new_blocks])
         self._cache_full_blocks(req, min(total, req.num_tokens))
         return new
@@ -149,6 +154,10 @@ class KVCacheManager:
         num_full = num_shared_tokens // self.block_size
         self.num_cached[child.request_id] = min(self.num_cached.get(parent.request_id, 0), num_full)
         self.req_hashes[child.request_id] = list(self.req_hashes.get(parent.request_id, [])[:num_full])
+
+    def take_rewritten(self) -> set[str]:
+        out, self.rewritten = self.rewritten, set()
+        return out
 
     def take_block_copies(self) -> list[BlockCopy]:
         out, self.pending_copies = self.pending_copies, []

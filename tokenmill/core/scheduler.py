@@ -75,10 +75,10 @@ class SchedulerOutput:
 
 @dataclass
 class _RunnerView:
-    """What the runner was last sent of a request (its row there): token count and block table."""
+    """What the runner was last sent of a request (its row there): its token and block counts."""
 
     num_tokens: int
-    block_ids: list[int]
+    num_blocks: int
 
 
 class Scheduler:
@@ -249,6 +249,7 @@ class Scheduler:
         for rid in out.preempted_ids:
             views.pop(rid, None)
         new: list[NewRequestData] = []
+        rewritten = self.kv.take_rewritten()
 
         def chunk(s: ScheduledRequest) -> ScheduledChunk:
             req, blocks = s.request, s.block_ids
@@ -260,16 +261,15 @@ class Scheduler:
             if view is None or req.num_tokens < view.num_tokens:  # (beam search takes tokens back: a new row)
                 new.append(NewRequestData(rid, list(req.prompt_token_ids), list(req.output_token_ids),
                                           req.sampling_params, req.eos_token_id, list(blocks)))
-                views[rid] = _RunnerView(req.num_tokens, list(blocks))
+                views[rid] = _RunnerView(req.num_tokens, len(blocks))
             else:
                 new_tokens = req.all_token_ids[view.num_tokens:]
-                n = len(view.block_ids)
-                if blocks[:n] == view.block_ids:
-                    new_blocks = blocks[n:]
-                    view.block_ids.extend(new_blocks)
-                else:  # copy on write replaced a block
+                if rid in rewritten:  # copy on write replaced a block: the whole table
                     new_blocks, replace = list(blocks), True
-                    view.block_ids = list(blocks)
+                    view.num_blocks = len(blocks)
+                else:  # tables otherwise only grow
+                    new_blocks = blocks[view.num_blocks:]
+                    view.num_blocks = len(blocks)
                 view.num_tokens = req.num_tokens
             return ScheduledChunk(rid, s.start_pos, s.num_new_tokens, new_tokens, new_blocks, replace,
                                   list(req.spec_token_ids[:s.num_spec_tokens]), s.is_sampling, s.fork_of)

@@ -29,7 +29,7 @@ class BlockCopy(NamedTuple):
     dst: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NewRequestData:
     """A request the runner has no row for: admitted, resumed after preemption, or forked."""
 
@@ -42,7 +42,7 @@ class NewRequestData:
     block_ids: list[int]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     """One request's part of a step: tokens [start_pos, start_pos + num_new_tokens) of its row plus drafts."""
 
@@ -82,7 +82,7 @@ class StepInput:
         return sum(c.num_new_tokens for c in self.scheduled)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepTokens:
     """The runner's unit of work: one request's tokens in a forward pass, with its block table.
     Proposers that run a model through a ModelRunner (draft model, EAGLE) build these too."""

@@ -9,11 +9,11 @@ to the engine thread through a command queue, and outputs come back in one batch
     add_request()  --Add-->  commands  --------> core.add_request()     (ValueError -> caller)
     stream.close() --Abort-> commands  --------> core.abort_request()   (blocks freed at once)
                                                  core.step()
-    _dispatch(outputs, stats, now) <------------ loop.call_soon_threadsafe
+    _dispatch(outputs, now) <------------------- loop.call_soon_threadsafe
       -> each RequestStream's queue
 
-Outputs are cumulative (full text and token ids so far), so a slow reader may skip straight
-to the newest one; nothing is lost. Ordering: a command sent before another is handled before
+A slow reader gets what queued up merged into one output: the newest of cumulative outputs, or the
+joined deltas (SamplingParams.output_kind "delta", what the server streams); nothing is lost or repeated. Ordering: a command sent before another is handled before
 it; an Abort is handled before the next step starts.
 """
 from __future__ import annotations
@@ -55,6 +55,11 @@ class EngineCoreLike(Protocol):
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> Any: ...
     def check_integrity(self) -> None: ...
+
+
+STATS_REFRESH_S = 0.5
+"""While stepping, the engine thread recomputes EngineStats at most this often: its readers (/metrics,
+the periodic log line) look every few seconds, and a snapshot walks every request's blocks."""
 
 
 class EngineDeadError(RuntimeError):
@@ -108,7 +113,8 @@ class _StreamState:
 
 
 class RequestStream:
-    """Async iterator over one request's cumulative RequestOutputs; ends after the finished one.
+    """Async iterator over one request's RequestOutputs (cumulative, or deltas with output_kind "delta");
+    ends after the finished one.
 
     Leaving the iteration early (break, exception, cancellation on client disconnect) must be
     followed by close(), which aborts the request in the engine; `async with` does that.
@@ -143,9 +149,12 @@ class RequestStream:
         while not self._queue:
             self._ready.clear()
             await self._ready.wait()
-        # NOTE: outputs are cumulative; skip to the newest one (a finished one is always last).
-        item = self._queue.pop()
-        self._queue.clear()
+        # A reader that lagged gets what queued up as one output: cumulative outputs supersede each
+        # other, deltas are joined (RequestOutput.merged); an error ends the stream.
+        item = self._queue.popleft()
+        while self._queue and not isinstance(item, BaseException):
+            nxt = self._queue.popleft()
+            item = nxt if isinstance(nxt, BaseException) else item.merged(nxt)
         if isinstance(item, BaseException):
             self.is_finished = True
             raise item
@@ -211,6 +220,10 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._ready_waiters: list[asyncio.Future] = []
         self._stats: Any = None
+        self._stats_time = 0.0
+        self._last_step_time = 0.0
+        self.num_stats_snapshots = 0
+        """EngineStats computed by the engine thread (at most one per STATS_REFRESH_S while stepping)."""
         self._counter = itertools.count()
         self._is_stopping = False
         # Filled on the engine thread once loaded; immutable afterwards.
@@ -252,7 +265,8 @@ class AsyncEngine:
             raise EngineDeadError(f"engine failed: {self._error}") from self._error
 
     def stats(self) -> Any:
-        """Latest EngineStats snapshot taken by the engine thread (None before loading)."""
+        """Latest EngineStats snapshot taken by the engine thread (None before loading): at most
+        STATS_REFRESH_S old while requests run, current when idle."""
         return self._stats
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -369,7 +383,7 @@ class AsyncEngine:
             self.max_model_len = core.max_model_len
             self.vocab_size = _vocab_size(core)
             self._core = core
-            self._stats = core.stats()
+            self._snapshot(core, time.time())
         except BaseException as e:  # noqa: BLE001 - reported to every waiter and /health
             logger.exception("engine failed to load the model")
             self._error = e
@@ -397,17 +411,24 @@ class AsyncEngine:
                 changed = True
             if core.has_unfinished_requests():
                 outputs = core.step()
-                now = time.time()
+                now = self._last_step_time = time.time()
                 for out in outputs:
                     if out.finished:
                         self._live_ids.discard(RequestId(out.request_id))
-                self._stats = stats = core.stats()
-                self._to_loop(self._dispatch, outputs, stats, now)
+                if now - self._stats_time >= STATS_REFRESH_S:
+                    self._snapshot(core, now)
+                self._to_loop(self._dispatch, outputs, now)
                 continue
-            if changed:
-                self._stats = core.stats()
+            if changed or self._stats_time < self._last_step_time:  # idle: the snapshot is current
+                self._snapshot(core, time.time())
             self._wakeup.wait(self._idle_poll_s)
             self._wakeup.clear()
+
+    def _snapshot(self, core: EngineCoreLike, now: float) -> None:
+        """Recompute EngineStats (it walks every request's blocks: not after every step)."""
+        self._stats = core.stats()
+        self._stats_time = now
+        self.num_stats_snapshots += 1
 
     def _handle(self, core: EngineCoreLike, cmd: _Command) -> None:
         if isinstance(cmd, _Add):
@@ -442,7 +463,7 @@ class AsyncEngine:
         for rid in self._live_ids:
             core.abort_request(rid)
         self._live_ids.clear()
-        self._stats = core.stats()
+        self._snapshot(core, time.time())
 
     # --- back on the event loop ------------------------------------------------------------------
 
@@ -458,7 +479,7 @@ class AsyncEngine:
             stream._put(dead)
         self._streams.clear()
 
-    def _dispatch(self, outputs: list[RequestOutput], stats: Any, now: float) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         metrics = self.metrics
         for out in outputs:
             stream = self._streams.get(RequestId(out.request_id))
@@ -474,7 +495,8 @@ class AsyncEngine:
 
 def _observe(metrics: EngineMetrics, state: _StreamState, out: RequestOutput, now: float) -> None:
     """Latency bookkeeping: TTFT on the first token, one ITL sample per step that added tokens."""
-    num_tokens = sum(len(c.token_ids) for c in out.outputs)
+    num_tokens = state.num_tokens + sum(len(c.token_ids) for c in out.outputs) if out.is_delta \
+        else sum(c.num_tokens for c in out.outputs)
     if num_tokens > state.num_tokens:
         if state.last_token_time is None:
             metrics.observe_ttft(now - state.arrival_time)

@@ -20,6 +20,7 @@ from tokenmill.attention.backend import TorchPagedAttention
 from tokenmill.config import EngineConfig, ModelArchConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.errors import InvalidRequest
 from tokenmill.models.loader import load_model
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.request import Request, RequestStatus
@@ -66,6 +67,16 @@ class EngineStats:
 
 
 @dataclass
+class _Emitted:
+    """What one sample's outputs have carried so far (for delta outputs)."""
+
+    num_tokens: int = 0
+    num_chars: int = 0
+    cumulative_logprob: float = 0.0
+    finished: bool = False
+
+
+@dataclass
 class _Parent:
     request_id: str
     prompt: str | None
@@ -73,6 +84,7 @@ class _Parent:
     children: list[Request]
     detoks: list[IncrementalDetokenizer]
     arrival_time: float
+    emitted: list[_Emitted] = field(default_factory=list)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -144,32 +156,39 @@ class EngineCore:
                     prompt: str | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None) -> None:
         if request_id in self.parents:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequest(f"request_id {request_id!r} is already in use", "request_id")
         if not prompt_token_ids:
-            raise ValueError("prompt is empty: at least one token is required")
+            raise InvalidRequest("prompt is empty: at least one token is required", "prompt")
         if any((not isinstance(t, int)) or t < 0 or t >= self.arch.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.arch.vocab_size})")
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {self.arch.vocab_size})", "prompt")
         n_prompt = len(prompt_token_ids)
         if n_prompt >= self.max_model_len:
-            raise ValueError(f"prompt has {n_prompt} tokens, but max_model_len is {self.max_model_len}; "
-                             f"shorten the prompt")
+            raise InvalidRequest(f"prompt has {n_prompt} tokens, but max_model_len is {self.max_model_len}; "
+                                 f"shorten the prompt", "prompt", "context_length_exceeded")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
         if n_prompt + max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
+            raise InvalidRequest(f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
+                                 f"max_model_len ({self.max_model_len})", "max_tokens", "context_length_exceeded")
         blocks_needed = -(-(n_prompt + max_tokens) // self.kv_spec.block_size)
         if blocks_needed > self.kv_spec.num_blocks:
-            raise ValueError(f"request needs {blocks_needed} KV blocks but the whole pool has "
-                             f"{self.kv_spec.num_blocks}; raise the KV-cache budget or lower max_tokens")
+            raise InvalidRequest(f"request needs {blocks_needed} KV blocks but the whole pool has "
+                                 f"{self.kv_spec.num_blocks}; raise the KV-cache budget or lower max_tokens",
+                                 "max_tokens")
+        sc = self.config.scheduler
+        if not sc.enable_chunked_prefill and n_prompt + max_tokens > sc.max_num_batched_tokens:
+            # without chunking a prompt (or a preempted request's prompt + output) runs in one step
+            raise InvalidRequest(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
+                                 f"max_num_batched_tokens ({sc.max_num_batched_tokens}) and chunked prefill is off: "
+                                 f"it could never be scheduled", "max_tokens")
         if params.n > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})")
+            raise InvalidRequest(f"n ({params.n}) exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})", "n")
         if cache_salt is not None:  # hashed as UTF-8 with the blocks: checked here, not in the step loop
             if not isinstance(cache_salt, str) or not cache_salt:
-                raise ValueError("cache_salt must be a non-empty string")
+                raise InvalidRequest("cache_salt must be a non-empty string", "cache_salt")
             try:
                 cache_salt.encode()
             except UnicodeEncodeError:
-                raise ValueError("cache_salt is not valid Unicode text (a lone surrogate?)") from None
+                raise InvalidRequest("cache_salt is not valid Unicode text (a lone surrogate?)", "cache_salt") from None
         arrival = arrival_time if arrival_time is not None else time.time()
         children, detoks = [], []
         for i in range(params.n):
@@ -183,7 +202,8 @@ class EngineCore:
             detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                                  params.skip_special_tokens, params.include_stop_str_in_output))
             self.child_to_parent[cid] = request_id
-        self.parents[request_id] = _Parent(request_id, prompt, list(prompt_token_ids), children, detoks, arrival)
+        self.parents[request_id] = _Parent(request_id, prompt, list(prompt_token_ids), children, detoks, arrival,
+                                           [_Emitted() for _ in children])
         # Samples 2..n fork from the first once its prompt is computed (shared blocks, CoW).
         self.scheduler.add_request(children[0], forks=children[1:])
         self.num_prompt_tokens += n_prompt * params.n
@@ -229,38 +249,71 @@ class EngineCore:
         outputs = []
         for pid in touched:
             parent = self.parents[pid]
-            out = self._make_output(parent)
+            finished = all(r.is_finished for r in parent.children)
+            kind = parent.children[0].sampling_params.output_kind
+            if kind == "final" and not finished:
+                continue
+            out = self._make_delta(parent, finished) if kind == "delta" else self._make_output(parent, finished)
             outputs.append(out)
-            if out.finished:
+            if finished:
                 del self.parents[pid]
                 for req in parent.children:
                     self.child_to_parent.pop(req.request_id, None)
         return outputs
 
-    def _make_output(self, parent: _Parent) -> RequestOutput:
+    def _decoded_logprobs(self, lps: list) -> list:
+        for d in lps:
+            for tok, lp in d.items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
+        return lps
+
+    def _metrics(self, parent: _Parent, finished: bool) -> RequestMetrics:
+        first = [r.first_token_time for r in parent.children if r.first_token_time]
+        sched = [r.first_scheduled_time for r in parent.children if r.first_scheduled_time]
+        last = [r.last_token_time for r in parent.children if r.last_token_time]
+        return RequestMetrics(arrival_time=parent.arrival_time, first_scheduled_time=min(sched, default=None),
+                              first_token_time=min(first, default=None), last_token_time=max(last, default=None),
+                              finished_time=time.time() if finished else None,
+                              num_generation_tokens=max(r.num_output_tokens for r in parent.children))
+
+    def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
+        """Everything so far (output_kind "cumulative" or "final")."""
         comps = []
         for req, detok in zip(parent.children, parent.detoks):
             lps = None
             if req.sampling_params.logprobs is not None:
-                lps = req.logprobs[:len(req.output_token_ids)]
-                for d in lps:
-                    for tok, lp in d.items():
-                        if lp.decoded_token is None:
-                            lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
+                lps = self._decoded_logprobs(req.logprobs[:len(req.output_token_ids)])
             comps.append(CompletionOutput(
                 index=req.sample_index, text=detok.visible_text(req.is_finished), token_ids=list(req.output_token_ids),
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason, logprobs=lps,
                 cumulative_logprob=sum(d[t].logprob for d, t in zip(lps, req.output_token_ids)) if lps else None))
-        finished = all(r.is_finished for r in parent.children)
-        first = [r.first_token_time for r in parent.children if r.first_token_time]
-        sched = [r.first_scheduled_time for r in parent.children if r.first_scheduled_time]
-        last = [r.last_token_time for r in parent.children if r.last_token_time]
-        metrics = RequestMetrics(arrival_time=parent.arrival_time, first_scheduled_time=min(sched, default=None),
-                                 first_token_time=min(first, default=None), last_token_time=max(last, default=None),
-                                 finished_time=time.time() if finished else None,
-                                 num_generation_tokens=max(r.num_output_tokens for r in parent.children))
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps, finished, metrics,
-                             num_cached_tokens=parent.children[0].num_cached_tokens)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps, finished,
+                             self._metrics(parent, finished), num_cached_tokens=parent.children[0].num_cached_tokens)
+
+    def _make_delta(self, parent: _Parent, finished: bool) -> RequestOutput:
+        """Only what is new since the last output (output_kind "delta"): work in proportion to the new
+        tokens and text, not to the length so far."""
+        comps = []
+        for req, detok, sent in zip(parent.children, parent.detoks, parent.emitted):
+            n = req.num_output_tokens
+            new_ids = req.output_token_ids[sent.num_tokens:n]
+            visible = detok.visible_len(req.is_finished)
+            text = detok.text[sent.num_chars:visible] if visible > sent.num_chars else ""
+            if not new_ids and not text and (sent.finished or not req.is_finished):
+                continue
+            lps = None
+            cum = None
+            if req.sampling_params.logprobs is not None:
+                lps = self._decoded_logprobs(req.logprobs[sent.num_tokens:n])
+                sent.cumulative_logprob += sum(d[t].logprob for d, t in zip(lps, new_ids))
+                cum = sent.cumulative_logprob
+            sent.num_tokens, sent.num_chars, sent.finished = n, max(visible, sent.num_chars), req.is_finished
+            comps.append(CompletionOutput(req.sample_index, text, list(new_ids), req.status.finish_reason,
+                                          req.stop_reason, lps, cum, n))
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps, finished,
+                             self._metrics(parent, finished), num_cached_tokens=parent.children[0].num_cached_tokens,
+                             is_delta=True)
 
     # ------------------------------------------------------------ accounting
     def stats(self) -> EngineStats:

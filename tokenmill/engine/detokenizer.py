@@ -56,7 +56,11 @@ class IncrementalDetokenizer:
         self.text = self.text[:idx + len(s)] if self.include_stop else self.text[:idx]
         return s
 
-    def visible_text(self, finished: bool) -> str:
+    def visible_len(self, finished: bool) -> int:
+        """Characters of `text` that may be shown: all once finished, else all but the held-back tail."""
         if finished or not self.holdback:
-            return self.text
-        return self.text[:max(0, len(self.text) - self.holdback)]
+            return len(self.text)
+        return max(0, len(self.text) - self.holdback)
+
+    def visible_text(self, finished: bool) -> str:
+        return self.text[:self.visible_len(finished)]

@@ -54,7 +54,7 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.cache_head_dim * elem
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """The runner's row for one request: what it was sent, never what it sampled (step_io.py)."""
 

@@ -17,11 +17,12 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import jinja2
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from tokenmill.errors import InvalidRequest
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                    DetokenizeRequest, ModelCard, ModelList, TokenizeRequest,
                                                    _SamplingFields)
@@ -221,10 +222,13 @@ class OpenAIServing:
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                # streams are built from deltas (O(new) per step); other replies need the final output only
+                output_kind="delta" if req.stream else "final",
             )
+        except InvalidRequest as e:
+            raise OpenAIError(utf8_safe(e.message), param=e.param, code=e.code) from e
         except (ValueError, TypeError) as e:
-            msg = str(e)
-            raise OpenAIError(msg, param=msg.split(" ", 1)[0]) from e
+            raise OpenAIError(utf8_safe(str(e)), param=None) from e
 
     async def _start(self, prompts: list[_Prompt], params: SamplingParams, prefix: str,
                      cache_salt: str | None) -> list[RequestStream]:
@@ -238,8 +242,10 @@ class OpenAIServing:
         except BaseException as e:
             for s in streams:
                 s.close()
+            if isinstance(e, InvalidRequest):
+                raise OpenAIError(utf8_safe(e.message), param=e.param, code=e.code) from e
             if isinstance(e, ValueError):
-                raise OpenAIError(str(e), param=_param_of_engine_error(str(e))) from e
+                raise OpenAIError(utf8_safe(str(e)), param=None) from e
             if isinstance(e, (EngineDeadError, RuntimeError)) and not isinstance(e, asyncio.CancelledError):
                 raise engine_unavailable(e) from e
             raise
@@ -318,60 +324,20 @@ class OpenAIServing:
             offset += len(text)
         return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
 
-    async def _stream_completion(self, req: CompletionRequest, model: str, request_id: str, created: int,
+    def _stream_completion(self, req: CompletionRequest, model: str, request_id: str, created: int,
                                  prompts: list[_Prompt], streams: list[RequestStream],
                                  include_usage: bool) -> AsyncIterator[str]:
         n = req.n
-        states = [_ChoiceState() for _ in range(len(prompts) * n)]
-        offsets = [0] * len(states)
-        usage = _Usage()
+        echo = [p.text or "" for p in prompts for _ in range(n)] if req.echo else None
+        head = [{"index": idx, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+                for idx, text in enumerate(echo)] if echo else []
 
-        chunk = _chunk_writer(request_id, "text_completion", created, model, include_usage)
-
-        try:
-            if req.echo:
-                echo_choices = []
-                for i, p in enumerate(prompts):
-                    for k in range(n):
-                        idx = i * n + k
-                        text = p.text or ""
-                        offsets[idx] = len(text)
-                        echo_choices.append({"index": idx, "text": text, "logprobs": None, "finish_reason": None,
-                                             "stop_reason": None})
-                yield chunk(echo_choices)
-            async for i, out in _merge(streams):
-                choices = []
-                for c in out.outputs:
-                    idx = i * n + c.index
-                    st = states[idx]
-                    if st.is_finished:
-                        continue
-                    new_text = c.text[st.num_chars:] if len(c.text) >= st.num_chars else ""
-                    num_tokens = len(c.token_ids)
-                    if not new_text and num_tokens == st.num_tokens and c.finish_reason is None:
-                        continue
-                    lps = (self._completion_logprobs(c, st.num_tokens, num_tokens, offsets[idx])
-                           if req.logprobs is not None else None)
-                    offsets[idx] += len(new_text)
-                    st.num_chars, st.num_tokens = len(c.text), num_tokens
-                    st.is_finished = c.finish_reason is not None
-                    choices.append({"index": idx, "text": new_text, "logprobs": lps,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-                if out.finished:
-                    usage.prompt_tokens += len(out.prompt_token_ids)
-                    usage.cached_tokens += out.num_cached_tokens
-                    usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-                if choices:
-                    yield chunk(choices)
-            if include_usage:
-                yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": usage.to_dict()})
-        except EngineDeadError as e:
-            yield _sse(engine_unavailable(e).to_dict())
-        finally:
-            for s in streams:
-                s.close()
-        yield "data: [DONE]\n\n"
+        def choice(idx: int, c: CompletionOutput, st: _ChoiceState) -> dict[str, Any]:
+            offset = st.num_chars + (len(echo[idx]) if echo else 0)
+            lps = self._completion_logprobs(c, 0, len(c.token_ids), offset) if req.logprobs is not None else None
+            return {"index": idx, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+        return self._stream(streams, n, "text_completion", request_id, created, model, include_usage, head, choice)
 
     # --- chat ----------------------------------------------------------------------------------
 
@@ -423,48 +389,58 @@ class OpenAIServing:
                             "bytes": list(text.encode("utf-8", "replace")), "top_logprobs": top})
         return content
 
-    async def _stream_chat(self, req: ChatCompletionRequest, model: str, request_id: str, created: int,
+    def _stream_chat(self, req: ChatCompletionRequest, model: str, request_id: str, created: int,
                            stream: RequestStream, include_usage: bool, top_n: int) -> AsyncIterator[str]:
-        states = [_ChoiceState() for _ in range(req.n)]
+        head = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for k in range(req.n)]
 
-        chunk = _chunk_writer(request_id, "chat.completion.chunk", created, model, include_usage)
+        def choice(idx: int, c: CompletionOutput, st: _ChoiceState) -> dict[str, Any]:
+            lps = {"content": self._chat_logprobs(c, 0, len(c.token_ids), top_n)} if req.logprobs else None
+            out = {"index": idx, "delta": {"content": c.text} if c.text else {}, "logprobs": lps,
+                   "finish_reason": c.finish_reason}
+            if c.finish_reason is not None:
+                out["stop_reason"] = c.stop_reason
+            return out
+        return self._stream([stream], req.n, "chat.completion.chunk", request_id, created, model, include_usage,
+                            head, choice)
 
+    async def _stream(self, streams: list[RequestStream], n: int, obj: str, request_id: str, created: int,
+                      model: str, include_usage: bool, head: list[dict[str, Any]],
+                      choice: Callable[[int, CompletionOutput, _ChoiceState], dict[str, Any]]) -> AsyncIterator[str]:
+        """The SSE body of both streaming endpoints. The engine sends deltas (output_kind "delta"; a lagging
+        reader gets them joined), so each chunk is built from what is new only: `head` first (echo, the
+        role), then per engine output one choice per sample with news (`choice` formats it), usage, [DONE]."""
+        chunk = _chunk_writer(request_id, obj, created, model, include_usage)
+        states = [_ChoiceState() for _ in range(len(streams) * n)]
+        usage = _Usage()
         try:
-            yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for k in range(req.n)])
-            final: RequestOutput | None = None
-            async for out in stream:
+            if head:
+                yield chunk(head)
+            async for i, out in _merge(streams):
                 choices = []
                 for c in out.outputs:
-                    st = states[c.index]
-                    if st.is_finished:
+                    idx = i * n + c.index
+                    st = states[idx]
+                    if st.is_finished or (not c.text and not c.token_ids and c.finish_reason is None):
                         continue
-                    new_text = c.text[st.num_chars:] if len(c.text) >= st.num_chars else ""
-                    num_tokens = len(c.token_ids)
-                    if not new_text and num_tokens == st.num_tokens and c.finish_reason is None:
-                        continue
-                    lps = ({"content": self._chat_logprobs(c, st.num_tokens, num_tokens, top_n)}
-                           if req.logprobs else None)
-                    st.num_chars, st.num_tokens = len(c.text), num_tokens
+                    choices.append(choice(idx, c, st))
+                    st.num_chars += len(c.text)
+                    st.num_tokens += len(c.token_ids)
                     st.is_finished = c.finish_reason is not None
-                    delta = {"content": new_text} if new_text else {}
-                    choice = {"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": c.finish_reason}
-                    if c.finish_reason is not None:
-                        choice["stop_reason"] = c.stop_reason
-                    choices.append(choice)
                 if out.finished:
-                    final = out
+                    usage.prompt_tokens += len(out.prompt_token_ids)
+                    usage.cached_tokens += out.num_cached_tokens
                 if choices:
                     yield chunk(choices)
-            if include_usage and final is not None:
-                usage = _Usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs),
-                               final.num_cached_tokens)
-                yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": usage.to_dict()})
+            if include_usage:
+                usage.completion_tokens = sum(st.num_tokens for st in states)
+                yield _sse({"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
+                            "usage": usage.to_dict()})
         except EngineDeadError as e:
             yield _sse(engine_unavailable(e).to_dict())
         finally:
-            stream.close()
+            for s in streams:
+                s.close()
         yield "data: [DONE]\n\n"
 
     # --- tokenizer endpoints -------------------------------------------------------------------
@@ -482,15 +458,6 @@ class OpenAIServing:
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.resolve_model(req.model)
         return {"prompt": self._decode(req.tokens)}
-
-
-_ENGINE_ERROR_PARAMS = ("max_tokens", "n", "min_tokens", "stop_token_ids", "seed", "logprobs")
-
-
-def _param_of_engine_error(message: str) -> str:
-    """The request field an engine ValueError is about: its first word when that names a field."""
-    head = message.split(maxsplit=1)[0].rstrip(":,") if message else ""
-    return head if head in _ENGINE_ERROR_PARAMS else "prompt"
 
 
 _MIN_LOGPROB = -9999.0  # NOTE: JSON has no -inf; vLLM clamps the same way
