@@ -11,3 +11,7 @@ class InvalidRequest(ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+
+class ModelLoadError(ValueError):
+    """A model file is missing, malformed or unsupported; the message names the file."""

@@ -1,6 +1,7 @@
 """Beam search on the engine's copy-on-write block sharing.
 
-Each live beam is a Request in the scheduler. A round:
+Each live beam is one of the engine's raw sequences (`EngineCore.add_sequence` and its siblings:
+token-level control, no text, no outputs). A round:
 
   1. every live beam computes its newest token and reports the top-2W next-token logprobs
      (greedy sampling with logprobs = 2W; W = beam_width);
@@ -10,7 +11,7 @@ Each live beam is a Request in the scheduler. A round:
   3. candidates (beam, token, cumulative logprob) are ranked; the best W that are not EOS stay
      alive; an EOS among the top W ranks completes a hypothesis;
   4. a parent's first surviving candidate continues in place (its held token is replaced: its
-     K/V was never written); further candidates fork the parent (`Scheduler.fork_request`:
+     K/V was never written); further candidates fork the parent (`EngineCore.fork_sequence`:
      block table by reference, the partly filled last block copied on first write); parents
      without survivors are freed.
 
@@ -28,7 +29,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def beam_score(cum_logprob: float, num_tokens: int, length_penalty: float) -> fl
 
 @dataclass
 class _Beam:
-    req: Request
+    seq_id: str
     tokens: list[int]
     cum_logprob: float = 0.0
     pending: dict[int, float] | None = None
@@ -97,11 +97,10 @@ class _Group:
 
 
 class BeamSearchRunner:
-    """Drives the engine's scheduler directly; beams are not engine-level (detokenized) requests."""
+    """Drives beams through the engine's raw-sequence API; beams are not engine-level (detokenized) requests."""
 
     def __init__(self, engine: "EngineCore", params: BeamSearchParams, cache_salt: str | None = None) -> None:
         self.engine = engine
-        self.sched = engine.scheduler
         self.params = params
         self.cache_salt = cache_salt
         self.eos = engine.eos_token_id
@@ -130,19 +129,15 @@ class BeamSearchRunner:
         return outputs
 
     # ----------------------------------------------------------------------------------------
-    def _new_request(self, prompt: list[int], tokens: list[int]) -> Request:
-        req = Request(f"beam-{next(self._ids)}", prompt, self.sampling, self.eos, self.sampling.max_tokens,
-                      cache_salt=self.cache_salt)
-        for t in tokens:
-            req.append_output_token(t)
-        return req
+    def _new_id(self) -> str:
+        return f"beam-{next(self._ids)}"
 
     def _run_wave(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
         groups = []
         for ids in prompts:
-            req = self._new_request(list(ids), [])
-            self.sched.add_request(req)
-            groups.append(_Group(list(ids), [_Beam(req, [])]))
+            sid = self._new_id()
+            self.engine.add_sequence(sid, list(ids), self.sampling, cache_salt=self.cache_salt)
+            groups.append(_Group(list(ids), [_Beam(sid, [])]))
         try:
             while not all(g.is_done for g in groups):
                 self.engine.step()
@@ -150,14 +145,13 @@ class BeamSearchRunner:
                     if g.is_done:
                         continue
                     for b in g.live:
-                        b.req.spec_token_ids = []  # beams verify no drafts: one token per round
                         self._collect(b)
                     if all(b.pending is not None for b in g.live):
                         self._select(g)
         except BaseException:
             for g in groups:
                 for b in g.live:
-                    self.sched.finish_request(b.req.request_id, RequestStatus.FINISHED_ABORTED)
+                    self.engine.finish_sequence(b.seq_id, aborted=True)
             raise
         tok = self.engine.tokenizer
         out = []
@@ -171,15 +165,11 @@ class BeamSearchRunner:
 
     def _collect(self, b: _Beam) -> None:
         """Take a freshly sampled token back off the beam and keep its logprobs (see 2. above)."""
-        r = b.req
-        if r.num_output_tokens <= len(b.tokens):
+        n = self.engine.num_sequence_tokens(b.seq_id)
+        if n <= len(b.tokens):
             return
-        assert r.num_output_tokens == len(b.tokens) + 1 and r.logprobs, r
-        b.pending = {t: lp.logprob for t, lp in r.logprobs[-1].items()}
-        r.output_token_ids.pop()
-        r.all_token_ids.pop()
-        r.logprobs.clear()
-        r.num_computed_tokens = min(r.num_computed_tokens, r.num_tokens)
+        assert n == len(b.tokens) + 1, b
+        b.pending = self.engine.take_sampled(b.seq_id)
 
     def _select(self, g: _Group) -> None:
         p = self.params
@@ -205,7 +195,7 @@ class BeamSearchRunner:
         parents = {i for _, i, _ in survivors}
         for i, b in enumerate(g.live):  # free the dead first: their blocks may serve the forks
             if i not in parents:
-                self.sched.finish_request(b.req.request_id, RequestStatus.FINISHED_STOPPED)
+                self.engine.finish_sequence(b.seq_id)
         new_live: list[_Beam] = []
         appends: list[tuple[_Beam, int]] = []
         continued: set[int] = set()
@@ -215,14 +205,14 @@ class BeamSearchRunner:
                 continued.add(i)
                 beam = parent
             else:
-                child = self._new_request(g.prompt, parent.tokens)
-                self.sched.fork_request(parent.req, child, num_shared_tokens=child.num_tokens)
+                child = self._new_id()
+                self.engine.fork_sequence(parent.seq_id, child)
                 beam = _Beam(child, list(parent.tokens))
             beam.cum_logprob = cum
             beam.pending = None
             appends.append((beam, t))
             new_live.append(beam)
         for beam, t in appends:  # after all forks: they share the parent's committed tokens only
-            beam.req.append_output_token(t)
+            self.engine.extend_sequence(beam.seq_id, t)
             beam.tokens.append(t)
         g.live = new_live

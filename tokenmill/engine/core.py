@@ -139,12 +139,18 @@ class EngineCore:
         self.spec = None
         if config.speculative is not None:  # lazy import: engines without speculation never load it
             from tokenmill.spec_decode.decoder import SpeculativeDecoder
-            self.spec = SpeculativeDecoder(config.speculative, self)
+            from tokenmill.spec_decode.proposer import ProposerContext
+            ctx = ProposerContext(self.model, self.arch, mc.model, mc.torch_dtype, self.device, self.kv_spec,
+                                  self.scheduler.kv.get_block_ids, config.scheduler.max_num_seqs, self.max_model_len,
+                                  mc.seed)
+            self.spec = SpeculativeDecoder(config.speculative, ctx)
         self.runner = ModelRunner(self.model, self.arch, self.kv_spec, self.device, seed=mc.seed,
                                   verifier=self.spec.verify if self.spec else None,
                                   feature_sink=self.spec.proposer.feature_sink if self.spec else None)
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, str] = {}
+        self.sequences: dict[str, Request] = {}
+        """Raw sequences (beam search): scheduled like requests, never detokenized or emitted."""
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else (self.arch.eos_token_ids or (None,))[0]
@@ -218,7 +224,58 @@ class EngineCore:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parents)
+        return bool(self.parents or self.sequences)
+
+    # ------------------------------------------------------- raw sequences
+    # Beam search (engine/beam_search.py) drives these: token-level control over sequences that
+    # share blocks, with no text and no RequestOutputs.
+    def add_sequence(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     output_token_ids: list[int] = (), cache_salt: str | None = None) -> None:
+        """Schedule a sequence that continues `prompt_token_ids + output_token_ids`."""
+        if seq_id in self.sequences or seq_id in self.parents:
+            raise InvalidRequest(f"sequence id {seq_id!r} is already in use", "request_id")
+        req = Request(seq_id, prompt_token_ids, params, self.eos_token_id, params.max_tokens or self.max_model_len,
+                      cache_salt=cache_salt)
+        for t in output_token_ids:
+            req.append_output_token(t)
+        self.sequences[seq_id] = req
+        self.scheduler.add_request(req)
+
+    def fork_sequence(self, parent_id: str, child_id: str) -> None:
+        """A new sequence equal to `parent_id` so far, sharing its KV blocks (copied on first write)."""
+        parent = self.sequences[parent_id]
+        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_id,
+                        parent.max_tokens, cache_salt=parent.cache_salt)
+        for t in parent.output_token_ids:
+            child.append_output_token(t)
+        self.sequences[child_id] = child
+        self.scheduler.fork_request(parent, child, num_shared_tokens=child.num_tokens)
+
+    def num_sequence_tokens(self, seq_id: str) -> int:
+        """Generated tokens of a sequence (a sampled one included until take_sampled)."""
+        return self.sequences[seq_id].num_output_tokens
+
+    def take_sampled(self, seq_id: str) -> dict[int, float]:
+        """Take the token sampled last off the sequence (its K/V was never written) and return the
+        logprobs reported with it: token id -> logprob (the sampled one and the top-N)."""
+        r = self.sequences[seq_id]
+        assert r.logprobs and r.num_output_tokens, f"{seq_id} has no sampled token to take"
+        lps = {t: lp.logprob for t, lp in r.logprobs[-1].items()}
+        r.output_token_ids.pop()
+        r.all_token_ids.pop()
+        r.logprobs.clear()
+        r.spec_token_ids = []
+        r.num_computed_tokens = min(r.num_computed_tokens, r.num_tokens)
+        return lps
+
+    def extend_sequence(self, seq_id: str, token_id: int) -> None:
+        self.sequences[seq_id].append_output_token(token_id)
+
+    def finish_sequence(self, seq_id: str, aborted: bool = False) -> None:
+        req = self.sequences.pop(seq_id)
+        if not req.is_finished:
+            status = RequestStatus.FINISHED_ABORTED if aborted else RequestStatus.FINISHED_STOPPED
+            self.scheduler.finish_request(seq_id, status)
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -229,7 +286,9 @@ class EngineCore:
         for req in changed:
             pid = self.child_to_parent.get(req.request_id)
             if pid is None:
-                continue
+                if req.request_id in self.sequences:
+                    continue  # a raw sequence: its owner reads its tokens
+                raise AssertionError(f"step changed {req.request_id!r}, which the engine does not know")
             parent = self.parents[pid]
             detok = parent.detoks[req.sample_index]
             new = req.output_token_ids[detok.num_decoded:]

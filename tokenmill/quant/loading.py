@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from tokenmill.errors import ModelLoadError
 from tokenmill.layers.linear import Linear
 from tokenmill.quant.formats import awq_shape_problem, from_awq_tensors, from_gptq_tensors, gptq_shape_problem
 from tokenmill.quant.grid import QuantizedWeight, concat_rows
@@ -80,7 +81,6 @@ def load_quantized_weights(net: nn.Module, cfg, tensors: Iterable[tuple[str, tor
     everything else loads as usual. Returns the quantized LM head of a model with tied embeddings
     (None if the checkpoint has none; an untied lm_head is installed like any other layer).
     Raises ModelLoadError naming the file (file_of: tensor name -> its file) on any inconsistency."""
-    from tokenmill.models.loader import ModelLoadError
 
     def where(name: str) -> Path:
         f = file_of(name) if file_of is not None else None

@@ -22,13 +22,12 @@ from tokenmill.core.step_io import SamplerResult, SamplingRow, StepTokens
 from tokenmill.layers.sampler import SamplingMetadata
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec_decode.adaptive import AdaptiveGamma
-from tokenmill.spec_decode.proposer import build_proposer
+from tokenmill.spec_decode.proposer import ProposerContext, build_proposer
 from tokenmill.spec_decode.rejection_sampler import RejectionSampler
 from tokenmill.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
-    from tokenmill.engine.core import EngineCore
     from tokenmill.worker.model_runner import ModelRunner
 
 
@@ -39,15 +38,15 @@ def draft_budget(req: Request, gamma: int, max_model_len: int) -> int:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: "SpeculativeConfig", engine: "EngineCore") -> None:
+    def __init__(self, config: "SpeculativeConfig", ctx: ProposerContext) -> None:
         self.config = config
-        self.max_model_len = engine.max_model_len
+        self.max_model_len = ctx.max_model_len
         self.stats = SpecDecodeStats()
-        self.proposer = build_proposer(config, engine)
+        self.proposer = build_proposer(config, ctx)
         self.rejection_sampler = RejectionSampler(self.stats)
         self.adaptive = AdaptiveGamma(config.num_speculative_tokens, config.adaptive)
         if config.adaptive:
-            self.adaptive.calibrate(_dense_forward(engine.model, engine.device))
+            self.adaptive.calibrate(_dense_forward(ctx.target, ctx.device))
         self.draft_probs: dict[str, torch.Tensor] = {}
         self._known: set[str] = set()
 

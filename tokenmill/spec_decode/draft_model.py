@@ -40,7 +40,7 @@ from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
     from tokenmill.core.scheduler import SchedulerOutput
-    from tokenmill.engine.core import EngineCore
+    from tokenmill.spec_decode.proposer import ProposerContext
 
 
 def truncated_layer_ids(num_layers: int, keep: int) -> list[int]:
@@ -54,7 +54,7 @@ def build_draft_model(target: torch.nn.Module, target_arch: ModelArchConfig, dra
                       num_layers: int | None, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, ModelArchConfig]:
     """The draft network. Naming the target's own checkpoint shares its weights (no copy); with
     num_layers it keeps only truncated_layer_ids(...) of them."""
-    from tokenmill.models.loader import _reset_buffers, load_model, resolve_model_path
+    from tokenmill.models.loader import load_model, reset_buffers, resolve_model_path
     if resolve_model_path(draft).resolve() == resolve_model_path(target_model).resolve():
         source, arch = target, target_arch
     else:
@@ -80,7 +80,7 @@ def build_draft_model(target: torch.nn.Module, target_arch: ModelArchConfig, dra
                 break
         module_path, _, leaf = name.rpartition(".")
         setattr(net.get_submodule(module_path), leaf, src_params[src_name])
-    _reset_buffers(net, device)
+    reset_buffers(net, device)
     for name, buf in net.named_buffers():
         assert buf.device.type != "meta", f"draft buffer {name} left on meta"
     net.eval()
@@ -171,20 +171,19 @@ class DraftModelProposer:
         """request id -> (num_preemptions when recorded, real tokens with draft K/V in mirrored blocks)."""
 
     @classmethod
-    def from_engine(cls, config: "SpeculativeConfig", engine: "EngineCore") -> "DraftModelProposer":
-        mc = engine.config.model
-        model, arch = build_draft_model(engine.model, engine.arch, config.model, mc.model, config.draft_num_layers,
-                                        mc.torch_dtype, mc.device)
-        return cls(model, arch, **cls.pool_args(config, engine))
+    def from_context(cls, config: "SpeculativeConfig", ctx: "ProposerContext") -> "DraftModelProposer":
+        model, arch = build_draft_model(ctx.target, ctx.target_arch, config.model, ctx.target_model,
+                                        config.draft_num_layers, ctx.dtype, str(ctx.device))
+        return cls(model, arch, **cls.pool_args(config, ctx))
 
     @staticmethod
-    def pool_args(config: "SpeculativeConfig", engine: "EngineCore") -> dict:
+    def pool_args(config: "SpeculativeConfig", ctx: "ProposerContext") -> dict:
         """Constructor arguments that size the mirrored pool after the target's."""
-        kv, mc = engine.kv_spec, engine.config.model
+        kv = ctx.kv_spec
         return dict(num_blocks=kv.num_blocks, block_size=kv.block_size,
-                    kv_dtype=kv.dtype if kv.dtype.is_floating_point else mc.torch_dtype, device=engine.device,
-                    gamma_max=config.num_speculative_tokens, max_num_seqs=engine.config.scheduler.max_num_seqs,
-                    block_table=engine.scheduler.kv.get_block_ids, seed=mc.seed)
+                    kv_dtype=kv.dtype if kv.dtype.is_floating_point else ctx.dtype, device=ctx.device,
+                    gamma_max=config.num_speculative_tokens, max_num_seqs=ctx.max_num_seqs,
+                    block_table=ctx.block_table, seed=ctx.seed)
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -34,7 +34,7 @@ from tokenmill.spec_decode.proposer import Proposal
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
-    from tokenmill.engine.core import EngineCore
+    from tokenmill.spec_decode.proposer import ProposerContext
 
 
 class FeatureStore:
@@ -89,10 +89,10 @@ class EagleProposer(DraftModelProposer):
         # num_computed (inherited): positions whose head K/V came from real target features
 
     @classmethod
-    def from_engine(cls, config: "SpeculativeConfig", engine: "EngineCore") -> "EagleProposer":
-        embed, lm = target_tables(engine.model)
-        head = load_eagle_head(config.model, engine.arch, embed, lm, engine.config.model.torch_dtype, engine.device)
-        return cls(head, **cls.pool_args(config, engine))
+    def from_context(cls, config: "SpeculativeConfig", ctx: "ProposerContext") -> "EagleProposer":
+        embed, lm = target_tables(ctx.target)
+        head = load_eagle_head(config.model, ctx.target_arch, embed, lm, ctx.dtype, ctx.device)
+        return cls(head, **cls.pool_args(config, ctx))
 
     def forget(self, request_ids: list[str]) -> None:
         super().forget(request_ids)

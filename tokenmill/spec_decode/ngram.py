@@ -62,7 +62,7 @@ class NgramProposer:
         self.min_share = min_share
 
     @classmethod
-    def from_engine(cls, config: "SpeculativeConfig", engine: object) -> "NgramProposer":
+    def from_context(cls, config: "SpeculativeConfig", ctx: object) -> "NgramProposer":
         store = None
         if config.datastore:
             from tokenmill.spec_decode.datastore import SuffixDatastore

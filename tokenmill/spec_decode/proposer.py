@@ -3,17 +3,37 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from tokenmill.request import Request
 
 if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import FeatureSink
-    from tokenmill.config import SpeculativeConfig
+    from tokenmill.config import ModelArchConfig, SpeculativeConfig
     from tokenmill.core.scheduler import SchedulerOutput
-    from tokenmill.engine.core import EngineCore
+    from tokenmill.worker.model_runner import FeatureSink, KVCacheSpec
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a proposer may use of the engine it drafts for: the target's handles and a read-only view
+    of its block tables, not the engine."""
+
+    target: torch.nn.Module
+    """The target model (EAGLE reads its tables; a self-draft shares its weights)."""
+    target_arch: "ModelArchConfig"
+    target_model: str
+    """The target's checkpoint as the user named it (a draft naming the same one shares its weights)."""
+    dtype: torch.dtype
+    device: torch.device
+    kv_spec: "KVCacheSpec"
+    """The target's KV pool (a draft mirrors its block ids)."""
+    block_table: Callable[[str], list[int]]
+    """Request id -> the target's block ids for it, as the scheduler holds them."""
+    max_num_seqs: int
+    max_model_len: int
+    seed: int
 
 
 @dataclass
@@ -49,11 +69,11 @@ _REGISTRY: dict[str, str] = {
 }
 
 
-def build_proposer(config: "SpeculativeConfig", engine: "EngineCore") -> Proposer:
+def build_proposer(config: "SpeculativeConfig", ctx: ProposerContext) -> Proposer:
     try:
         target = _REGISTRY[config.method]
     except KeyError:
         raise ValueError(f"unknown speculative method {config.method!r}; known: {sorted(_REGISTRY)}") from None
     module, _, name = target.partition(":")
     cls = getattr(importlib.import_module(module), name)
-    return cls.from_engine(config, engine)
+    return cls.from_context(config, ctx)

@@ -96,7 +96,7 @@ class StreamOptions(OpenAIBaseModel):
     """vLLM extra; tokenmill does not implement it (400 when true)."""
 
 
-class _SamplingFields(OpenAIBaseModel):
+class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat (OpenAI's and vLLM's extras)."""
 
     model: str | None = Field(None, description="Served model name; defaults to the first one.")
@@ -124,7 +124,7 @@ class _SamplingFields(OpenAIBaseModel):
         "give each tenant its own (random, unguessable) salt so one cannot probe another's prompts.")
 
     @model_validator(mode="after")
-    def _check_salt(self) -> "_SamplingFields":
+    def _check_salt(self) -> "SamplingFields":
         if self.cache_salt == "":  # NOTE: vLLM's behaviour and message: an error, not "no salt"
             raise UnsupportedParameterError("cache_salt", "Parameter 'cache_salt' must be a non-empty string "
                                                           "if provided.")
@@ -134,7 +134,7 @@ class _SamplingFields(OpenAIBaseModel):
         return self
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> "_SamplingFields":
+    def _stream_options_need_stream(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameterError("stream_options",
                                             "stream_options is only allowed when stream is true")
@@ -144,7 +144,7 @@ class _SamplingFields(OpenAIBaseModel):
         return self
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
@@ -207,7 +207,7 @@ class ChatMessage(BaseModel):
         return "".join(part["text"] for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)

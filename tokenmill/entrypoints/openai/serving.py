@@ -25,7 +25,7 @@ from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestS
 from tokenmill.errors import InvalidRequest
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
                                                    DetokenizeRequest, ModelCard, ModelList, TokenizeRequest,
-                                                   _SamplingFields)
+                                                   SamplingFields)
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -198,7 +198,7 @@ class OpenAIServing:
                 f"the completion). Please reduce the length of the {what} or of max_tokens.",
                 param=what if prompt_len >= max_len else "max_tokens", code="context_length_exceeded")
 
-    def _sampling_params(self, req: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         vocab = self.engine.vocab_size or self._tokenizer.vocab_size
         top_k = req.top_k if req.top_k is not None else 0
         if top_k >= vocab:
