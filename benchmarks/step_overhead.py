@@ -24,14 +24,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-CHILD = r"""
-import json, sys, time
-from tokenmill import LLM, SamplingParams
-batch, steps = int(sys.argv[1]), int(sys.argv[2])
-llm = LLM("smollm2-135m", dtype="bfloat16", max_model_len=512, max_num_seqs=64, enable_prefix_caching=False)
-engine = llm.engine
-runner = engine.runner
-spent = [0.0]
+TIMERS = r"""
+spent = [0.0]  # seconds in the model this step: the forward (either driver) and the LM head
+
 
 def timed(fn):
     def call(*a, **k):
@@ -42,16 +37,27 @@ def timed(fn):
             spent[0] += time.perf_counter() - t0
     return call
 
+
 class TimedLoop:  # the C++ layer loop, whichever tree's
     def __init__(self, loop): self.loop = loop
     def __getattr__(self, name): return getattr(self.loop, name)
     def __call__(self, *a): return timed(self.loop)(*a)
 
+
 if runner.decode_loop is not None:
     runner.decode_loop = TimedLoop(runner.decode_loop)
 runner.model.forward = timed(runner.model.forward)
 runner.model.compute_logits = timed(runner.model.compute_logits)
-prompts = [f"Write a short story about a robot number {i} who learns to paint." for i in range(batch)]
+"""
+
+CHILD = r"""
+import json, sys, time
+from tokenmill import LLM, SamplingParams
+batch, steps = int(sys.argv[1]), int(sys.argv[2])
+llm = LLM("smollm2-135m", dtype="bfloat16", max_model_len=512, max_num_seqs=64, enable_prefix_caching=False)
+engine = llm.engine
+runner = engine.runner
+""" + TIMERS + r"""prompts = [f"Write a short story about a robot number {i} who learns to paint." for i in range(batch)]
 params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
 for i, p in enumerate(prompts):
     engine.add_request(str(i), engine.tokenizer.encode(p), params)
@@ -77,23 +83,7 @@ from tokenmill import LLM, SamplingParams
 kind, steps = sys.argv[1], int(sys.argv[2])
 llm = LLM("smollm2-135m", dtype="bfloat16", max_model_len=4096, enable_prefix_caching=False)
 engine, runner = llm.engine, llm.engine.runner
-spent = [0.0]
-def timed(fn):
-    def call(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            spent[0] += time.perf_counter() - t0
-    return call
-class TimedLoop:
-    def __init__(self, loop): self.loop = loop
-    def __getattr__(self, name): return getattr(self.loop, name)
-    def __call__(self, *a): return timed(self.loop)(*a)
-runner.decode_loop = TimedLoop(runner.decode_loop)
-runner.model.forward = timed(runner.model.forward)
-runner.model.compute_logits = timed(runner.model.compute_logits)
-params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True, logprobs=5, output_kind=kind)
+""" + TIMERS + r"""params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True, logprobs=5, output_kind=kind)
 engine.add_request("r", engine.tokenizer.encode("Tell me a very long story."), params)
 engine.step()
 windows, outside = [], 0.0
