@@ -353,19 +353,6 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

@@ -23,9 +23,11 @@ import jinja2
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tokenmill.errors import InvalidRequest
-from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                                   DetokenizeRequest, ModelCard, ModelList, TokenizeRequest,
-                                                   SamplingFields)
+from tokenmill.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                                   ChatLogprobs, ChatMessage, ChatResponseMessage, CompletionChoice,
+                                                   CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                                   ModelCard, ModelList, PromptTokensDetails, SamplingFields,
+                                                   TokenizeRequest, UsageInfo)
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -85,10 +87,13 @@ class _Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
 
+    def info(self) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                         total_tokens=self.prompt_tokens + self.completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
+
     def to_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        return self.info().model_dump()
 
 
 @dataclass
@@ -290,17 +295,12 @@ class OpenAIServing:
             for c in out.outputs:
                 usage.completion_tokens += len(c.token_ids)
                 prefix = p.text if req.echo and p.text is not None else ""
-                choices.append({
-                    "index": i * req.n + c.index,
-                    "text": prefix + c.text,
-                    "logprobs": self._completion_logprobs(c, 0, len(c.token_ids), len(prefix))
-                    if req.logprobs is not None else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                })
-        choices.sort(key=lambda ch: ch["index"])
-        return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": usage.to_dict()}, None
+                lps = self._completion_logprobs(c, 0, len(c.token_ids), len(prefix)) if req.logprobs is not None else None
+                choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=lps,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        choices.sort(key=lambda ch: ch.index)
+        return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                  usage=usage.info()).model_dump(), None
 
     def _token_text(self, token_id: int, lp: Logprob | None) -> str:
         if lp is not None and lp.decoded_token is not None:
@@ -359,18 +359,13 @@ class OpenAIServing:
             return None, SSEStream(
                 self._stream_chat(req, model, request_id, created, streams[0], include_usage, top_n), streams)
         out = (await _collect(streams)).outputs[0]
-        choices = []
-        for c in out.outputs:
-            choices.append({
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": {"content": self._chat_logprobs(c, 0, len(c.token_ids), top_n)} if req.logprobs else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            })
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              logprobs=ChatLogprobs(content=self._chat_logprobs(c, 0, len(c.token_ids), top_n))
+                              if req.logprobs else None,
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
         usage = _Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
-        return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": usage.to_dict()}, None
+        return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                      usage=usage.info()).model_dump(), None
 
     def _chat_logprobs(self, c: CompletionOutput, start: int, end: int, top_n: int) -> list[dict[str, Any]]:
         content = []
