@@ -1,7 +1,8 @@
 """The token embedding, which is also the LM head when the model ties them.
 
-Both kinds of table here, this dense one and quant/head.py's `QuantizedEmbedding`, answer the same two
-calls: `forward(ids)` (rows) and `as_lm_head(hidden)` (logits), so the model never asks which it holds.
+Both kinds of table here, this dense one and quant/head.py's `QuantizedEmbedding`, answer the same three
+calls: `forward(ids)` (rows), `as_lm_head(hidden)` (logits) and `dense_table()`, so no caller asks
+which it holds.
 The dense table's logits go through a `UnquantizedLinearMethod` of its own (layers/linear.py): on CPU
 in bf16 the same kernels, and the same batch-invariant AMX path, as every other dense linear.
 """
@@ -34,3 +35,7 @@ class VocabEmbedding(nn.Embedding):
     def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in the table's dtype."""
         return self.head_method.apply(self, hidden)
+
+    def dense_table(self) -> torch.Tensor:
+        """The whole table [vocab, hidden] as dense values (a read-only view here)."""
+        return self.weight.detach()

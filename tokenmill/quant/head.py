@@ -62,6 +62,10 @@ class QuantizedEmbedding(nn.Module):
     def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
 
+    def dense_table(self) -> torch.Tensor:
+        """The whole table [vocab, hidden] dequantized (a new tensor)."""
+        return self(torch.arange(self.head.out_features, device=self.head.qweight.device))
+
 
 def quantize_table(weight: torch.Tensor, bits: int):
     """RTN: int8 symmetric per row (the int8 kernel's form), int4 asymmetric in groups of 64."""

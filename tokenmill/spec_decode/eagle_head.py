@@ -120,11 +120,10 @@ def target_tables(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     its embedding or head kernels (quantized, prepacked, tied or not): read through the model's
     own forward paths, so the head sees exactly what the target computes with."""
     inner = target.model
-    V, H = target.config.vocab_size, target.config.hidden_size
+    H = target.config.hidden_size
     with torch.no_grad():  # not inference_mode: training reads these tables under autograd
         dev = inner.norm.weight.device
-        embed = getattr(inner.embed_tokens, "weight", None)
-        embed = inner.embed_tokens(torch.arange(V, device=dev)) if embed is None else embed.detach()
+        embed = inner.embed_tokens.dense_table()
         lm = target.compute_logits(torch.eye(H, dtype=inner.norm.weight.dtype, device=dev)).t()
     return embed, lm.to(embed.dtype).contiguous()
 
