@@ -215,9 +215,11 @@ class ModelRunner:
             if s.num_new_tokens != 1:
                 break
             num_decodes += 1
-        tables = torch.zeros(len(batch), max_blocks, dtype=torch.long)
-        for i, s in enumerate(batch):
-            tables[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
+        flat: list[int] = []  # one tensor from one list: 64 rows cost one call, not 64 (padded with block 0)
+        for s in batch:
+            flat.extend(s.block_ids)
+            flat.extend([0] * (max_blocks - len(s.block_ids)))
+        tables = torch.tensor(flat, dtype=torch.long).view(len(batch), max_blocks)
         dev = self.device
         max_dec = max(seq_lens[:num_decodes], default=0)
         token_tables = token_lens = None
