@@ -1,0 +1,146 @@
+"""Exact verification of a token tree: which drafted path the target accepts, and the token that follows.
+
+A tree hangs below a request's last real token (the root). Nodes are listed parents first; siblings are
+tried in their listed order. Row 0 of the target's probabilities is the root's (the distribution of the
+first new token), row 1 + i node i's (the distribution after node i's path). A sampled node was drawn
+i.i.d. from its parent's draft distribution q (row of the parent in `draft_probs`); a deterministic node
+was chosen (top-k of q, a datastore match, a Medusa head's top tokens) and counts as a point mass.
+
+Sampling, at node u with target distribution p_u (after temperature, top-k/p, min-p and penalties, as
+the normal sampler applies them), the SpecInfer-style recursive rule:
+
+    r = p_u
+    for each child c of u, in order (its token x, drawn from s = q_u, or s = point mass at x):
+        accept c with probability min(1, r(x) / s(x)); if accepted, continue from c
+        else r = normalize(max(r - s, 0))          the residual, updated after every rejected sibling
+    no child accepted (or u is a leaf): emit one token drawn from r (at a leaf r = p_u: the bonus token)
+
+Each step emits exactly a sample of r: accepting x gives min(r, s), rejecting leaves the mass
+r - min(r, s), which the residual carries to the next sibling. So the emitted sequence is distributed
+exactly as the target's own sampling, whatever the draft. Greedy rows take the longest path whose every
+token is the target's argmax, then the argmax after it.
+
+Worked example (greedy), a tree of 4 nodes below the root R:
+
+    node  token  parent        target argmax at   R: 7   node 0: 3   node 1: -   node 2: 5   node 3: 9
+    0     7      R (-1)
+    1     8      R (-1)        at R the argmax 7 matches node 0 (node 1's 8 is not tried further)
+    2     3      0             at node 0 the argmax 3 matches node 2
+    3     4      2             at node 2 the argmax is 5, no child has it: stop
+    -> accepted nodes [0, 2], emitted tokens [7, 3, 5] (two drafts accepted and the target's next token)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    tokens: list[int]
+    """Node i's draft token."""
+    parents: list[int]
+    """Node i's parent node; -1 is the root (the request's last real token). Parents come first."""
+    sampled: list[bool]
+    """Node i was drawn from its parent's q (True) or chosen deterministically (False)."""
+
+    def __post_init__(self) -> None:
+        if not (len(self.tokens) == len(self.parents) == len(self.sampled)):
+            raise ValueError("tokens, parents and sampled must have one entry per node")
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"node {i}'s parent {p} must be -1 or an earlier node")
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> list[list[int]]:
+        """children()[1 + u]: node u's children in order; children()[0]: the root's."""
+        out: list[list[int]] = [[] for _ in range(self.size + 1)]
+        for i, p in enumerate(self.parents):
+            out[p + 1].append(i)
+        return out
+
+    def depths(self) -> list[int]:
+        """Depth of each node (root's children: 1): its position is the root's + depth."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
+
+    def ancestors_mask(self) -> torch.Tensor:
+        """[size, size] bool, True where node j is node i or one of its ancestors: what node i attends to
+        among the tree's own tokens (besides the request's prefix)."""
+        m = torch.zeros(self.size, self.size, dtype=torch.bool)
+        for i, p in enumerate(self.parents):
+            m[i, i] = True
+            if p >= 0:
+                m[i] |= m[p]
+        return m
+
+    @classmethod
+    def chain(cls, tokens: list[int], sampled: bool = True) -> "TokenTree":
+        """A chain of drafts: the special case of a tree."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), [sampled] * len(tokens))
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    accepted: list[int]
+    """Accepted nodes, root to deepest."""
+    token_ids: list[int]
+    """Emitted tokens: the accepted nodes' tokens, then one token of the target's (residual or bonus)."""
+
+
+def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                greedy: bool, generator: torch.Generator | None = None) -> TreeVerdict:
+    """One request's tree. target_probs [1 + size, V]; draft_probs [1 + size, V] (row of a node's parent:
+    the q its sampled children were drawn from), None when no node is sampled (or greedy)."""
+    if target_probs.shape[0] != tree.size + 1:
+        raise ValueError(f"target_probs has {target_probs.shape[0]} rows, the tree needs {tree.size + 1}")
+    kids = tree.children()
+    accepted: list[int] = []
+    row = 0   # 0: the root; 1 + u: node u
+    if greedy:
+        while True:
+            best = int(target_probs[row].argmax())
+            nxt = next((c for c in kids[row] if tree.tokens[c] == best), None)
+            if nxt is None:
+                return TreeVerdict(accepted, [tree.tokens[c] for c in accepted] + [best])
+            accepted.append(nxt)
+            row = nxt + 1
+    if draft_probs is None and any(tree.sampled):
+        raise ValueError("sampled nodes need draft_probs")
+    dev = target_probs.device
+    while True:
+        r = target_probs[row].to(torch.float64)
+        moved = False
+        for c in kids[row]:
+            x = tree.tokens[c]
+            if tree.sampled[c]:
+                s = draft_probs[row].to(torch.float64)
+            else:
+                s = torch.zeros_like(r)
+                s[x] = 1.0
+            u = float(torch.rand((), generator=generator, device=dev, dtype=torch.float64))
+            if s[x] > 0 and u < min(1.0, float(r[x] / s[x])):
+                accepted.append(c)
+                row = c + 1
+                moved = True
+                break
+            rest = (r - s).clamp_min(0)
+            total = float(rest.sum())
+            if total > 0:   # (0 only when r <= s everywhere, i.e. r == s: then x was accepted surely)
+                r = rest / total
+        if not moved:
+            final = int(torch.multinomial(r.to(torch.float32), 1, generator=generator))
+            return TreeVerdict(accepted, [tree.tokens[c] for c in accepted] + [final])
+
+
+def verify_trees(trees: list[TokenTree], target_probs: list[torch.Tensor], draft_probs: list[torch.Tensor | None],
+                 greedy: list[bool], generators: list[torch.Generator | None]) -> list[TreeVerdict]:
+    """A batch of requests' trees; each request draws from its own generator (seeded requests stay
+    reproducible whatever else is batched)."""
+    return [verify_tree(t, p, q, g, gen) for t, p, q, g, gen in zip(trees, target_probs, draft_probs, greedy, generators)]
