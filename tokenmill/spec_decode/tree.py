@@ -80,6 +80,28 @@ class TokenTree:
                 m[i] |= m[p]
         return m
 
+    def positions(self, root_pos: int) -> list[int]:
+        """Positions of the step's tokens [root, node 0, ...]: the root (the request's last real token) at
+        root_pos, each node at root_pos + its depth."""
+        return [root_pos] + [root_pos + d for d in self.depths()]
+
+    def attention_mask(self, num_cached: int) -> torch.Tensor:
+        """[1 + size, num_cached + 1 + size] bool: which keys each of the step's tokens [root, node 0, ...]
+        attends to, keys in the request's slot order (the cached prefix, then the root, then the nodes in
+        listing order). Every token sees the prefix and the root; node i also sees its ancestors and itself.
+
+            num_cached 2, tree [a, b (child of a), c]:     keys  p0 p1 R  a  b  c
+                root                                           1  1  1  .  .  .
+                a                                              1  1  1  1  .  .
+                b                                              1  1  1  1  1  .
+                c                                              1  1  1  .  .  1
+        """
+        n = num_cached + 1
+        m = torch.zeros(1 + self.size, n + self.size, dtype=torch.bool)
+        m[:, :n] = True
+        m[1:, n:] = self.ancestors_mask()
+        return m
+
     @classmethod
     def chain(cls, tokens: list[int], sampled: bool = True) -> "TokenTree":
         """A chain of drafts: the special case of a tree."""

@@ -37,3 +37,29 @@ def add_forked_samples(forked: list[StepTokens], logits_indices: torch.Tensor,
     extra = [int(logits_indices[row[f.fork_of]]) for f in forked]
     idx = torch.cat([logits_indices, torch.tensor(extra, dtype=logits_indices.dtype, device=logits_indices.device)])
     return idx, sampling + list(forked)
+
+
+def compact_accepted_path(kv_caches: list[torch.Tensor], block_ids: list[int], base: int,
+                          accepted: list[int]) -> None:
+    """After a token tree was verified: move the accepted nodes' K/V (every layer) into consecutive slots.
+    A tree step writes node i's K/V at the request's position base + i (listing order, spec_decode/tree.py);
+    the accepted path [a_0, a_1, ...] must end at positions base, base + 1, ... . Nodes are listed parents
+    first, so a_j >= j and a later source is never an earlier destination; copying in order is exact.
+
+        base 10, accepted [0, 2, 4]:  position 10 <- 10, 11 <- 12, 12 <- 14
+    """
+    bs = kv_caches[0].shape[2]
+
+    def slot(pos: int) -> int:
+        return block_ids[pos // bs] * bs + pos % bs
+
+    moves = [(slot(base + a), slot(base + j)) for j, a in enumerate(accepted) if a != j]
+    if not moves:
+        return
+    dev = kv_caches[0].device
+    src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=dev)
+    dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=dev)
+    for cache in kv_caches:
+        flat = cache.view(2, -1, *cache.shape[3:])    # [2, num_slots, Hkv, D]
+        for s, d in zip(src.tolist(), dst.tolist()):   # in order: a move may read an earlier one's source
+            flat[:, d] = flat[:, s]

@@ -1,0 +1,73 @@
+"""A token tree in one forward pass over the paged cache (spec_decode/tree.py's mask and positions): each
+node's hidden state equals a plain causal forward over the prefix and that node's own path; after the
+accepted path's K/V are moved into place (worker/kv_cache_ops.py), the next decode sees exactly that path."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tokenmill.attention.metadata import forward_context
+from tokenmill.core.step_io import StepTokens
+from tokenmill.models.loader import load_model
+from tokenmill.spec_decode.tree import TokenTree
+from tokenmill.worker.kv_cache_ops import compact_accepted_path
+from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
+
+PREFIX = [5, 9, 200, 31, 7, 8, 11]        # the last one is the root: its K/V is computed in the tree step
+TREE = TokenTree([40, 41, 42, 43, 44], [-1, -1, 0, 0, 2], [True] * 5)
+BLOCKS = list(range(6))
+
+
+def setup(tiny_llama):
+    loaded = load_model(str(tiny_llama), dtype=torch.float32, load_tokenizer=False)
+    arch = loaded.config
+    kv = KVCacheSpec(8, 4, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, torch.float32)
+    runner = ModelRunner(loaded.model, arch, kv, torch.device("cpu"))
+    return loaded.model, runner
+
+
+@torch.inference_mode()
+def forward(model, runner, start: int, tokens: list[int], positions: list[int], mask=None) -> torch.Tensor:
+    inp = runner.prepare_inputs([StepTokens("r", start, tokens, BLOCKS)])
+    meta = inp.meta if mask is None else dataclasses.replace(inp.meta, custom_mask=mask, token_block_tables=None,
+                                                             token_seq_lens=None)
+    with forward_context(meta):
+        return model(inp.input_ids, torch.tensor(positions))
+
+
+@torch.inference_mode()
+def dense_last(model, tokens: list[int]) -> torch.Tensor:
+    return model(torch.tensor(tokens), torch.arange(len(tokens)))[-1]
+
+
+def path_tokens(node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(TREE.tokens[node])
+        node = TREE.parents[node]
+    return path[::-1]
+
+
+def test_each_node_sees_only_its_own_path(tiny_llama):
+    model, runner = setup(tiny_llama)
+    n = len(PREFIX)
+    forward(model, runner, 0, PREFIX[:-1], list(range(n - 1)))            # the prefix into the cache
+    mask = TREE.attention_mask(num_cached=n - 1)
+    hidden = forward(model, runner, n - 1, [PREFIX[-1]] + TREE.tokens, TREE.positions(n - 1), mask)
+    torch.testing.assert_close(hidden[0], dense_last(model, PREFIX), atol=1e-4, rtol=1e-4)
+    for i in range(TREE.size):
+        torch.testing.assert_close(hidden[1 + i], dense_last(model, PREFIX + path_tokens(i)), atol=1e-4, rtol=1e-4)
+
+
+def test_accepted_path_moved_into_place_serves_the_next_decode(tiny_llama):
+    model, runner = setup(tiny_llama)
+    n = len(PREFIX)
+    forward(model, runner, 0, PREFIX[:-1], list(range(n - 1)))
+    forward(model, runner, n - 1, [PREFIX[-1]] + TREE.tokens, TREE.positions(n - 1), TREE.attention_mask(n - 1))
+    accepted = [0, 2, 4]                                                  # tokens 40, 42, 44
+    compact_accepted_path(runner.kv_caches, BLOCKS, n, accepted)
+    kept = PREFIX + [TREE.tokens[a] for a in accepted]
+    nxt = 77
+    hidden = forward(model, runner, len(kept), [nxt], [len(kept)])       # a plain decode after the path
+    torch.testing.assert_close(hidden[0], dense_last(model, kept + [nxt]), atol=1e-4, rtol=1e-4)
