@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from invariance_cost import CHILD  # noqa: E402
+from invariance_cost import CHILD, prompts_file  # noqa: E402
 
 
 def main() -> None:
@@ -25,13 +25,13 @@ def main() -> None:
     ap.add_argument("--old-tree", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    data = REPO.parent / "shared" / "data" / "sharegpt_v3_first_exchange_5000.jsonl"
+    data = prompts_file()
     # PYTHONPATH puts the old checkout's package ahead of this tree's editable install
     trees = {"old": {"PYTHONPATH": str(args.old_tree.resolve())}, "this tree": {}}
     res: dict[str, list[dict]] = {k: [] for k in trees}
     for _ in range(args.rounds):
         for name, env in trees.items():
-            out = subprocess.run([sys.executable, "-c", CHILD, json.dumps({"dtype": "bfloat16"}), str(data)],
+            out = subprocess.run([sys.executable, "-c", CHILD, json.dumps({"dtype": "bfloat16"}), data],
                                  env={**os.environ, **env}, capture_output=True, text=True, timeout=3000,
                                  cwd=args.old_tree if name == "old" else REPO, check=True)
             res[name].append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -9,23 +9,12 @@ prints how many are token-identical. Run it under the kernel policies to compare
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from tokenmill import LLM, SamplingParams
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt_v3_first_exchange_5000.jsonl"
-
+from tokenmill.bench.common import first_turns
 
 def prompts(n: int) -> list[str]:
-    rows = []
-    with open(DATA) as f:
-        for line in f:
-            text = json.loads(line)["conversations"][0]["value"]
-            if 5 < len(text) < 600:
-                rows.append(text)
-            if len(rows) >= n:
-                return rows
+    return first_turns(n, 5, 600)
     return rows
 
 

@@ -17,7 +17,10 @@ import json
 import os
 import statistics
 import subprocess
+import tempfile
 from pathlib import Path
+
+from tokenmill.bench.common import first_turns
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -29,15 +32,9 @@ CONFIGS = {
 CHILD = r"""
 import json, sys, time
 from tokenmill import LLM, SamplingParams
-kw = json.loads(sys.argv[1]); data = sys.argv[2]
-rows = []
-with open(data) as f:
-    for line in f:
-        text = json.loads(line)["conversations"][0]["value"]
-        if 5 < len(text) < 2000:
-            rows.append(text)
-        if len(rows) >= 64:
-            break
+kw = json.loads(sys.argv[1])
+with open(sys.argv[2]) as f:  # the prompts, written by the parent (an older tree may lack the helper)
+    rows = json.load(f)
 llm = LLM(max_model_len=1024, max_num_seqs=64, enable_prefix_caching=False, **kw)
 one = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
 llm.generate([rows[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -50,10 +47,17 @@ print(json.dumps({"single_tok_s": single, "batch64_out_tok_s": sum(len(o.outputs
 """
 
 
+def prompts_file() -> str:
+    """The 64 ShareGPT first turns every child runs, as a JSON file."""
+    f = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    json.dump(first_turns(64, 5, 2000), f)
+    f.close()
+    return f.name
+
+
 def run(name: str) -> dict:
     env_extra, kw = CONFIGS[name]
-    data = REPO.parent / "shared" / "data" / "sharegpt_v3_first_exchange_5000.jsonl"
-    out = subprocess.run([str(REPO / ".venv/bin/python"), "-c", CHILD, json.dumps(kw), str(data)],
+    out = subprocess.run([str(REPO / ".venv/bin/python"), "-c", CHILD, json.dumps(kw), prompts_file()],
                          env={**os.environ, **env_extra}, capture_output=True, text=True, timeout=3600, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -17,6 +17,20 @@ DEFAULT_SHAREGPT = REPO_ROOT.parent / "shared" / "data" / "sharegpt_v3_first_exc
 """../shared/data next to the repository; override with --dataset."""
 
 
+def first_turns(n: int, min_chars: int, max_chars: int, path: str | Path = DEFAULT_SHAREGPT) -> list[str]:
+    """The first n ShareGPT first turns, in file order, whose length lies strictly between min_chars and
+    max_chars (the fixed prompt sets of the A/B benchmarks; `load_sharegpt` is vLLM's sampled filter)."""
+    rows: list[str] = []
+    with open(path) as f:
+        for line in f:
+            text = json.loads(line)["conversations"][0]["value"]
+            if min_chars < len(text) < max_chars:
+                rows.append(text)
+                if len(rows) >= n:
+                    break
+    return rows
+
+
 @dataclass(frozen=True)
 class SampleRequest:
     prompt: str
