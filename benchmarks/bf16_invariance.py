@@ -13,9 +13,9 @@ import argparse
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.common import first_turns
 
+
 def prompts(n: int) -> list[str]:
     return first_turns(n, 5, 600)
-    return rows
 
 
 def main() -> None:
