@@ -17,7 +17,7 @@ def real():
     from tokenmill.models.loader import load_model
     data = default_data_dir() / "c4_en_train_00000_first1000.jsonl"
     if not data.is_file():
-        pytest.skip(f"{data} not present")
+        pytest.fail(f"{data} not found: the shared data folder must sit next to the repository")
     loaded = load_model("smollm2-135m", dtype=torch.float32)
     ids = calibration_windows(read_jsonl_texts(data), lambda s: loaded.tokenizer.encode(s, add_special_tokens=False),
                               num_windows=28, seqlen=512, seed=0)

@@ -122,7 +122,7 @@ def metric_values(text: str) -> dict[str, float]:
 def load_sharegpt_prompts(n: int, max_chars: int = 240) -> list[str]:
     path = SHARED_DATA / "sharegpt_v3_first_exchange_5000.jsonl"
     if not path.is_file():
-        pytest.skip(f"{path} not found (the shared data folder sits next to the repository)")
+        pytest.fail(f"{path} not found: the shared data folder must sit next to the repository")
     prompts = []
     with open(path) as f:
         for line in f:

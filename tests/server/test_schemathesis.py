@@ -19,7 +19,7 @@ MAX_TIME_S = int(os.environ.get("TOKENMILL_FUZZ_SECONDS", "60"))
 def test_schemathesis_no_server_errors(tmp_path):
     exe = shutil.which("schemathesis", path=os.path.dirname(sys.executable)) or shutil.which("schemathesis")
     if exe is None:
-        pytest.skip("schemathesis is not installed (pip install -e '.[test]')")
+        pytest.fail("schemathesis is not installed: it is a test dependency (pip install -e '.[test]')")
     # A short context keeps fuzzed generations (n up to 128, max_tokens up to the context) quick.
     server = start_server(tmp_path, "--max-model-len", "96", "--max-num-seqs", "16",
                           "--kv-cache-memory-bytes", str(64 << 20))

@@ -197,7 +197,7 @@ def test_train_eagle_command_end_to_end(tiny_llama, tmp_path):
     from tokenmill.entrypoints.cli import main
     data = SHARED_DATA / "sharegpt_v3_first_exchange_5000.jsonl"
     if not data.is_file():
-        pytest.skip(f"{data} not found (the shared data folder sits next to the repository)")
+        pytest.fail(f"{data} not found: the shared data folder must sit next to the repository")
     out = tmp_path / "head"
     assert main(["train-eagle", "--model", str(tiny_llama), "--out", str(out), "--sharegpt", str(data),
                  "--num-prompts", "4", "--max-tokens", "8", "--epochs", "1", "--draft-vocab", "128"]) == 0
