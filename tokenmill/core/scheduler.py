@@ -264,15 +264,11 @@ class Scheduler:
                 views[rid] = _RunnerView(req.num_tokens, len(blocks))
             else:
                 new_tokens = req.all_token_ids[view.num_tokens:]
-                if rid in rewritten:  # copy on write replaced a block: the whole table
-                    new_blocks, replace = list(blocks), True
-                    view.num_blocks = len(blocks)
-                else:  # tables otherwise only grow
-                    new_blocks = blocks[view.num_blocks:]
-                    view.num_blocks = len(blocks)
-                view.num_tokens = req.num_tokens
+                replace = rid in rewritten  # copy on write replaced a block: the whole table; else appends
+                new_blocks = list(blocks) if replace else blocks[view.num_blocks:]
+                view.num_tokens, view.num_blocks = req.num_tokens, len(blocks)
             return ScheduledChunk(rid, s.start_pos, s.num_new_tokens, new_tokens, new_blocks, replace,
-                                  list(req.spec_token_ids[:s.num_spec_tokens]), s.is_sampling, s.fork_of)
+                                  req.spec_token_ids[:s.num_spec_tokens], s.is_sampling, s.fork_of)
 
         scheduled = [chunk(s) for s in out.scheduled]
         forked = [chunk(s) for s in out.forked]

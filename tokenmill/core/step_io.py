@@ -121,3 +121,6 @@ class SamplingRow(Protocol):
 
     @property
     def output_token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...

@@ -234,22 +234,24 @@ class EngineCore:
         """Schedule a sequence that continues `prompt_token_ids + output_token_ids`."""
         if seq_id in self.sequences or seq_id in self.parents:
             raise InvalidRequest(f"sequence id {seq_id!r} is already in use", "request_id")
-        req = Request(seq_id, prompt_token_ids, params, self.eos_token_id, params.max_tokens or self.max_model_len,
-                      cache_salt=cache_salt)
-        for t in output_token_ids:
-            req.append_output_token(t)
-        self.sequences[seq_id] = req
+        req = self._new_sequence(seq_id, prompt_token_ids, output_token_ids, params,
+                                 params.max_tokens or self.max_model_len, cache_salt)
         self.scheduler.add_request(req)
 
     def fork_sequence(self, parent_id: str, child_id: str) -> None:
         """A new sequence equal to `parent_id` so far, sharing its KV blocks (copied on first write)."""
         parent = self.sequences[parent_id]
-        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_id,
-                        parent.max_tokens, cache_salt=parent.cache_salt)
-        for t in parent.output_token_ids:
-            child.append_output_token(t)
-        self.sequences[child_id] = child
+        child = self._new_sequence(child_id, parent.prompt_token_ids, parent.output_token_ids, parent.sampling_params,
+                                   parent.max_tokens, parent.cache_salt)
         self.scheduler.fork_request(parent, child, num_shared_tokens=child.num_tokens)
+
+    def _new_sequence(self, seq_id: str, prompt_token_ids: list[int], output_token_ids, params: SamplingParams,
+                      max_tokens: int, cache_salt: str | None) -> Request:
+        req = Request(seq_id, prompt_token_ids, params, self.eos_token_id, max_tokens, cache_salt=cache_salt)
+        for t in output_token_ids:
+            req.append_output_token(t)
+        self.sequences[seq_id] = req
+        return req
 
     def num_sequence_tokens(self, seq_id: str) -> int:
         """Generated tokens of a sequence (a sampled one included until take_sampled)."""

@@ -207,7 +207,7 @@ class RejectionSampler:
         of sampling[i]."""
         ks = [s.num_spec_tokens if s.is_sampling else 0 for s in sampling]
         drafts = [s.token_ids[len(s.token_ids) - k:] if k else [] for s, k in zip(sampling, ks)]
-        emeta = expand_sampling_metadata(meta, drafts, [len(r.output_token_ids) for r in reqs],
+        emeta = expand_sampling_metadata(meta, drafts, [r.num_output_tokens for r in reqs],
                                          [r.sampling_params.min_tokens for r in reqs])
         dev = logits.device
         logits = apply_penalties(logits.float(), emeta)

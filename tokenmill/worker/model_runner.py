@@ -75,6 +75,10 @@ class RequestState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
     def advance(self, c: ScheduledChunk) -> StepTokens:
         """Apply a step's delta; the tokens to compute this step."""
         self.token_ids.extend(c.new_token_ids)
@@ -281,7 +285,7 @@ class ModelRunner:
         ban = None
         for i, r in enumerate(reqs):
             p = r.sampling_params
-            if len(r.output_token_ids) < p.min_tokens:
+            if r.num_output_tokens < p.min_tokens:
                 if ban is None:
                     ban = torch.zeros(n, V, dtype=torch.bool, device=dev)
                 ids = list(p.stop_token_ids) + ([r.eos_token_id] if r.eos_token_id is not None and not p.ignore_eos else [])
