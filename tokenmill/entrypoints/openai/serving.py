@@ -231,9 +231,9 @@ class OpenAIServing:
                 output_kind="delta" if req.stream else "final",
             )
         except InvalidRequest as e:
-            raise OpenAIError(utf8_safe(e.message), param=e.param, code=e.code) from e
+            raise OpenAIError(e.message, param=e.param, code=e.code) from e
         except (ValueError, TypeError) as e:
-            raise OpenAIError(utf8_safe(str(e)), param=None) from e
+            raise OpenAIError(str(e)) from e
 
     async def _start(self, prompts: list[_Prompt], params: SamplingParams, prefix: str,
                      cache_salt: str | None) -> list[RequestStream]:
@@ -248,9 +248,9 @@ class OpenAIServing:
             for s in streams:
                 s.close()
             if isinstance(e, InvalidRequest):
-                raise OpenAIError(utf8_safe(e.message), param=e.param, code=e.code) from e
+                raise OpenAIError(e.message, param=e.param, code=e.code) from e
             if isinstance(e, ValueError):
-                raise OpenAIError(utf8_safe(str(e)), param=None) from e
+                raise OpenAIError(str(e)) from e
             if isinstance(e, (EngineDeadError, RuntimeError)) and not isinstance(e, asyncio.CancelledError):
                 raise engine_unavailable(e) from e
             raise
