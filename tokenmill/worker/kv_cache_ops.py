@@ -54,12 +54,7 @@ def compact_accepted_path(kv_caches: list[torch.Tensor], block_ids: list[int], b
         return block_ids[pos // bs] * bs + pos % bs
 
     moves = [(slot(base + a), slot(base + j)) for j, a in enumerate(accepted) if a != j]
-    if not moves:
-        return
-    dev = kv_caches[0].device
-    src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=dev)
-    dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=dev)
     for cache in kv_caches:
         flat = cache.view(2, -1, *cache.shape[3:])    # [2, num_slots, Hkv, D]
-        for s, d in zip(src.tolist(), dst.tolist()):   # in order: a move may read an earlier one's source
-            flat[:, d] = flat[:, s]
+        for src, dst in moves:                        # in order: a move may read an earlier one's source
+            flat[:, dst] = flat[:, src]
