@@ -20,9 +20,20 @@ namespace tokenmill {
 
 // ---------------------------------------------------------------------------------- generic code
 
+// Token trees (tokenmill/spec_decode/tree.py): a drafted node attends to its request's prefix and its own
+// ancestors, not to the siblings listed before it. Bit j of a token's key mask hides key L - 1 - j (the
+// last 64 keys; bit 0, the token itself, is never set): scores of `rows` rows, `stride` apart, set to -inf.
+static inline void hide_keys(float* s, int64_t rows, int64_t stride, int64_t L, int64_t mask) {
+    const uint64_t bits = static_cast<uint64_t>(mask);
+    if (bits == 0) return;
+    for (int64_t j = 1; j < std::min<int64_t>(64, L); ++j)
+        if ((bits >> j) & 1u)
+            for (int64_t r = 0; r < rows; ++r) s[r * stride + L - 1 - j] = -INFINITY;
+}
+
 template <typename scalar_t, int DC>
 static void decode_impl(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                        at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                        at::Tensor block_tables, at::Tensor seq_lens, double scale, const int64_t* km) {
     // q: [B, Hq, D], heads and elements contiguous, rows may be strided; out: [B, Hq, D] contiguous; k/v_cache: [num_blocks, bs, Hkv, D] (strided views ok:
     // the innermost three dims must be contiguous); block_tables [B, nb] int64; seq_lens [B] int64.
     const int64_t B = q.size(0), Hq = q.size(1), D = DC > 0 ? DC : q.size(2);
@@ -76,6 +87,7 @@ static void decode_impl(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Te
                     }
                 }
             }
+            if (km != nullptr) hide_keys(s.data(), R, L, L, km[b]);
             // softmax per query row
             for (int64_t r = 0; r < R; ++r) {
                 float* sr = s.data() + r * L;
@@ -164,7 +176,7 @@ constexpr int64_t PF_AHEAD = 48;
 
 template <typename scalar_t, int NV, bool BF16_DOT>
 static void decode_avx512(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                          at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                          at::Tensor block_tables, at::Tensor seq_lens, double scale, const int64_t* km) {
     constexpr int D = 16 * NV;
     constexpr int GMAX = 8;
     const int64_t B = q.size(0), Hq = q.size(1), bs = k_cache.size(1), Hkv = k_cache.size(2);
@@ -250,6 +262,7 @@ static void decode_avx512(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
                     s[g * Lp + t] = _mm512_reduce_add_ps(acc);
                 }
             }
+            if (km != nullptr) hide_keys(s.data(), G, Lp, L, km[b]);
             float inv[GMAX];
             for (int64_t g = 0; g < G; ++g) {
                 float* sr = s.data() + g * Lp;
@@ -507,8 +520,15 @@ bool paged_prefill(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cach
 }
 
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                  const std::optional<at::Tensor>& key_mask) {
     TORCH_CHECK(inner_contiguous(q) && out.is_contiguous(), "q heads / out must be contiguous");
+    const int64_t* km = nullptr;
+    if (key_mask.has_value()) {
+        TORCH_CHECK(key_mask->scalar_type() == at::kLong && key_mask->is_contiguous() &&
+                    key_mask->numel() == q.size(0), "key_mask must be [B] int64, contiguous");
+        km = key_mask->data_ptr<int64_t>();
+    }
     TORCH_CHECK(q.size(2) <= 512, "head_dim > 512");
     TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
                 k_cache.stride(1) == k_cache.size(2) * k_cache.size(3), "k_cache inner dims must be contiguous");
@@ -517,27 +537,27 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
     const int64_t D = q.size(2);
     if (cpu_has_avx512() && (D == 64 || D == 128) && q.size(1) / k_cache.size(2) <= 8) {
         if (q.scalar_type() == at::kFloat) {
-            if (D == 64) decode_avx512<float, 4, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-            else decode_avx512<float, 8, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+            if (D == 64) decode_avx512<float, 4, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+            else decode_avx512<float, 8, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
             return;
         }
         if (q.scalar_type() == at::kBFloat16) {
             const bool dot = cpu_has_avx512_bf16();
-            if (D == 64 && dot) decode_avx512<at::BFloat16, 4, true>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-            else if (D == 64) decode_avx512<at::BFloat16, 4, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-            else if (dot) decode_avx512<at::BFloat16, 8, true>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-            else decode_avx512<at::BFloat16, 8, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+            if (D == 64 && dot) decode_avx512<at::BFloat16, 4, true>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+            else if (D == 64) decode_avx512<at::BFloat16, 4, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+            else if (dot) decode_avx512<at::BFloat16, 8, true>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+            else decode_avx512<at::BFloat16, 8, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
             return;
         }
     }
     if (q.scalar_type() == at::kFloat) {
-        if (D == 64) decode_impl<float, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-        else if (D == 128) decode_impl<float, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-        else decode_impl<float, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+        if (D == 64) decode_impl<float, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+        else if (D == 128) decode_impl<float, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+        else decode_impl<float, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
     } else if (q.scalar_type() == at::kBFloat16) {
-        if (D == 64) decode_impl<at::BFloat16, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-        else if (D == 128) decode_impl<at::BFloat16, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-        else decode_impl<at::BFloat16, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+        if (D == 64) decode_impl<at::BFloat16, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+        else if (D == 128) decode_impl<at::BFloat16, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+        else decode_impl<at::BFloat16, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
     } else {
         TORCH_CHECK(false, "paged_decode: unsupported dtype");
     }
@@ -546,13 +566,13 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
 // Writes the step's new K/V into their slots, then attends (a decode-only batch: one token each).
 void write_and_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& slots, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& block_tables,
-                      const at::Tensor& seq_lens, double scale) {
+                      const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& key_mask) {
     TORCH_CHECK(inner_contiguous(k) && inner_contiguous(v), "k/v heads must be contiguous");
     TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
     if (k.scalar_type() == at::kFloat) write_impl<float>(k_cache, v_cache, k, v, slots);
     else if (k.scalar_type() == at::kBFloat16) write_impl<at::BFloat16>(k_cache, v_cache, k, v, slots);
     else TORCH_CHECK(false, "write_and_decode: unsupported dtype");
-    paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+    paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask);
 }
 
 }  // namespace tokenmill

@@ -56,7 +56,8 @@ static at::Tensor run_linear(const StackLinear& L, const at::Tensor& x, at::Tens
 }
 
 at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& positions, const at::Tensor& slots,
-                                const at::Tensor& tables, const at::Tensor& seq_lens) const {
+                                const at::Tensor& tables, const at::Tensor& seq_lens,
+                                const std::optional<at::Tensor>& key_mask) const {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() == 4, "DecodeStack: incomplete layers");
     const int64_t n = h.size(0), q_size = nh_ * d_, kv_size = nkv_ * d_;
     // Buffers allocated once per step and reused by every layer (~300 small allocations fewer).
@@ -82,7 +83,7 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& positions, const
         auto q = qkv.narrow(1, 0, q_size).view({n, nh_, d_});
         auto k = qkv.narrow(1, q_size, kv_size).view({n, nkv_, d_});
         auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, nkv_, d_});
-        write_and_decode(o, q, k, v, slots, L.k_cache, L.v_cache, tables, seq_lens, scale_);
+        write_and_decode(o, q, k, v, slots, L.k_cache, L.v_cache, tables, seq_lens, scale_, key_mask);
         h = run_linear(L.linears[1], o_flat, h_attn);
         add_rms_norm(x, sums[cur], h, res, L.post_norm, eps_);
         res = sums[cur];

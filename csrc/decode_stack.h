@@ -38,8 +38,9 @@ class DecodeStack : public torch::CustomClassHolder {
     int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
     // h [n, hidden] embedded tokens -> final-normed hidden states [n, hidden]; every token attends as a
     // decode over its own prefix (tables [n, max_blocks], seq_lens [n]); K/V written at `slots`.
+    // key_mask [n] (token trees, or None): keys each token must not see (attention.h).
     at::Tensor forward(at::Tensor h, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& tables,
-                       const at::Tensor& seq_lens) const;
+                       const at::Tensor& seq_lens, const std::optional<at::Tensor>& key_mask) const;
 
   private:
     int64_t nh_, nkv_, d_;

@@ -156,6 +156,44 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class TreeConfig:
+    """Draft a token tree instead of a chain (spec_decode/tree.py): several guesses per position, verified
+    in one target pass. In --speculative-config as `"tree": {"max_nodes": 12, ...}` (or `"tree": true`)."""
+
+    max_nodes: int = 12
+    """Most draft nodes per request per step (the step budget counts each node as one token)."""
+    max_width: int = 3
+    """Most children per node."""
+    max_depth: int | None = None
+    """Deepest node (default: num_speculative_tokens)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_nodes <= 14:
+            raise ValueError("speculative_config.tree.max_nodes must be in [1, 14] (a tree step stays within the "
+                             "per-token attention path, worker/model_runner.py MAX_TOKENS_AS_DECODES)")
+        if self.max_width < 1:
+            raise ValueError("speculative_config.tree.max_width must be >= 1")
+        if self.max_depth is not None and self.max_depth < 1:
+            raise ValueError("speculative_config.tree.max_depth must be >= 1")
+
+    @classmethod
+    def from_value(cls, v: Any) -> "TreeConfig | None":
+        if v is None or v is False:
+            return None
+        if v is True:
+            return cls()
+        if isinstance(v, TreeConfig):
+            return v
+        if not isinstance(v, dict):
+            raise ValueError(f"speculative_config.tree must be true or an object, got {v!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(v) - known
+        if unknown:
+            raise ValueError(f"unknown speculative_config.tree keys: {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**v)
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
     """Proposer: ngram, draft_model, or eagle (a trained EAGLE head; see `tokenmill train-eagle`)."""
@@ -177,6 +215,8 @@ class SpeculativeConfig:
     """Lower gamma (or switch speculation off) when measured acceptance or batch size says it does not pay."""
     draft_num_layers: int | None = None
     """Keep only this many layers of the draft model (its first N-1 and its last): a layer-truncated draft."""
+    tree: TreeConfig | None = None
+    """Draft token trees (ngram): several candidates per position, verified exactly in one pass (TreeConfig)."""
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model", "eagle"):
@@ -191,6 +231,17 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.datastore backs the ngram proposer only")
         if not 0.0 <= self.datastore_min_share <= 1.0:
             raise ValueError("speculative_config.datastore_min_share must be in [0, 1]")
+        if self.tree is not None and self.method != "ngram":
+            raise ValueError(f"speculative_config.tree: method {self.method} drafts chains only here (ngram drafts trees)")
+
+    @property
+    def tree_max_depth(self) -> int:
+        return self.num_speculative_tokens if self.tree is None or self.tree.max_depth is None else self.tree.max_depth
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Most draft tokens a request carries in a step: gamma for chains, the node budget for trees."""
+        return self.num_speculative_tokens if self.tree is None else self.tree.max_nodes
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -198,6 +249,8 @@ class SpeculativeConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}; known: {sorted(known)}")
+        if "tree" in d:
+            d = {**d, "tree": TreeConfig.from_value(d["tree"])}
         return cls(**d)
 
 

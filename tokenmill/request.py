@@ -44,7 +44,9 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.spec_token_ids: list[int] = []
-        """Draft tokens proposed for the next step (not yet verified)."""
+        """Draft tokens proposed for the next step (not yet verified), a token tree's nodes in listing order."""
+        self.spec_parents: list[int] | None = None
+        """Draft node i's parent (-1: the request's last token; spec_decode/tree.py), or None for a chain."""
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.max_tokens = max_tokens
@@ -63,6 +65,23 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
+
+    def set_drafts(self, token_ids: list[int], parents: list[int] | None = None) -> None:
+        """Drafts for the next step: a chain, or a token tree's nodes (parents first) when parents is given."""
+        if parents is not None and len(parents) != len(token_ids):
+            raise ValueError("a draft tree needs one parent per node")
+        self.spec_token_ids = list(token_ids)
+        self.spec_parents = None if parents is None else list(parents)
+
+    def truncate_drafts(self, num: int) -> None:
+        """Keep the first `num` drafts (a tree's first nodes are a tree: parents are listed first)."""
+        del self.spec_token_ids[num:]
+        if self.spec_parents is not None:
+            del self.spec_parents[num:]
+
+    def clear_drafts(self) -> None:
+        self.spec_token_ids = []
+        self.spec_parents = None
 
     @property
     def num_prompt_tokens(self) -> int:

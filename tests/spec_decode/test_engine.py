@@ -22,6 +22,9 @@ def spec_configs(path) -> dict[str, dict]:
                             "num_speculative_tokens": 3, "adaptive": False},
         "draft_self": {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4, "adaptive": False},
         "ngram_adaptive": {"method": "ngram", "num_speculative_tokens": 5},
+        "ngram_tree": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 1,
+                       "tree": {"max_nodes": 6, "max_width": 3}},
+        "ngram_tree_adaptive": {"method": "ngram", "num_speculative_tokens": 4, "tree": True},
     }
 
 
@@ -40,7 +43,8 @@ def greedy_reference(tiny_llama):
     return params, ref
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft_truncated", "draft_self", "ngram_adaptive"])
+@pytest.mark.parametrize("name", ["ngram", "draft_truncated", "draft_self", "ngram_adaptive", "ngram_tree",
+                                  "ngram_tree_adaptive"])
 def test_greedy_identical_with_chunked_prefill_and_preemption(tiny_llama, greedy_reference, name):
     params, ref = greedy_reference
     llm = LLM(str(tiny_llama), speculative_config=spec_configs(tiny_llama)[name], **TIGHT)
@@ -49,8 +53,10 @@ def test_greedy_identical_with_chunked_prefill_and_preemption(tiny_llama, greedy
     stats = llm.stats()
     assert stats.num_preemptions > 0
     spec = stats.spec_decode
-    if name != "ngram_adaptive":
+    if not name.endswith("adaptive"):
         assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_tokens"]
+    if name == "ngram_tree":   # trees were drafted (more nodes than depth) and some accepted
+        assert spec["mean_draft_size"] > 3 and spec["num_accepted_tokens"] > 0
     if name == "draft_self":  # the draft is the target: every draft token is accepted
         assert spec["num_accepted_tokens"] == spec["num_draft_tokens"] > 0
         assert spec["mean_acceptance_length"] > 2
@@ -141,3 +147,27 @@ def test_sampled_tokens_follow_the_target(tiny_llama, perturbed_draft):
         counts = np.bincount(seconds, minlength=len(p))
         assert counts[p == 0].sum() == 0
         assert chisquare_pvalue(counts[p > 0], len(seconds) * p[p > 0]) > 0.01
+
+
+def test_tree_branches_past_the_first_child(tiny_llama, greedy_reference, tmp_path):
+    """A datastore whose most frequent continuation of every reference context is wrong and whose second is
+    right: every accepted path runs through later siblings, so its K/V must be moved into place for the
+    output to stay the plain decode's (the runner counts those moves)."""
+    from tokenmill.spec_decode.datastore import SuffixDatastore
+    params, ref = greedy_reference
+    seqs = []
+    for prompt, out in zip(PROMPTS, ref):
+        full = prompt + out
+        seqs.append(full)
+        for i in range(4, len(full)):
+            wrong = (full[i] + 1) % 256
+            seqs += [full[i - 4:i] + [wrong]] * 2
+    store = tmp_path / "store.npz"
+    SuffixDatastore.save(store, seqs, min_n=2, max_n=4)
+    cfg = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 2,
+           "prompt_lookup_max": 2, "datastore": str(store), "datastore_min_share": 0.0,
+           "tree": {"max_nodes": 8, "max_width": 2}}
+    llm = LLM(str(tiny_llama), speculative_config=cfg, **TIGHT)
+    assert run(llm, PROMPTS, params) == ref
+    assert llm.engine.runner.num_paths_compacted > 0
+    assert llm.stats().spec_decode["num_accepted_tokens"] > 0

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
-from tokenmill.attention.metadata import forward_context
+from tokenmill.attention import cpu_kernels
+from tokenmill.attention.metadata import forward_context, tree_key_masks
 from tokenmill.core.step_io import StepTokens
 from tokenmill.models.loader import load_model
 from tokenmill.spec_decode.tree import TokenTree
@@ -71,3 +73,35 @@ def test_accepted_path_moved_into_place_serves_the_next_decode(tiny_llama):
     nxt = 77
     hidden = forward(model, runner, len(kept), [nxt], [len(kept)])       # a plain decode after the path
     torch.testing.assert_close(hidden[0], dense_last(model, kept + [nxt]), atol=1e-4, rtol=1e-4)
+
+
+def test_tree_key_masks_worked_example():
+    assert tree_key_masks([-1, 0, -1, 1]) == [0, 0, 6, 2]
+    assert tree_key_masks([-1, 0, 1]) == [0, 0, 0]          # a chain hides nothing
+
+
+@pytest.mark.parametrize("path", ["decode_loop", "kernels", "torch"])
+def test_runner_tree_step_matches_dense_forward(tiny_llama, monkeypatch, path):
+    """The runner's own metadata for a tree step (positions by depth, key masks), served by the C++ layer
+    loop, by the module path over the C++ attention kernels, and by the pure PyTorch reference."""
+    model, runner = setup(tiny_llama)
+    n = len(PREFIX)
+    forward(model, runner, 0, PREFIX[:-1], list(range(n - 1)))
+    step = StepTokens("r", n - 1, [PREFIX[-1]] + TREE.tokens, BLOCKS, TREE.size, True, None, TREE.parents)
+    inp = runner.prepare_inputs([step])
+    assert inp.positions.tolist() == TREE.positions(n - 1)
+    assert inp.meta.token_key_mask is not None
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernels, "_load", lambda: None)
+    with torch.inference_mode():
+        if path == "decode_loop":
+            if runner.decode_loop is None:
+                pytest.skip("no C++ decode loop on this host")
+            assert runner.decode_loop.serves(inp.meta, inp.input_ids.shape[0])
+            hidden = runner.decode_loop(inp.input_ids, inp.positions, inp.meta)
+        else:
+            with forward_context(inp.meta):
+                hidden = model(inp.input_ids, inp.positions)
+    torch.testing.assert_close(hidden[0], dense_last(model, PREFIX), atol=1e-4, rtol=1e-4)
+    for i in range(TREE.size):
+        torch.testing.assert_close(hidden[1 + i], dense_last(model, PREFIX + path_tokens(i)), atol=1e-4, rtol=1e-4)

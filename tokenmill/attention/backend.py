@@ -86,6 +86,8 @@ class TorchPagedAttention:
             else:
                 q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
                 mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, seq_len]
+                if meta.token_key_mask is not None:
+                    mask &= ~_hidden_keys(meta.token_key_mask[start:end], q_pos, seq_len)
             qt = q[start:end].transpose(0, 1)[None]      # [1, Hq, n, D] (4-D: the flash path on CPU)
             o = F.scaled_dot_product_attention(qt, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
                                                attn_mask=mask, scale=scale, enable_gqa=qt.shape[1] != kc.shape[1])
@@ -137,12 +139,20 @@ def _cpu_kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attenti
                 return out
             short_idx, short = plan.short
             o = paged_decode_attention(q.index_select(0, short_idx), kv_cache, short.block_tables, short.seq_lens,
-                                       scale)
+                                       scale, short.key_mask)
             if o is not None:
                 out.index_copy_(0, short_idx, o)
                 return out
     tables = _per_token_tables(meta)
-    return paged_decode_attention(q, kv_cache, tables.block_tables, tables.seq_lens, scale)
+    return paged_decode_attention(q, kv_cache, tables.block_tables, tables.seq_lens, scale, tables.key_mask)
+
+
+def _hidden_keys(key_mask: torch.Tensor, q_pos: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[n, seq_len] True where a token tree hides key (q_pos - j) from a row whose key_mask has bit j
+    (the reference path's form of the kernels' key mask)."""
+    j = q_pos[:, None] - torch.arange(seq_len, device=q_pos.device)[None, :]        # keys before the row
+    bit = ((key_mask[:, None] >> j.clamp(0, 63)) & 1).bool()
+    return bit & (j > 0) & (j < 64)
 
 
 def _tiled_plan(meta: AttentionMetadata) -> TiledPlan | None:
@@ -164,9 +174,11 @@ def _tiled_plan(meta: AttentionMetadata) -> TiledPlan | None:
             if short:
                 idx = [t for i in short for t in range(qsl[i], qsl[i + 1])]
                 req = torch.tensor([i for i in short for _ in range(counts[i])], device=dev)
-                short_part = (torch.tensor(idx, device=dev), PerTokenTables(
+                short_idx = torch.tensor(idx, device=dev)
+                short_part = (short_idx, PerTokenTables(
                     meta.block_tables.index_select(0, req).contiguous(),
-                    torch.tensor([lens[i] - counts[i] + 1 + j for i in short for j in range(counts[i])], device=dev)))
+                    torch.tensor([lens[i] - counts[i] + 1 + j for i in short for j in range(counts[i])], device=dev),
+                    None if meta.token_key_mask is None else meta.token_key_mask.index_select(0, short_idx)))
             plan = TiledPlan(meta.block_tables.index_select(0, sel), meta.seq_lens.index_select(0, sel),
                              torch.tensor([qsl[i] for i in long], device=dev),
                              torch.tensor([counts[i] for i in long], device=dev), short_part)
@@ -185,13 +197,13 @@ def _per_token_tables(meta: AttentionMetadata) -> PerTokenTables:
     if derived.per_token is not None:
         return derived.per_token
     if meta.token_block_tables is not None and meta.token_seq_lens is not None:
-        tables = PerTokenTables(meta.token_block_tables, meta.token_seq_lens)
+        tables = PerTokenTables(meta.token_block_tables, meta.token_seq_lens, meta.token_key_mask)
     else:
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         counts = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(lens))])
         bt = meta.block_tables.repeat_interleave(counts.to(meta.block_tables.device), dim=0)
         seq = torch.cat([torch.arange(lens[i] - int(counts[i]) + 1, lens[i] + 1) for i in range(len(lens))])
-        tables = PerTokenTables(bt.contiguous(), seq.to(meta.block_tables.device))
+        tables = PerTokenTables(bt.contiguous(), seq.to(meta.block_tables.device), meta.token_key_mask)
     derived.per_token = tables
     return tables
 

@@ -30,9 +30,11 @@ def is_available() -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+                           seq_lens: torch.Tensor, scale: float,
+                           key_mask: torch.Tensor | None = None) -> torch.Tensor | None:
     """q [B, Hq, D]; kv_cache [2, num_blocks, bs, Hkv, D]; block_tables [B, nb] int64; seq_lens [B]
-    int64 -> [B, Hq, D], or None when the kernel cannot serve this call (caller falls back)."""
+    int64 -> [B, Hq, D], or None when the kernel cannot serve this call (caller falls back).
+    key_mask [B] int64 (token trees): bit j hides key seq_lens[b] - 1 - j from row b."""
     if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or kv_cache.dtype != q.dtype
             or kv_cache.shape[-1] != q.shape[-1]):
         return None
@@ -42,7 +44,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     out = q.new_empty(q.shape)
-    mod.paged_decode(out, q, kv_cache[0], kv_cache[1], block_tables.contiguous(), seq_lens.contiguous(), scale)
+    mod.paged_decode(out, q, kv_cache[0], kv_cache[1], block_tables.contiguous(), seq_lens.contiguous(), scale,
+                     None if key_mask is None else key_mask.contiguous())
     return out
 
 

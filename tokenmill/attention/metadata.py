@@ -36,7 +36,11 @@ class AttentionMetadata:
     """Set when every request has few new tokens (decodes, speculative verification): [num_tokens,
     max_blocks], each token's request's block table, so each token can be attended as its own decode."""
     token_seq_lens: torch.Tensor | None = None
-    """With token_block_tables: [num_tokens] keys each token sees (its position + 1; causal)."""
+    """With token_block_tables: [num_tokens] keys each token sees: its slot index in its request + 1
+    (its position + 1, except for the nodes of a token tree, whose positions go by depth)."""
+    token_key_mask: torch.Tensor | None = None
+    """Token trees: [num_tokens] int64, bit j hides the key j slots before a token's own (its listed-earlier
+    non-ancestors, spec_decode/tree.py); 0 for every other token. None when the step has no tree."""
     derived: "DerivedPlans" = field(default_factory=lambda: DerivedPlans(), repr=False)
     """Per-step plans the attention backend derives from the fields above once and every layer reuses."""
 
@@ -47,6 +51,7 @@ class PerTokenTables:
 
     block_tables: torch.Tensor   # [num_tokens, max_blocks]
     seq_lens: torch.Tensor       # [num_tokens]
+    key_mask: torch.Tensor | None = None   # [num_tokens] int64 (token trees), see AttentionMetadata
 
 
 @dataclass
@@ -69,6 +74,30 @@ class DerivedPlans:
     tiled: TiledPlan | None = None
     tiled_done: bool = False
     """tiled is final (None then means: no request is long)."""
+
+
+def tree_key_masks(parents: list[int]) -> list[int]:
+    """`token_key_mask` entries of a token tree's nodes (parents[i]: node i's parent, -1 the root). The
+    nodes sit in the slots after the root in listing order, so node i's causal keys include every node
+    listed before it; bit i - j hides node j unless it is one of node i's ancestors. At most 64 nodes.
+
+        nodes  a  b (child of a)  c (child of root)  d (child of b)
+        c: hides a (bit 2) and b (bit 1)  -> 0b110 = 6
+        d: sees a, b; hides c (bit 1)     -> 0b010 = 2           masks [0, 0, 6, 2]
+    """
+    if len(parents) > 64:
+        raise ValueError(f"a token tree has at most 64 nodes, got {len(parents)}")
+    anc: list[int] = []        # bit j: node j is an ancestor-or-self of node i
+    out: list[int] = []
+    for i, p in enumerate(parents):
+        a = (anc[p] if p >= 0 else 0) | (1 << i)
+        anc.append(a)
+        m = 0
+        for j in range(i):
+            if not (a >> j) & 1:
+                m |= 1 << (i - j)
+        out.append(m if m < (1 << 63) else m - (1 << 64))   # as int64
+    return out
 
 
 _CONTEXT: list[AttentionMetadata] = []

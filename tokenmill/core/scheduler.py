@@ -165,7 +165,7 @@ class Scheduler:
             except ValueError:
                 pass
         req.status = status
-        req.spec_token_ids = []
+        req.clear_drafts()
         req.finished_time = time.time()
         self.kv.free(req)
         self.kv.forget(request_id)
@@ -184,7 +184,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.spec_token_ids:  # drafts are verified all at once: drop those the budget cannot hold
-                del req.spec_token_ids[max(0, budget - (req.num_tokens - req.num_computed_tokens)):]
+                req.truncate_drafts(max(0, budget - (req.num_tokens - req.num_computed_tokens)))
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
@@ -268,7 +268,8 @@ class Scheduler:
                 new_blocks = list(blocks) if replace else blocks[view.num_blocks:]
                 view.num_tokens, view.num_blocks = req.num_tokens, len(blocks)
             return ScheduledChunk(rid, s.start_pos, s.num_new_tokens, new_tokens, new_blocks, replace,
-                                  req.spec_token_ids[:s.num_spec_tokens], s.is_sampling, s.fork_of)
+                                  req.spec_token_ids[:s.num_spec_tokens], s.is_sampling, s.fork_of,
+                                  None if req.spec_parents is None else req.spec_parents[:s.num_spec_tokens])
 
         scheduled = [chunk(s) for s in out.scheduled]
         forked = [chunk(s) for s in out.forked]
@@ -278,7 +279,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.clear_drafts()
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -303,7 +304,7 @@ class Scheduler:
             if num_drafts:
                 num_accepted = len(res.token_ids) - 1
                 req.num_computed_tokens -= num_drafts - num_accepted
-                req.spec_token_ids = []
+                req.clear_drafts()
             for j, tok in enumerate(res.token_ids):
                 req.append_output_token(tok)
                 if res.logprobs is not None:

@@ -62,6 +62,9 @@ class ScheduledChunk:
     """This step reaches the request's last token, so its logits are sampled."""
     fork_of: str | None = None
     """Forks (n > 1): sample this request from the logits of the named request's last token this step."""
+    spec_parents: list[int] | None = None
+    """The drafts form a token tree: draft i's parent draft (-1: the request's last real token), parents
+    first (spec_decode/tree.py). None: a chain."""
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,20 @@ class StepTokens:
     num_spec_tokens: int = 0
     is_sampling: bool = True
     fork_of: str | None = None
+    spec_parents: list[int] | None = None
+    """The last num_spec_tokens tokens are a token tree's nodes with these parents (ScheduledChunk), or None."""
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def tree_parents(self) -> list[int] | None:
+        """spec_parents when the drafts are a tree that is not a chain (it needs a tree mask), else None."""
+        p = self.spec_parents
+        if p is None or all(x == i - 1 for i, x in enumerate(p)):
+            return None
+        return p
 
 
 @dataclass
@@ -108,6 +121,9 @@ class SamplerResult:
     """Accepted tokens in order (one without speculation; up to 1 + k with k drafts)."""
     logprobs: list | None = None
     """Per token: dict[token_id, Logprob] (sampled + top-N), if requested."""
+    accepted_nodes: list[int] | None = None
+    """A verified token tree: the accepted nodes, root to deepest (their K/V are then moved into consecutive
+    slots by the runner). None for chains and plain sampling."""
 
 
 class SamplingRow(Protocol):

@@ -266,7 +266,7 @@ class EngineCore:
         r.output_token_ids.pop()
         r.all_token_ids.pop()
         r.logprobs.clear()
-        r.spec_token_ids = []
+        r.clear_drafts()
         r.num_computed_tokens = min(r.num_computed_tokens, r.num_tokens)
         return lps
 

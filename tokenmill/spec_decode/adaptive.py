@@ -86,8 +86,12 @@ class AdaptiveGamma:
     """Chooses γ each step. Pinned (adaptive=False) it always answers gamma_max."""
 
     def __init__(self, gamma_max: int, adaptive: bool = True, alpha_prior: float = 0.6, prior_weight: float = 4.0,
-                 decay: float = 0.97, probe_interval: int = 16, min_gain: float = 1.05) -> None:
+                 decay: float = 0.97, probe_interval: int = 16, min_gain: float = 1.05,
+                 tree_nodes: int | None = None) -> None:
         self.gamma_max = gamma_max
+        self.tree_nodes = tree_nodes
+        """Token trees: γ is a depth, and a draft of depth γ gets `num_draft_tokens(γ)` nodes, up to this many
+        (the verification cost is priced at that node count; α is the per-depth acceptance the trees show)."""
         self.adaptive = adaptive
         self.alpha_prior = alpha_prior
         self.prior_weight = prior_weight
@@ -154,7 +158,14 @@ class AdaptiveGamma:
         return self._cost(num_tokens)
 
     def verify_cost_ratio(self, batch_size: int, gamma: int) -> float:
-        return self.cost(batch_size * (1 + gamma)) / max(self.cost(batch_size), 1e-9)
+        return self.cost(batch_size * (1 + self.num_draft_tokens(gamma))) / max(self.cost(batch_size), 1e-9)
+
+    def num_draft_tokens(self, gamma: int) -> int:
+        """Draft tokens per request for depth γ: γ for chains; for trees the node budget scaled by γ / γ_max
+        (the full tree at full depth), never fewer than γ."""
+        if self.tree_nodes is None or gamma == 0:
+            return gamma
+        return max(gamma, round(self.tree_nodes * gamma / self.gamma_max))
 
     # ------------------------------------------------------------------- choice
     def choose(self, batch_size: int) -> int:

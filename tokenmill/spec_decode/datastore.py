@@ -8,8 +8,9 @@ a large corpus. Here the corpus is the target's own greedy answers to chat promp
 those words.
 
 Layout: for each context length n in [min_n, max_n], every n-token context seen in the corpus is
-reduced to a 64-bit hash, and keeps only its most frequent next token and that token's share of
-the context's occurrences. The table is three sorted numpy arrays per n (hash, next token, share),
+reduced to a 64-bit hash, and keeps its TOP_K most frequent next tokens and their shares of the
+context's occurrences (the first for chains, all of them as siblings in a token tree). The table is
+three numpy arrays per n (sorted hashes [U], next tokens [U, TOP_K] padded with -1, shares [U, TOP_K]),
 so lookups use `np.searchsorted`. It has no Python object per entry: the default model's 557 k-token
 datastore has 0.99 M entries in 15.8 MB.
 
@@ -29,6 +30,8 @@ import numpy as np
 
 _MULT = np.uint64(0x9E3779B97F4A7C15)
 _MASK = np.uint64((1 << 64) - 1)
+TOP_K = 3
+"""Continuations kept per context."""
 
 
 def _hash_windows(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -43,11 +46,11 @@ def _hash_windows(tokens: np.ndarray, n: int) -> np.ndarray:
 
 
 def _hash_one(ctx: list[int]) -> np.uint64:
-    h = np.uint64(0)
-    with np.errstate(over="ignore"):
-        for tok in ctx:
-            h = (h * _MULT + np.uint64(tok) + np.uint64(1)) & _MASK
-    return h
+    """The hash _hash_windows gives this window (in Python ints: ~10x faster than numpy scalars)."""
+    h, m = 0, int(_MULT)
+    for tok in ctx:
+        h = (h * m + int(tok) + 1) & 0xFFFFFFFFFFFFFFFF
+    return np.uint64(h)
 
 
 class SuffixDatastore:
@@ -77,7 +80,7 @@ class SuffixDatastore:
         tables = {}
         for n in range(min_n, max_n + 1):
             if len(flat) <= n:
-                tables[n] = (np.zeros(0, np.uint64), np.zeros(0, np.int32), np.zeros(0, np.float32))
+                tables[n] = (np.zeros(0, np.uint64), np.zeros((0, TOP_K), np.int32), np.zeros((0, TOP_K), np.float32))
                 continue
             h = _hash_windows(np.where(sep, 0, flat), n)[:-1]            # context ending before position i + n
             nxt = flat[n:]
@@ -99,12 +102,17 @@ class SuffixDatastore:
             hstarts = np.flatnonzero(new_h)
             totals = np.add.reduceat(counts, hstarts) if len(counts) else counts
             group = np.cumsum(new_h) - 1
-            # the best pair of each group: sort by (group, -count) and take each group's first
-            best_order = np.lexsort((-counts, group))
-            first = np.ones(len(best_order), dtype=bool)
-            first[1:] = group[best_order][1:] != group[best_order][:-1]
-            best = best_order[first]
-            tables[n] = (ph[best], pn[best].astype(np.int32), (counts[best] / totals).astype(np.float32))
+            # each group's TOP_K pairs: sort by (group, -count, token), rank within the group
+            order = np.lexsort((pn, -counts, group))
+            g_sorted = group[order]
+            rank = np.arange(len(order)) - hstarts[g_sorted]
+            keep = rank < TOP_K
+            sel, gi, ri = order[keep], g_sorted[keep], rank[keep]
+            nxt_t = np.full((len(hstarts), TOP_K), -1, dtype=np.int32)
+            share_t = np.zeros((len(hstarts), TOP_K), dtype=np.float32)
+            nxt_t[gi, ri] = pn[sel]
+            share_t[gi, ri] = counts[sel] / totals[gi]
+            tables[n] = (ph[hstarts], nxt_t, share_t)
         return cls(tables, min_n, max_n, int((flat >= 0).sum()))
 
     # ------------------------------------------------------------------ files
@@ -131,15 +139,21 @@ class SuffixDatastore:
     # ---------------------------------------------------------------- lookups
     def next_token(self, context: list[int], min_share: float = 0.0) -> int | None:
         """The most frequent continuation of the longest known suffix of context, or None."""
+        found = self.next_tokens(context, min_share)
+        return found[0][0] if found else None
+
+    def next_tokens(self, context: list[int], min_share: float = 0.0) -> list[tuple[int, float]]:
+        """Up to TOP_K (token, share) continuations of the longest known suffix of context whose top share
+        reaches min_share, most frequent first; [] if none."""
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
             keys, nxt, share = self.tables[n]
             if not len(keys):
                 continue
             h = _hash_one(context[-n:])
             i = int(np.searchsorted(keys, h))
-            if i < len(keys) and keys[i] == h and share[i] >= min_share:
-                return int(nxt[i])
-        return None
+            if i < len(keys) and keys[i] == h and share[i, 0] >= min_share:
+                return [(int(t), float(sh)) for t, sh in zip(nxt[i], share[i]) if t >= 0]
+        return []
 
     def draft(self, context: list[int], k: int, min_share: float = 0.0) -> list[int]:
         """Up to k tokens, each the continuation of the context extended by the drafts before it."""

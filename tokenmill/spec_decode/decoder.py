@@ -25,6 +25,7 @@ from tokenmill.spec_decode.adaptive import AdaptiveGamma
 from tokenmill.spec_decode.proposer import ProposerContext, build_proposer
 from tokenmill.spec_decode.rejection_sampler import RejectionSampler
 from tokenmill.spec_decode.stats import SpecDecodeStats
+from tokenmill.spec_decode.tree import TreeVerifier
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
@@ -44,7 +45,9 @@ class SpeculativeDecoder:
         self.stats = SpecDecodeStats()
         self.proposer = build_proposer(config, ctx)
         self.rejection_sampler = RejectionSampler(self.stats)
-        self.adaptive = AdaptiveGamma(config.num_speculative_tokens, config.adaptive)
+        self.tree_verifier = TreeVerifier(self.stats)
+        self.adaptive = AdaptiveGamma(config.tree_max_depth, config.adaptive,
+                                      tree_nodes=None if config.tree is None else config.tree.max_nodes)
         if config.adaptive:
             self.adaptive.calibrate(_dense_forward(ctx.target, ctx.device))
         self.draft_probs: dict[str, torch.Tensor] = {}
@@ -65,7 +68,10 @@ class SpeculativeDecoder:
                meta: SamplingMetadata, global_gen: torch.Generator | None) -> dict[str, SamplerResult]:
         """The runner's verification hook: logits [sum(k_i + 1), V] for `sampling`."""
         acc0, judged0 = self.stats.num_accepted_tokens, self.stats.num_evaluated_tokens
-        out = self.rejection_sampler(logits, sampling, rows, meta, self.draft_probs, global_gen)
+        if any(s.spec_parents is not None for s in sampling):
+            out = self.tree_verifier(logits, sampling, rows, meta, self.draft_probs, global_gen)
+        else:
+            out = self.rejection_sampler(logits, sampling, rows, meta, self.draft_probs, global_gen)
         self.adaptive.observe_acceptance(self.stats.num_evaluated_tokens - judged0,
                                          self.stats.num_accepted_tokens - acc0)
         return out
@@ -84,21 +90,21 @@ class SpeculativeDecoder:
         if not reqs:
             return
         gamma = self.adaptive.choose(len(reqs))
-        ks = [draft_budget(r, gamma, self.max_model_len) for r in reqs]
+        ks = [draft_budget(r, self.adaptive.num_draft_tokens(gamma), self.max_model_len) for r in reqs]
         if not any(ks):
             return
         t0 = time.perf_counter()
         proposal = self.proposer.propose(reqs, ks)
         seconds = time.perf_counter() - t0
-        for r, d, k in zip(reqs, proposal.token_ids, ks):
-            r.spec_token_ids = list(d[:k])
+        for i, (r, d, k) in enumerate(zip(reqs, proposal.token_ids, ks)):
+            r.set_drafts(d[:k], None if proposal.parents is None else proposal.parents[i][:k])
         if proposal.probs is not None:
             self.draft_probs = proposal.probs
         self.adaptive.observe_draft(max(ks), len(reqs), seconds)
 
     def reset_stats(self) -> None:
         """Start the cumulative counters afresh (benchmarks, after a warm-up)."""
-        self.stats = self.rejection_sampler.stats = SpecDecodeStats()
+        self.stats = self.rejection_sampler.stats = self.tree_verifier.stats = SpecDecodeStats()
 
     def metrics(self) -> dict[str, float]:
         return {**self.stats.as_dict(), **self.adaptive.as_dict()}

@@ -19,7 +19,7 @@ from tokenmill.request import Request
 from tokenmill.spec_decode.proposer import Proposal
 
 if TYPE_CHECKING:
-    from tokenmill.config import SpeculativeConfig
+    from tokenmill.config import SpeculativeConfig, TreeConfig
 
 
 def ngram_propose(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -43,6 +43,101 @@ def ngram_propose(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: 
     return []
 
 
+PROMPT_MATCH_PRECISION = 0.79
+"""How often the token after a >= 2-token prompt match is the target's (measured on the default model's
+greedy chat answers, docs/spec_decode.md): a prompt-lookup child's score."""
+ONE_TOKEN_MATCH_PRECISION = 0.21
+"""The same for one-token matches."""
+
+
+def _prompt_children(seq: list[int], starts: list[int], precision: float) -> dict[int, tuple[float, list[int]]]:
+    """Children from prompt-lookup occurrences: each start is a position in seq whose token continues a
+    match; grouped by token, scored by precision times the token's share of the occurrences. Returns
+    token -> (score, the occurrences' next positions)."""
+    groups: dict[int, list[int]] = {}
+    for p in starts:
+        if p < len(seq):
+            groups.setdefault(seq[p], []).append(p + 1)
+    total = sum(len(v) for v in groups.values())
+    return {t: (precision * len(v) / total, v) for t, v in groups.items()}
+
+
+def ngram_tree(tokens: list[int], max_nodes: int, max_width: int, max_depth: int, min_n: int, max_n: int,
+               datastore=None, min_share: float = 0.3) -> tuple[list[int], list[int]]:
+    """A token tree of guesses (tokens, parents; spec_decode/tree.py), grown best first by the product of
+    its nodes' scores, a guess of each path's chance to be the target's:
+
+      - prompt lookup: the longest suffix n-gram (n >= 2, or 1 as a last resort) and every earlier
+        occurrence of it; a node's children are the tokens after its occurrences (grouped, scored
+        PROMPT_MATCH_PRECISION x their share of the occurrences), and a child keeps following its
+        occurrences, so a repeated passage is drafted without searching again (LZ77-style: an occurrence
+        may run into the path drafted so far);
+      - the datastore: the TOP_K continuations of the node's context, scored by their corpus share;
+      - a token offered by both: 1 - (1 - a)(1 - b).
+
+        tokens ... 5 7 9 | 2 ... 5 7 9 | 4 ... 5 7 9       root context ends 5 7 9 (two earlier occurrences)
+        root's children: 2 (0.395, from the first), 4 (0.395), the datastore's 9 (0.5) ...
+    """
+    import heapq
+    base = list(tokens)
+    nodes: list[int] = []
+    parents: list[int] = []
+    depth: list[int] = []
+    matches: list[list[int]] = []   # per node: the positions (in base + its path) its children come from
+    paths: list[list[int]] = []
+
+    def candidates(path: list[int], starts: list[int] | None) -> list[tuple[float, int, list[int]]]:
+        seq = base + path
+        cands: dict[int, tuple[float, list[int]]] = {}
+        if starts is None:   # the root: find the occurrences of the longest suffix
+            starts = []
+            prec = PROMPT_MATCH_PRECISION
+            toks = np.asarray(seq, dtype=np.int64)
+            for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
+                windows = np.lib.stride_tricks.sliding_window_view(toks[:len(seq) - 1], n)
+                hits = np.flatnonzero((windows == toks[len(seq) - n:]).all(axis=1))
+                if len(hits):
+                    if n == 1:
+                        prec = ONE_TOKEN_MATCH_PRECISION
+                    starts = [int(h) + n for h in hits[::-1]][:8]   # the 8 latest occurrences
+                    break
+            if prec == ONE_TOKEN_MATCH_PRECISION and datastore is not None and datastore.next_tokens(seq, min_share):
+                starts = []   # as the chain policy: a 1-token match only where the datastore has nothing
+            cands = _prompt_children(seq, starts, prec)
+        elif starts:
+            cands = _prompt_children(seq, starts, PROMPT_MATCH_PRECISION)
+        if datastore is not None:
+            for t, sh in datastore.next_tokens(seq, min_share):
+                if t in cands:
+                    a, occ = cands[t]
+                    cands[t] = (1 - (1 - a) * (1 - sh), occ)
+                else:
+                    cands[t] = (sh, [])
+        ranked = sorted(((sc, t, occ) for t, (sc, occ) in cands.items()), key=lambda x: -x[0])
+        return ranked[:max_width]
+
+    heap: list[tuple[float, int, int, int, list[int]]] = []   # (-path score, tie, parent, token, starts)
+    tie = 0
+    for sc, t, occ in candidates([], None):
+        heapq.heappush(heap, (-sc, tie, -1, t, occ))
+        tie += 1
+    while heap and len(nodes) < max_nodes:
+        neg, _, parent, t, occ = heapq.heappop(heap)
+        d = 1 if parent < 0 else depth[parent] + 1
+        path = (paths[parent] if parent >= 0 else []) + [t]
+        nodes.append(t)
+        parents.append(parent)
+        depth.append(d)
+        matches.append(occ)
+        paths.append(path)
+        if d < max_depth:
+            me = len(nodes) - 1
+            for sc, t2, occ2 in candidates(path, occ):
+                heapq.heappush(heap, (neg * sc, tie, me, t2, occ2))
+                tie += 1
+    return nodes, parents
+
+
 class NgramProposer:
     """Prompt lookup over each request's own tokens (prompt and output), optionally backed by a
     suffix datastore of the target's earlier answers (datastore.py).
@@ -52,8 +147,12 @@ class NgramProposer:
     answers (32 held-out ShareGPT prompts, docs/spec_decode.md): one-token prompt matches predict the
     next token 21% of the time, the datastore 46% where no longer prompt match exists."""
 
-    def __init__(self, min_n: int, max_n: int, datastore=None, min_share: float = 0.3) -> None:
+    def __init__(self, min_n: int, max_n: int, datastore=None, min_share: float = 0.3,
+                 tree: "TreeConfig | None" = None, max_depth: int = 4) -> None:
         self.feature_sink = None  # drafts from tokens only
+        self.tree = tree
+        """Draft token trees (ngram_tree) instead of chains."""
+        self.max_depth = max_depth
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}")
         self.min_n = min_n
@@ -67,7 +166,8 @@ class NgramProposer:
         if config.datastore:
             from tokenmill.spec_decode.datastore import SuffixDatastore
             store = SuffixDatastore.load(config.datastore)
-        return cls(config.prompt_lookup_min, config.prompt_lookup_max, store, config.datastore_min_share)
+        return cls(config.prompt_lookup_min, config.prompt_lookup_max, store, config.datastore_min_share,
+                   config.tree, config.tree_max_depth)
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0:
@@ -82,8 +182,15 @@ class NgramProposer:
         return out
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
-        drafts = [self.draft(r.all_token_ids, k) for r, k in zip(requests, num_tokens)]
-        return Proposal(drafts, None)
+        if self.tree is None:
+            return Proposal([self.draft(r.all_token_ids, k) for r, k in zip(requests, num_tokens)], None)
+        drafts, parents = [], []
+        for r, k in zip(requests, num_tokens):
+            toks, par = ngram_tree(r.all_token_ids, k, self.tree.max_width, min(self.max_depth, k), self.min_n,
+                                   self.max_n, self.datastore, self.min_share) if k > 0 else ([], [])
+            drafts.append(toks)
+            parents.append(par)
+        return Proposal(drafts, None, parents)
 
     def forget(self, request_ids: list[str]) -> None:
         pass

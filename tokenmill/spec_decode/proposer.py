@@ -41,7 +41,10 @@ class Proposal:
     token_ids: list[list[int]]
     """Per request (in the order asked): up to num_tokens draft tokens; [] = no draft."""
     probs: dict[str, torch.Tensor] | None
-    """request id -> [len(drafts), V] q each draft token was drawn from; None = point masses."""
+    """request id -> [len(drafts), V] q each draft token was drawn from; None = point masses. For a tree:
+    row 0 the q at the root, row 1 + u the q at node u (what its sampled children were drawn from)."""
+    parents: list[list[int]] | None = None
+    """Per request: its drafts are a token tree's nodes with these parents (spec_decode/tree.py); None: chains."""
 
 
 class Proposer(Protocol):

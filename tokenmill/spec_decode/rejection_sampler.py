@@ -146,7 +146,15 @@ def expand_sampling_metadata(meta: SamplingMetadata, drafts: list[list[int]], nu
     Row j of request i sees drafts[i][:j] as already generated: they count for frequency,
     presence and repetition penalties and for min_tokens, exactly as if sampled one by one.
     """
-    reps = torch.tensor([len(d) + 1 for d in drafts], dtype=torch.long, device=meta.temperature.device)
+    return expand_rows(meta, [[d[:j] for j in range(len(d) + 1)] for d in drafts], num_output_tokens, min_tokens)
+
+
+def expand_rows(meta: SamplingMetadata, prefixes: list[list[list[int]]], num_output_tokens: list[int],
+                min_tokens: list[int]) -> SamplingMetadata:
+    """Per-request metadata -> per-row metadata: request i owns len(prefixes[i]) rows, and row j sees the
+    tokens prefixes[i][j] as already generated (a chain's row j: its first j drafts; a tree node's row: its
+    path, spec_decode/tree.py)."""
+    reps = torch.tensor([len(p) for p in prefixes], dtype=torch.long, device=meta.temperature.device)
 
     def rep(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.repeat_interleave(reps, dim=0)
@@ -154,19 +162,20 @@ def expand_sampling_metadata(meta: SamplingMetadata, drafts: list[list[int]], nu
     counts = rep(meta.output_counts)
     if counts is not None:
         row = 0
-        for d in drafts:
-            for j, tok in enumerate(d):
-                counts[row + j + 1:row + len(d) + 1, tok] += 1
-            row += len(d) + 1
+        for rows in prefixes:
+            for pre in rows:
+                for tok in pre:
+                    counts[row, tok] += 1
+                row += 1
     ban = rep(meta.min_tokens_mask)
     if ban is not None:
         row = 0
-        for d, n_out, mt in zip(drafts, num_output_tokens, min_tokens):
-            for j in range(len(d) + 1):
-                if n_out + j >= mt:
-                    ban[row + j] = False
-            row += len(d) + 1
-    gens = [g for d, g in zip(drafts, meta.generators) for _ in range(len(d) + 1)]
+        for rows, n_out, mt in zip(prefixes, num_output_tokens, min_tokens):
+            for pre in rows:
+                if n_out + len(pre) >= mt:
+                    ban[row] = False
+                row += 1
+    gens = [g for rows, g in zip(prefixes, meta.generators) for _ in rows]
     return replace(meta, temperature=rep(meta.temperature), top_k=rep(meta.top_k), top_p=rep(meta.top_p),
                    min_p=rep(meta.min_p), presence_penalty=rep(meta.presence_penalty),
                    frequency_penalty=rep(meta.frequency_penalty), repetition_penalty=rep(meta.repetition_penalty),

@@ -35,6 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.core.step_io import SamplerResult, SamplingRow, StepTokens
+from tokenmill.layers.sampler import SamplingMetadata, apply_penalties, apply_temperature_and_masks, gather_logprobs
+from tokenmill.spec_decode.rejection_sampler import expand_rows
+from tokenmill.spec_decode.stats import SpecDecodeStats
+
 
 @dataclass(frozen=True)
 class TokenTree:
@@ -102,6 +107,17 @@ class TokenTree:
         m[1:, n:] = self.ancestors_mask()
         return m
 
+    def path(self, node: int) -> list[int]:
+        """Tokens from the root's first child down to `node` (its ancestors, then itself)."""
+        out: list[int] = []
+        while node >= 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
+    def max_depth(self) -> int:
+        return max(self.depths(), default=0)
+
     @classmethod
     def chain(cls, tokens: list[int], sampled: bool = True) -> "TokenTree":
         """A chain of drafts: the special case of a tree."""
@@ -161,8 +177,74 @@ def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.
             return TreeVerdict(accepted, [tree.tokens[c] for c in accepted] + [final])
 
 
+def greedy_tree_walk(tree: TokenTree, argmax: list[int]) -> TreeVerdict:
+    """Greedy verification from the rows' argmax tokens ([1 + size]: root, then node i at 1 + i)."""
+    kids = tree.children()
+    accepted: list[int] = []
+    row = 0
+    while True:
+        best = argmax[row]
+        nxt = next((c for c in kids[row] if tree.tokens[c] == best), None)
+        if nxt is None:
+            return TreeVerdict(accepted, [tree.tokens[c] for c in accepted] + [best])
+        accepted.append(nxt)
+        row = nxt + 1
+
+
 def verify_trees(trees: list[TokenTree], target_probs: list[torch.Tensor], draft_probs: list[torch.Tensor | None],
                  greedy: list[bool], generators: list[torch.Generator | None]) -> list[TreeVerdict]:
     """A batch of requests' trees; each request draws from its own generator (seeded requests stay
     reproducible whatever else is batched)."""
     return [verify_tree(t, p, q, g, gen) for t, p, q, g, gen in zip(trees, target_probs, draft_probs, greedy, generators)]
+
+
+class TreeVerifier:
+    """The runner's verification hook for steps whose drafts are token trees (a chain is a tree too): applies
+    each request's sampling parameters to every row, with node i's path counted as already generated (so
+    penalties and min_tokens act as one-token-at-a-time sampling would), verifies each tree, gathers the
+    emitted tokens' logprobs and counts acceptances. Row layout: request i owns 1 + k_i rows, its root first,
+    then its nodes in listing order (the runner's logits rows for it).
+
+    draft_probs[request id]: [>= 1 + size, V], row 0 the distribution at the root and row 1 + u at node u:
+    the q that node u's sampled children were drawn from (a chain's [k, V] rows are the same thing)."""
+
+    def __init__(self, stats: SpecDecodeStats) -> None:
+        self.stats = stats
+
+    def __call__(self, logits: torch.Tensor, sampling: list[StepTokens], reqs: list[SamplingRow],
+                 meta: SamplingMetadata, draft_probs: dict[str, torch.Tensor],
+                 global_gen: torch.Generator | None) -> dict[str, SamplerResult]:
+        trees: list[TokenTree] = []
+        for s in sampling:
+            k = s.num_spec_tokens if s.is_sampling else 0
+            toks = s.token_ids[len(s.token_ids) - k:] if k else []
+            parents = list(s.spec_parents[:k]) if s.spec_parents is not None else list(range(-1, k - 1))
+            trees.append(TokenTree(toks, parents, [s.request_id in draft_probs] * k))
+        prefixes = [[[]] + [t.path(i) for i in range(t.size)] for t in trees]
+        emeta = expand_rows(meta, prefixes, [r.num_output_tokens for r in reqs],
+                            [r.sampling_params.min_tokens for r in reqs])
+        logits = apply_penalties(logits.float(), emeta)
+        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
+        processed = apply_temperature_and_masks(logits, emeta)
+        argmax = processed.argmax(-1).tolist()
+        probs = None if meta.all_greedy else processed.softmax(-1)
+        out: dict[str, SamplerResult] = {}
+        row0 = 0
+        for i, (s, r, tree) in enumerate(zip(sampling, reqs, trees)):
+            n = tree.size + 1
+            if r.sampling_params.is_greedy:
+                v = greedy_tree_walk(tree, argmax[row0:row0 + n])
+            else:
+                q = draft_probs.get(s.request_id)
+                gen = meta.generators[i] if meta.generators[i] is not None else global_gen
+                v = verify_tree(tree, probs[row0:row0 + n], None if q is None else q.to(probs.device), False, gen)
+            lp = None
+            if raw_logprobs is not None and r.sampling_params.logprobs is not None:
+                rows = [row0] + [row0 + 1 + a for a in v.accepted]        # the row each emitted token came from
+                lp = gather_logprobs(raw_logprobs[torch.tensor(rows, device=logits.device)],
+                                     torch.tensor(v.token_ids, device=logits.device),
+                                     [r.sampling_params.logprobs] * len(rows))
+            self.stats.observe(tree.size, len(v.accepted), tree.max_depth())
+            out[s.request_id] = SamplerResult(v.token_ids, lp, v.accepted if tree.size else None)
+            row0 += n
+        return out

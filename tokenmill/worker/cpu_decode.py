@@ -51,7 +51,8 @@ class CpuDecodeLoop:
         self.steps_served += 1
         self.max_tokens_served = max(self.max_tokens_served, n)
         h = self.embed(input_ids)
-        return self.stack.forward(h, positions, meta.slot_mapping, meta.token_block_tables, meta.token_seq_lens)
+        return self.stack.forward(h, positions, meta.slot_mapping, meta.token_block_tables, meta.token_seq_lens,
+                                  meta.token_key_mask)
 
 
 def build(layout: DecoderLayout | None, kv_caches: list[torch.Tensor]) -> CpuDecodeLoop | None:

@@ -24,14 +24,14 @@ from typing import Callable, Sequence
 import torch
 
 from tokenmill.attention.kv_quant import cache_head_dim
-from tokenmill.attention.metadata import AttentionMetadata, forward_context
+from tokenmill.attention.metadata import AttentionMetadata, forward_context, tree_key_masks
 from tokenmill.config import ModelArchConfig
 from tokenmill.core.step_io import (NewRequestData, SamplerResult, SamplingRow, ScheduledChunk, StepInput,
                                     StepTokens)
 from tokenmill.layers.sampler import Sampler, SamplingMetadata
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import cpu_decode
-from tokenmill.worker.kv_cache_ops import add_forked_samples, copy_blocks
+from tokenmill.worker.kv_cache_ops import add_forked_samples, compact_accepted_path, copy_blocks
 
 
 @dataclass
@@ -91,7 +91,8 @@ class RequestState:
         real_end = end - k
         assert real_end <= len(self.token_ids), f"{self.request_id}: chunk past the tokens the runner was sent"
         toks = self.token_ids[c.start_pos:real_end] + list(c.spec_token_ids)
-        return StepTokens(self.request_id, c.start_pos, toks, self.block_ids, k, c.is_sampling, c.fork_of)
+        return StepTokens(self.request_id, c.start_pos, toks, self.block_ids, k, c.is_sampling, c.fork_of,
+                          c.spec_parents)
 
 
 @dataclass
@@ -114,9 +115,10 @@ FeatureSink = Callable[[list[StepTokens], torch.Tensor], None]
 """(the step's requests in input order, final hidden states [num_tokens, hidden]) -> None (EAGLE's store)."""
 
 
-MAX_TOKENS_AS_DECODES = 9
-"""Steps where no request has more new tokens than this (decodes; verification of up to 8 drafts)
-also get per-token attention metadata, so the CPU decode loop can serve them."""
+MAX_TOKENS_AS_DECODES = 15
+"""Steps where no request has more new tokens than this (decodes; verification of up to 14 drafts or tree
+nodes; short chunks, which the attention backend attends token by token anyway, below its
+TILED_PREFILL_MIN_TOKENS) also get per-token attention metadata, so the CPU decode loop can serve them."""
 
 
 class ModelRunner:
@@ -145,6 +147,8 @@ class ModelRunner:
         """The persistent batch: one row per request the scheduler has sent and not dropped."""
         self.verifier = verifier
         self.feature_sink = feature_sink
+        self.num_paths_compacted = 0
+        """Verified token trees whose accepted path was not already in consecutive slots (tests read it)."""
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """Drop requests' rows and random generators (they left the engine)."""
@@ -184,7 +188,14 @@ class ModelRunner:
         rows = [self.requests[s.request_id] for s in sampling]
         smeta = self.sampling_metadata(rows)
         if self.verifier is not None and any(s.num_spec_tokens for s in sampling):
-            return self.verifier(logits, sampling, rows, smeta, self.sampler.global_gen)
+            results = self.verifier(logits, sampling, rows, smeta, self.sampler.global_gen)
+            for s in sampling:  # a verified tree: its accepted path's K/V into consecutive slots
+                res = results.get(s.request_id)
+                if s.tree_parents is not None and res is not None and res.accepted_nodes:
+                    self.num_paths_compacted += res.accepted_nodes != list(range(len(res.accepted_nodes)))
+                    compact_accepted_path(self.kv_caches, s.block_ids,
+                                          s.start_pos + s.num_new_tokens - s.num_spec_tokens, res.accepted_nodes)
+            return results
         out = self.sampler(logits, smeta, [r.sampling_params.logprobs for r in rows])
         toks = out.token_ids.tolist()
         return {r.request_id: SamplerResult([toks[i]], None if out.logprobs is None or out.logprobs[i] is None
@@ -201,11 +212,30 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampling: list[StepTokens] = []
         max_blocks = 1
+        key_lens: list[int] = []      # per token: its slot index in its request + 1 (the keys it may see)
+        key_masks: list[int] | None = None
         for s in batch:
             n, start = s.num_new_tokens, s.start_pos
             input_ids.extend(s.token_ids)
             pos = range(start, start + n)
-            positions.extend(pos)
+            tree = s.tree_parents
+            if tree is None:
+                positions.extend(pos)
+            else:  # a token tree: nodes at the root's position + depth, in slots after the root in listing order
+                k = s.num_spec_tokens
+                root = start + n - k - 1
+                depth: list[int] = []
+                for p in tree:
+                    depth.append(1 if p < 0 else depth[p] + 1)
+                positions.extend(range(start, root + 1))
+                positions.extend(root + d for d in depth)
+                if key_masks is None:
+                    key_masks = [0] * len(key_lens)
+                key_masks.extend([0] * (n - k))
+                key_masks.extend(tree_key_masks(tree))
+            if key_masks is not None and tree is None:
+                key_masks.extend([0] * n)
+            key_lens.extend(range(start + 1, start + n + 1))
             bids = s.block_ids
             slots.extend(bids[p // bs] * bs + p % bs for p in pos)
             qsl.append(qsl[-1] + n)
@@ -234,7 +264,7 @@ class ModelRunner:
                 req_of_token = torch.repeat_interleave(torch.arange(len(batch)),
                                                        torch.tensor([s.num_new_tokens for s in batch]))
                 token_tables = tables.index_select(0, req_of_token).to(dev)
-            token_lens = torch.tensor(positions, dtype=torch.long, device=dev) + 1
+            token_lens = torch.tensor(key_lens, dtype=torch.long, device=dev)
         decode_mask = None  # only the reference decode attention reads it; the decode loop never does
         if num_decodes and (self.decode_loop is None or token_tables is None):
             nb = -(-max_dec // bs)
@@ -246,7 +276,8 @@ class ModelRunner:
             block_tables=tables.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
             seq_lens_cpu=seq_lens, query_start_loc_cpu=qsl, max_decode_seq_len=max_dec, decode_mask=decode_mask,
-            token_block_tables=token_tables, token_seq_lens=token_lens)
+            token_block_tables=token_tables, token_seq_lens=token_lens,
+            token_key_mask=None if key_masks is None else torch.tensor(key_masks, dtype=torch.long, device=dev))
         return StepInputs(meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev),
                           torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling)
