@@ -41,9 +41,17 @@ ENGINE_GAUGES: tuple[StatRow, ...] = (
     StatRow("num_blocks_free", "tokenmill:kv_cache_num_free_blocks", "Number of free KV-cache blocks."),
     StatRow("spec_decode.mean_acceptance_length", "tokenmill:spec_decode_mean_acceptance_length",
             "Mean tokens emitted per verified draft: 1 + accepted / drafts."),
+    StatRow("spec_decode.mean_draft_size", "tokenmill:spec_decode_mean_draft_size",
+            "Mean draft tokens (token-tree nodes) per verified draft."),
 )
 
-_PER_POS_PREFIX = "num_accepted_tokens_per_pos_"
+LABELED_SPEC_COUNTERS: tuple[tuple[str, str, str, str], ...] = (
+    # (key prefix in EngineStats.spec_decode, name, label, documentation): one series per label value
+    ("num_accepted_tokens_per_pos_", "tokenmill:spec_decode_num_accepted_tokens_per_pos", "position",
+     "Accepted draft tokens at each draft position (a token tree's depth - 1)."),
+    ("acceptance_length_", "tokenmill:spec_decode_acceptance_length", "length",
+     "Verified drafts by tokens emitted (1 + accepted): the acceptance length distribution."),
+)
 
 ENGINE_COUNTERS: tuple[StatRow, ...] = (
     StatRow("prefix_cache_queries", "tokenmill:prefix_cache_queries",
@@ -100,13 +108,13 @@ class _EngineStatsCollector(Collector):
                 c.add_metric([self._model_name], value)
                 yield c
         spec = getattr(stats, "spec_decode", None) or {}
-        per_pos = sorted((int(k[len(_PER_POS_PREFIX):]), v) for k, v in spec.items() if k.startswith(_PER_POS_PREFIX))
-        if per_pos:  # vLLM's per-position acceptance counter, one series per draft position
-            c = CounterMetricFamily("tokenmill:spec_decode_num_accepted_tokens_per_pos",
-                                    "Accepted draft tokens at each draft position.", labels=["model_name", "position"])
-            for pos, v in per_pos:
-                c.add_metric([self._model_name, str(pos)], float(v))
-            yield c
+        for prefix, name, label, doc in LABELED_SPEC_COUNTERS:  # e.g. vLLM's per-position acceptance counter
+            series = sorted((int(k[len(prefix):]), v) for k, v in spec.items() if k.startswith(prefix))
+            if series:
+                c = CounterMetricFamily(name, doc, labels=["model_name", label])
+                for key, v in series:
+                    c.add_metric([self._model_name, str(key)], float(v))
+                yield c
 
     def describe(self) -> Iterable[Metric]:
         return []  # NOTE: names depend on the core's stats; skip registry duplicate checks

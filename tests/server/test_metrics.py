@@ -47,12 +47,17 @@ def test_counters_mirror_engine_stats_and_spec_rows_appear_when_reported():
     assert "spec_decode" not in text
     holder["stats"] = Stats(spec_decode={"num_drafts": 5, "num_draft_tokens": 20, "num_accepted_tokens": 12,
                                          "mean_acceptance_length": 3.4, "num_accepted_tokens_per_pos_0": 5,
-                                         "num_accepted_tokens_per_pos_1": 4, "num_accepted_tokens_per_pos_2": 3})
+                                         "num_accepted_tokens_per_pos_1": 4, "num_accepted_tokens_per_pos_2": 3,
+                                         "mean_draft_size": 4.0, "acceptance_length_1": 2, "acceptance_length_4": 3})
     text = _scrape(metrics)
     assert 'tokenmill:spec_decode_num_accepted_tokens_total{model_name="m"} 12.0' in text
     assert 'tokenmill:spec_decode_mean_acceptance_length{model_name="m"} 3.4' in text
     for pos, n in ((0, 5), (1, 4), (2, 3)):
         line = f'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} {n}.0'
+        assert line in text, line
+    assert 'tokenmill:spec_decode_mean_draft_size{model_name="m"} 4.0' in text          # token trees
+    for length, n in ((1, 2), (4, 3)):
+        line = f'tokenmill:spec_decode_acceptance_length_total{{length="{length}",model_name="m"}} {n}.0'
         assert line in text, line
 
 

@@ -62,9 +62,10 @@ def test_greedy_identical_with_chunked_prefill_and_preemption(tiny_llama, greedy
         assert spec["mean_acceptance_length"] > 2
 
 
-def test_limits_and_stop_tokens_hold(tiny_llama, greedy_reference):
+@pytest.mark.parametrize("name", ["draft_self", "ngram_tree"])
+def test_limits_and_stop_tokens_hold(tiny_llama, greedy_reference, name):
     _, ref = greedy_reference
-    cfg = spec_configs(tiny_llama)["draft_self"]
+    cfg = spec_configs(tiny_llama)[name]
     # max_model_len: prompt 40 + 8 outputs = 48; drafts must never point past it.
     llm = LLM(str(tiny_llama), speculative_config=cfg, max_model_len=48, **TIGHT)
     out = run(llm, PROMPTS[2:3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -171,3 +172,73 @@ def test_tree_branches_past_the_first_child(tiny_llama, greedy_reference, tmp_pa
     assert run(llm, PROMPTS, params) == ref
     assert llm.engine.runner.num_paths_compacted > 0
     assert llm.stats().spec_decode["num_accepted_tokens"] > 0
+
+
+def _target_topk(model, ids: list[int], k: int) -> tuple[list[int], np.ndarray]:
+    """The target's top-k tokens after ids and the full distribution renormalised over them."""
+    with torch.inference_mode():
+        t = torch.tensor(ids)
+        logits = model.compute_logits(model(t, torch.arange(len(t)))[-1:])[0]
+    top = logits.topk(k)
+    p = np.zeros(logits.shape[0])
+    p[top.indices.numpy()] = top.values.softmax(-1).numpy()
+    return top.indices.tolist(), p
+
+
+def tree_distribution_check(model_path: str, prompt: list[int], n: int, tmp_path, **llm_kwargs) -> None:
+    """Temperature 1, top-k 3. A datastore offers, after the prompt and each likely first token t1, the
+    target's own top-3 second tokens (in the reverse of the target's order, with unequal shares) and one
+    continuation of each: a tree of deterministic siblings two levels deep at the position after t1.
+    Grouped by t1, the second tokens must follow the target's distribution."""
+    from tokenmill.spec_decode.datastore import SuffixDatastore
+    plain = LLM(model_path, dtype="float32", **llm_kwargs)
+    model = plain.engine.model
+    firsts, _ = _target_topk(model, prompt, 3)
+    seqs = []
+    for t1 in firsts:
+        seconds, _ = _target_topk(model, prompt + [t1], 3)
+        for rank, t2 in enumerate(reversed(seconds)):
+            seqs += [prompt[-3:] + [t1, t2, (t2 + 7) % 256]] * (rank + 1)
+    store = tmp_path / "dist.npz"
+    SuffixDatastore.save(store, seqs, min_n=2, max_n=4)
+    cfg = {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False, "prompt_lookup_min": 4,
+           "prompt_lookup_max": 4, "datastore": str(store), "datastore_min_share": 0.0,
+           "tree": {"max_nodes": 6, "max_width": 3}}
+    llm = LLM(model_path, speculative_config=cfg, max_num_seqs=64, dtype="float32", **llm_kwargs)
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    outs = run(llm, [prompt] * n, params)
+    spec = llm.stats().spec_decode
+    assert spec["num_drafts"] >= n // 2 and spec["mean_draft_size"] > 2
+    assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
+    groups: dict[int, list[int]] = {}
+    for o in outs:
+        groups.setdefault(o[0], []).append(o[1])
+    checked = 0
+    for t1, seconds in groups.items():
+        if len(seconds) < 30:
+            continue
+        _, p = _target_topk(model, prompt + [t1], 3)
+        counts = np.bincount(seconds, minlength=len(p))
+        assert counts[p == 0].sum() == 0
+        assert chisquare_pvalue(counts[p > 0], len(seconds) * p[p > 0]) > 0.01
+        checked += 1
+    assert checked >= 1
+
+
+def test_tree_sampled_tokens_follow_the_target(tiny_llama, tmp_path):
+    tree_distribution_check(str(tiny_llama), [1, 20, 30, 40], 300, tmp_path)
+
+
+def test_tree_mixed_sampling_batch_and_seeds(tiny_llama, greedy_reference):
+    _, ref = greedy_reference
+    cfg = spec_configs(tiny_llama)["ngram_tree"]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=20, frequency_penalty=0.5, seed=4, max_tokens=10, ignore_eos=True,
+                             logprobs=2)]
+    a = run(LLM(str(tiny_llama), speculative_config=cfg, **TIGHT), PROMPTS, params)
+    b = run(LLM(str(tiny_llama), speculative_config=cfg, **TIGHT), PROMPTS, params)
+    assert a == b
+    assert a[0] == ref[0] and a[2] == ref[2]
+    assert len(a[1]) == len(a[3]) == 10

@@ -22,7 +22,7 @@ from tokenmill.core.step_io import SamplerResult, SamplingRow, StepTokens
 from tokenmill.layers.sampler import SamplingMetadata
 from tokenmill.request import Request, RequestStatus
 from tokenmill.spec_decode.adaptive import AdaptiveGamma
-from tokenmill.spec_decode.proposer import ProposerContext, build_proposer
+from tokenmill.spec_decode.proposer import ProposerContext, build_proposer, draft_budget
 from tokenmill.spec_decode.rejection_sampler import RejectionSampler
 from tokenmill.spec_decode.stats import SpecDecodeStats
 from tokenmill.spec_decode.tree import TreeVerifier
@@ -30,12 +30,6 @@ from tokenmill.spec_decode.tree import TreeVerifier
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
     from tokenmill.worker.model_runner import ModelRunner
-
-
-def draft_budget(req: Request, gamma: int, max_model_len: int) -> int:
-    """Draft tokens request `req` may carry: γ, but never past max_tokens (the k drafts plus the
-    bonus are all outputs) nor past max_model_len (positions num_tokens - 1 .. num_tokens - 1 + k)."""
-    return max(0, min(gamma, req.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens))
 
 
 class SpeculativeDecoder:
@@ -90,7 +84,11 @@ class SpeculativeDecoder:
         if not reqs:
             return
         gamma = self.adaptive.choose(len(reqs))
-        ks = [draft_budget(r, self.adaptive.num_draft_tokens(gamma), self.max_model_len) for r in reqs]
+        budget = self.adaptive.num_draft_tokens(gamma)
+        if self.config.tree is None:
+            ks = [draft_budget(r, budget, self.max_model_len) for r in reqs]
+        else:  # a tree's nodes are not all outputs: the proposer caps its depth (draft_budget) instead
+            ks = [budget if draft_budget(r, 1, self.max_model_len) else 0 for r in reqs]
         if not any(ks):
             return
         t0 = time.perf_counter()

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tokenmill.request import Request
-from tokenmill.spec_decode.proposer import Proposal
+from tokenmill.spec_decode.proposer import Proposal, draft_budget
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig, TreeConfig
+    from tokenmill.spec_decode.proposer import ProposerContext
 
 
 def ngram_propose(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -148,11 +149,12 @@ class NgramProposer:
     next token 21% of the time, the datastore 46% where no longer prompt match exists."""
 
     def __init__(self, min_n: int, max_n: int, datastore=None, min_share: float = 0.3,
-                 tree: "TreeConfig | None" = None, max_depth: int = 4) -> None:
+                 tree: "TreeConfig | None" = None, max_depth: int = 4, max_model_len: int = 1 << 30) -> None:
         self.feature_sink = None  # drafts from tokens only
         self.tree = tree
         """Draft token trees (ngram_tree) instead of chains."""
         self.max_depth = max_depth
+        self.max_model_len = max_model_len
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}")
         self.min_n = min_n
@@ -161,13 +163,13 @@ class NgramProposer:
         self.min_share = min_share
 
     @classmethod
-    def from_context(cls, config: "SpeculativeConfig", ctx: object) -> "NgramProposer":
+    def from_context(cls, config: "SpeculativeConfig", ctx: "ProposerContext") -> "NgramProposer":
         store = None
         if config.datastore:
             from tokenmill.spec_decode.datastore import SuffixDatastore
             store = SuffixDatastore.load(config.datastore)
         return cls(config.prompt_lookup_min, config.prompt_lookup_max, store, config.datastore_min_share,
-                   config.tree, config.tree_max_depth)
+                   config.tree, config.tree_max_depth, ctx.max_model_len)
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0:
@@ -186,8 +188,9 @@ class NgramProposer:
             return Proposal([self.draft(r.all_token_ids, k) for r, k in zip(requests, num_tokens)], None)
         drafts, parents = [], []
         for r, k in zip(requests, num_tokens):
-            toks, par = ngram_tree(r.all_token_ids, k, self.tree.max_width, min(self.max_depth, k), self.min_n,
-                                   self.max_n, self.datastore, self.min_share) if k > 0 else ([], [])
+            depth = min(k, draft_budget(r, self.max_depth, self.max_model_len))
+            toks, par = ngram_tree(r.all_token_ids, k, self.tree.max_width, depth, self.min_n,
+                                   self.max_n, self.datastore, self.min_share) if depth > 0 else ([], [])
             drafts.append(toks)
             parents.append(par)
         return Proposal(drafts, None, parents)

@@ -36,6 +36,12 @@ class ProposerContext:
     seed: int
 
 
+def draft_budget(req: Request, gamma: int, max_model_len: int) -> int:
+    """Draft depth request `req` may carry: γ, but never past max_tokens (the k accepted drafts plus the
+    bonus are all outputs) nor past max_model_len (positions num_tokens - 1 .. num_tokens - 1 + k)."""
+    return max(0, min(gamma, req.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens))
+
+
 @dataclass
 class Proposal:
     token_ids: list[list[int]]
@@ -53,7 +59,8 @@ class Proposer(Protocol):
 
     def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
         """Drafts for running requests whose next step is a decode. `num_tokens[i]` caps request
-        i's draft (0 = none). Drafts continue `all_token_ids`; they must not mutate requests."""
+        i's draft (0 = none): its tokens, or a tree's nodes (a tree proposer caps the depth by
+        `draft_budget`). Drafts continue `all_token_ids`; they must not mutate requests."""
         ...
 
     def forget(self, request_ids: list[str]) -> None:
