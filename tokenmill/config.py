@@ -196,11 +196,12 @@ class TreeConfig:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    """Proposer: ngram, draft_model, or eagle (a trained EAGLE head; see `tokenmill train-eagle`)."""
+    """Proposer: ngram, draft_model, eagle (a trained EAGLE head; `tokenmill train-eagle`) or medusa (trained
+    Medusa heads drafting a static token tree; `tokenmill train-medusa`)."""
     num_speculative_tokens: int = 4
     """Largest number of draft tokens (gamma) per step."""
     model: str | None = None
-    """Draft model path (draft_model) or EAGLE head directory (eagle)."""
+    """Draft model path (draft_model), EAGLE head directory (eagle) or Medusa heads directory (medusa)."""
     prompt_lookup_max: int = 4
     """Longest n-gram matched by the n-gram proposer."""
     prompt_lookup_min: int = 1
@@ -219,11 +220,11 @@ class SpeculativeConfig:
     """Draft token trees (ngram): several candidates per position, verified exactly in one pass (TreeConfig)."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model", "eagle"):
-            raise ValueError(f"speculative_config.method must be ngram, draft_model or eagle, got {self.method!r}")
+        if self.method not in ("ngram", "draft_model", "eagle", "medusa"):
+            raise ValueError(f"speculative_config.method must be ngram, draft_model, eagle or medusa, got {self.method!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
-        if self.method in ("draft_model", "eagle") and not self.model:
+        if self.method in ("draft_model", "eagle", "medusa") and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method}")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ValueError("speculative_config.draft_num_layers must be >= 1")
@@ -231,8 +232,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.datastore backs the ngram proposer only")
         if not 0.0 <= self.datastore_min_share <= 1.0:
             raise ValueError("speculative_config.datastore_min_share must be in [0, 1]")
-        if self.tree is not None and self.method != "ngram":
-            raise ValueError(f"speculative_config.tree: method {self.method} drafts chains only here (ngram drafts trees)")
+        if self.tree is not None and self.method not in ("ngram", "medusa"):
+            raise ValueError(f"speculative_config.tree: method {self.method} drafts chains only here "
+                             "(ngram and medusa draft trees)")
 
     @property
     def tree_max_depth(self) -> int:

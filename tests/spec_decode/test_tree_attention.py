@@ -105,3 +105,16 @@ def test_runner_tree_step_matches_dense_forward(tiny_llama, monkeypatch, path):
     torch.testing.assert_close(hidden[0], dense_last(model, PREFIX), atol=1e-4, rtol=1e-4)
     for i in range(TREE.size):
         torch.testing.assert_close(hidden[1 + i], dense_last(model, PREFIX + path_tokens(i)), atol=1e-4, rtol=1e-4)
+
+
+def test_feature_sink_gets_the_kept_rows_only():
+    from tokenmill.core.step_io import SamplerResult
+    from tokenmill.worker.model_runner import kept_rows
+    a = StepTokens("a", 9, [50, 51, 52, 53], BLOCKS, 3, True, None, [-1, -1, 0])      # a tree: accepted [1]
+    b = StepTokens("b", 4, [60, 61, 62], BLOCKS, 2)                                    # a chain: 1 accepted
+    c = StepTokens("c", 0, [70, 71], BLOCKS, 0, False)                                 # a prompt chunk
+    hidden = torch.arange(9.0)[:, None]
+    batch, rows = kept_rows([a, b, c], hidden, {"a": SamplerResult([52, 9], None, [1]), "b": SamplerResult([61, 8])})
+    assert [(s.request_id, s.start_pos, s.token_ids) for s in batch] == [("a", 9, [50, 52]), ("b", 4, [60, 61]),
+                                                                         ("c", 0, [70, 71])]
+    assert rows[:, 0].tolist() == [0, 2, 4, 5, 7, 8]

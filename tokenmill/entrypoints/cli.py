@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("tokenmill.entrypoints.cli_quantize", "Quantize a model with RTN, GPTQ or AWQ."),
     "eval": ("tokenmill.eval.cli", "Evaluate a model (perplexity)."),
     "train-eagle": ("tokenmill.spec_decode.eagle_train", "Train an EAGLE draft head for speculative decoding."),
+    "train-medusa": ("tokenmill.spec_decode.medusa_train", "Train Medusa heads for token-tree speculative decoding."),
     "build-datastore": ("tokenmill.spec_decode.datastore_build",
                         "Build the n-gram proposer's datastore from the target's own answers."),
     "bench": ("tokenmill.bench.cli", "Benchmarks: latency, throughput, serve, roofline, ablation."),

@@ -76,6 +76,7 @@ _REGISTRY: dict[str, str] = {
     "ngram": "tokenmill.spec_decode.ngram:NgramProposer",
     "draft_model": "tokenmill.spec_decode.draft_model:DraftModelProposer",
     "eagle": "tokenmill.spec_decode.eagle:EagleProposer",
+    "medusa": "tokenmill.spec_decode.medusa:MedusaProposer",
 }
 
 

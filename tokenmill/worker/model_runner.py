@@ -112,7 +112,35 @@ Verifier = Callable[[torch.Tensor, list[StepTokens], list[RequestState], Samplin
 """(logits [sum(1 + k_i), V], the sampling requests, their rows, sampling metadata, the global generator) ->
 results, for a step where some requests carry drafts (spec_decode/rejection_sampler.py)."""
 FeatureSink = Callable[[list[StepTokens], torch.Tensor], None]
-"""(the step's requests in input order, final hidden states [num_tokens, hidden]) -> None (EAGLE's store)."""
+"""(the step's requests in input order, final hidden states [num_tokens, hidden]) -> None (EAGLE's store).
+After a verification step it gets only the tokens that stay (`kept_rows`)."""
+
+
+def kept_rows(batch: list[StepTokens], hidden: torch.Tensor,
+              results: dict[str, SamplerResult]) -> tuple[list[StepTokens], torch.Tensor]:
+    """A verification step as the feature sink sees it: each request's real tokens and accepted drafts, in
+    position order, with their hidden rows; rejected drafts (and a tree's other branches) dropped.
+
+        A: start 9, tokens [r, x, y, z] (3 drafts), tree accepted nodes [1]  ->  A: start 9, [r, y], rows 0, 2
+    """
+    out: list[StepTokens] = []
+    idx: list[int] = []
+    off = 0
+    for s in batch:
+        n, k = s.num_new_tokens, s.num_spec_tokens
+        res = results.get(s.request_id)
+        if k == 0 or res is None:
+            out.append(s)
+            idx.extend(range(off, off + n))
+        else:
+            real = n - k
+            acc = res.accepted_nodes if res.accepted_nodes is not None else list(range(len(res.token_ids) - 1))
+            out.append(StepTokens(s.request_id, s.start_pos, s.token_ids[:real] + [s.token_ids[real + a] for a in acc],
+                                  s.block_ids, 0, s.is_sampling, s.fork_of))
+            idx.extend(range(off, off + real))
+            idx.extend(off + real + a for a in acc)
+        off += n
+    return out, hidden.index_select(0, torch.tensor(idx, dtype=torch.long, device=hidden.device))
 
 
 MAX_TOKENS_AS_DECODES = 15
@@ -180,7 +208,7 @@ class ModelRunner:
         else:
             with forward_context(inp.meta):
                 hidden = self.model(inp.input_ids, inp.positions)  # [num_tokens, hidden]
-        if self.feature_sink is not None:
+        if self.feature_sink is not None and not any(s.num_spec_tokens for s in batch):
             self.feature_sink(batch, hidden)
         if not sampling:
             return {}
@@ -195,6 +223,8 @@ class ModelRunner:
                     self.num_paths_compacted += res.accepted_nodes != list(range(len(res.accepted_nodes)))
                     compact_accepted_path(self.kv_caches, s.block_ids,
                                           s.start_pos + s.num_new_tokens - s.num_spec_tokens, res.accepted_nodes)
+            if self.feature_sink is not None:
+                self.feature_sink(*kept_rows(batch, hidden, results))
             return results
         out = self.sampler(logits, smeta, [r.sampling_params.logprobs for r in rows])
         toks = out.token_ids.tolist()
