@@ -23,6 +23,8 @@ namespace tokenmill {
 // Token trees (tokenmill/spec_decode/tree.py): a drafted node attends to its request's prefix and its own
 // ancestors, not to the siblings listed before it. Bit j of a token's key mask hides key L - 1 - j (the
 // last 64 keys; bit 0, the token itself, is never set): scores of `rows` rows, `stride` apart, set to -inf.
+// (The generic loops sum in key order, so the zeros of hidden keys change no bits; the AVX-512 loop sums in
+// lanes and compacts instead, see decode_avx512.)
 static inline void hide_keys(float* s, int64_t rows, int64_t stride, int64_t L, int64_t mask) {
     const uint64_t bits = static_cast<uint64_t>(mask);
     if (bits == 0) return;
@@ -262,7 +264,24 @@ static void decode_avx512(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
                     s[g * Lp + t] = _mm512_reduce_add_ps(acc);
                 }
             }
-            if (km != nullptr) hide_keys(s.data(), G, Lp, L, km[b]);
+            // A tree node's hidden keys are dropped from its scores (not only set to -inf): its visible keys
+            // then sit in the lanes a plain decode of the same path gives them, so the softmax sums round
+            // alike and an accepted node's K/V are bitwise what decoding would have written.
+            int64_t Lv = L, tail0 = L;
+            int64_t tail[64];
+            if (km != nullptr && km[b] != 0) {
+                const uint64_t bits = static_cast<uint64_t>(km[b]);
+                tail0 = std::max<int64_t>(0, L - 64);
+                int64_t n = 0;
+                for (int64_t t = tail0; t < L; ++t)
+                    if (!((bits >> (L - 1 - t)) & 1u)) tail[n++] = t;
+                for (int64_t g = 0; g < G; ++g) {
+                    float* sr = s.data() + g * Lp;
+                    for (int64_t i = 0; i < n; ++i) sr[tail0 + i] = sr[tail[i]];   // tail[i] >= tail0 + i
+                    for (int64_t t = tail0 + n; t < L; ++t) sr[t] = -INFINITY;
+                }
+                Lv = tail0 + n;
+            }
             float inv[GMAX];
             for (int64_t g = 0; g < G; ++g) {
                 float* sr = s.data() + g * Lp;
@@ -283,13 +302,14 @@ static void decode_avx512(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
             __m512 acc[GMAX][NV];
             for (int64_t g = 0; g < G; ++g)
                 for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
-            for (int64_t t = 0; t < L; ++t) {
+            for (int64_t t = 0; t < Lv; ++t) {
                 if (t + PF_AHEAD < L) {  // prefetch the row PF_AHEAD tokens ahead (scattered blocks, see above)
                     const char* r = reinterpret_cast<const char*>(
                         vp + tp[b * nb_max + (t + PF_AHEAD) / bs] * vb_stride + ((t + PF_AHEAD) % bs) * tok_stride + h * D);
                     for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
                 }
-                const scalar_t* vr = vp + tp[b * nb_max + t / bs] * vb_stride + (t % bs) * tok_stride + h * D;
+                const int64_t ts = t < tail0 ? t : tail[t - tail0];   // the key's slot (tree nodes: compacted)
+                const scalar_t* vr = vp + tp[b * nb_max + ts / bs] * vb_stride + (ts % bs) * tok_stride + h * D;
                 __m512 vv[NV];
                 for (int i = 0; i < NV; ++i) vv[i] = load16(vr + 16 * i);
                 for (int64_t g = 0; g < G; ++g) {

@@ -70,3 +70,28 @@ def test_ngram_speculation_vs_plain(reference, gamma):
     outs = llm.generate(prompts[:8], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == batched[:8]
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("source", ["ngram", "datastore"])
+def test_tree_speculation_vs_plain(reference, tmp_path, source):
+    """Token trees (pinned, 12 nodes): nodes attend through the key mask and accepted paths are moved into
+    place, and the tokens stay plain decoding's. The datastore's first guess at every context of the reference
+    answers is wrong and its second right, so accepted paths run through later siblings."""
+    from tokenmill.spec_decode.datastore import SuffixDatastore
+    prompts, batched, _ = reference
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False, "tree": {"max_nodes": 12}}
+    if source == "datastore":
+        seqs = []
+        for out in batched[:8]:
+            seqs.append(out)
+            seqs += [out[i - 4:i] + [(out[i] + 1) % 49152] for i in range(4, len(out)) for _ in range(2)]
+        SuffixDatastore.save(tmp_path / "ds.npz", seqs, min_n=2, max_n=4)
+        spec.update(datastore=str(tmp_path / "ds.npz"), datastore_min_share=0.0, prompt_lookup_min=2)
+    llm = LLM(**BF16, kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=512, enable_prefix_caching=False,
+              speculative_config=spec)
+    outs = llm.generate(prompts[:8], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == batched[:8]
+    assert llm.stats().spec_decode["num_accepted_tokens"] > 0
+    if source == "datastore":
+        assert llm.engine.runner.num_paths_compacted > 0
+    llm.check_integrity()

@@ -128,6 +128,20 @@ def target_tables(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return embed, lm.to(embed.dtype).contiguous()
 
 
+def read_head_config(path: Path, fmt: str, version: int, missing: str) -> dict:
+    """A draft head's JSON config (EAGLE, Medusa), checked for its format and version; errors name the file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: {missing}")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or cfg.get("format") != fmt or cfg.get("version") != version:
+        got = (cfg.get("format"), cfg.get("version")) if isinstance(cfg, dict) else (None, None)
+        raise ValueError(f"{path}: format {got[0]!r} v{got[1]}, expected {fmt!r} v{version}")
+    return cfg
+
+
 def load_eagle_head(directory: str | Path, target_arch: ModelArchConfig, embed: torch.Tensor, lm_weight: torch.Tensor,
                     dtype: torch.dtype, device: str | torch.device = "cpu") -> EagleHead:
     """Load a head written by EagleHead.save, checking it fits the target; errors name the file."""
@@ -135,14 +149,7 @@ def load_eagle_head(directory: str | Path, target_arch: ModelArchConfig, embed: 
     from safetensors.torch import load_file
     d = Path(directory)
     cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path}: no EAGLE head config here (train one with `tokenmill train-eagle`)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
-    if cfg.get("format") != FORMAT or cfg.get("version") != VERSION:
-        raise ValueError(f"{cfg_path}: format {cfg.get('format')!r} v{cfg.get('version')}, expected {FORMAT!r} v{VERSION}")
+    cfg = read_head_config(cfg_path, FORMAT, VERSION, "no EAGLE head config here (train one with `tokenmill train-eagle`)")
     if cfg.get("target_hidden_size") != target_arch.hidden_size:
         raise ValueError(f"{cfg_path}: head made for hidden size {cfg.get('target_hidden_size')}, "
                          f"the target has {target_arch.hidden_size}")

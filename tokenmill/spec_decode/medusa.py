@@ -92,16 +92,10 @@ def load_medusa(directory: str | Path, hidden_size: int, vocab_size: int, lm_wei
     """Heads written by MedusaHeads.save, checked against the target; errors name the file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+    from tokenmill.spec_decode.eagle_head import read_head_config
     d = Path(directory)
     cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path}: no Medusa heads here (train them with `tokenmill train-medusa`)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
-    if cfg.get("format") != FORMAT or cfg.get("version") != VERSION:
-        raise ValueError(f"{cfg_path}: format {cfg.get('format')!r} v{cfg.get('version')}, expected {FORMAT!r} v{VERSION}")
+    cfg = read_head_config(cfg_path, FORMAT, VERSION, "no Medusa heads here (train them with `tokenmill train-medusa`)")
     if cfg.get("target_hidden_size") != hidden_size or cfg.get("vocab_size") != vocab_size:
         raise ValueError(f"{cfg_path}: heads made for hidden size {cfg.get('target_hidden_size')} and vocab "
                          f"{cfg.get('vocab_size')}, the target has {hidden_size} and {vocab_size}")
