@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request at batch 1")
     ap.add_argument("--batch-max-tokens", type=int, default=32, help="tokens per request at batch 8 and 32")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--only", default=None, help="comma-separated config names to run (plain always runs)")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--gamma", type=int, default=5, help="chain length, and the trees' depth")
     ap.add_argument("--tree-nodes", type=int, default=12)
@@ -115,6 +116,12 @@ def main() -> None:
         md = {"method": "medusa", "model": args.medusa, "num_speculative_tokens": args.gamma}
         configs["medusa chain"] = {**md, "tree": {"max_nodes": args.gamma, "max_width": 1}}
         configs["medusa tree"] = {**md, "tree": tree}
+        if args.datastore:
+            configs["medusa+ngram+datastore tree"] = {**md, "tree": tree, "datastore": args.datastore,
+                                                      "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    if args.only:
+        keep = set(args.only.split(","))
+        configs = {k: v for k, v in configs.items() if k == "plain" or k in keep}
     engines: dict[str, LLM] = {}
     for name, spec in configs.items():
         kw = dict(common)

@@ -208,7 +208,8 @@ class SpeculativeConfig:
     """Shortest n-gram matched by the n-gram proposer."""
     datastore: str | None = None
     """ngram: a suffix datastore of the target's own answers (`tokenmill build-datastore`) consulted
-    when the request itself has no match of 2+ tokens (spec_decode/datastore.py)."""
+    when the request itself has no match of 2+ tokens (spec_decode/datastore.py). medusa with a tree: the
+    heads' guesses, prompt lookup and the datastore grow one tree."""
     datastore_min_share: float = 0.3
     """ngram with a datastore: draft a token only if it followed the context at least this often in
     the corpus (0.3 measured best of 0 / 0.3 / 0.5 on the default model, docs/spec_decode.md)."""
@@ -228,8 +229,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.model is required for method {self.method}")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ValueError("speculative_config.draft_num_layers must be >= 1")
-        if self.datastore and self.method != "ngram":
-            raise ValueError("speculative_config.datastore backs the ngram proposer only")
+        if self.datastore and self.method not in ("ngram", "medusa"):
+            raise ValueError("speculative_config.datastore backs the ngram proposer (and medusa trees) only")
+        if self.datastore and self.method == "medusa" and self.tree is None:
+            raise ValueError("speculative_config.datastore with medusa needs a tree (the heads' guesses join it)")
         if not 0.0 <= self.datastore_min_share <= 1.0:
             raise ValueError("speculative_config.datastore_min_share must be in [0, 1]")
         if self.tree is not None and self.method not in ("ngram", "medusa"):

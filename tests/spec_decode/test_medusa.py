@@ -154,3 +154,21 @@ def test_train_medusa_cli_end_to_end_and_resume(tiny_llama, tmp_path, capsys):
     assert "resumed" in capsys.readouterr().out
     assert json.loads((out / "train_stats.json").read_text())["epoch"] == 2
     LLM(str(tiny_llama), speculative_config={"method": "medusa", "model": str(out), "tree": True})
+
+
+def test_heads_with_a_datastore_grow_one_tree(tiny_llama, trained_medusa, greedy_ref, tmp_path):
+    """Medusa guesses, prompt lookup and a datastore of the target's own answers in one best-first tree:
+    output stays plain decoding's, and the datastore's right guesses are accepted."""
+    from tokenmill.spec_decode.datastore import SuffixDatastore
+    path, *_ = trained_medusa
+    params, ref = greedy_ref
+    SuffixDatastore.save(tmp_path / "ds.npz", ref, min_n=2, max_n=4)
+    cfg = {"method": "medusa", "model": str(path), "num_speculative_tokens": 3, "adaptive": False,
+           "datastore": str(tmp_path / "ds.npz"), "datastore_min_share": 0.0, "tree": {"max_nodes": 8}}
+    llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT)
+    assert llm.engine.spec.proposer.lookup is not None
+    assert run(llm, PROMPTS, params) == ref
+    spec = llm.stats().spec_decode
+    assert spec["num_accepted_tokens"] > 0 and spec["mean_draft_size"] > 3
+    with pytest.raises(ValueError, match="needs a tree"):
+        LLM(str(tiny_llama), speculative_config={**cfg, "tree": None})

@@ -42,6 +42,7 @@ from tokenmill.spec_decode.proposer import Proposal, draft_budget
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
+    from tokenmill.spec_decode.ngram import NgramProposer
     from tokenmill.spec_decode.proposer import ProposerContext
 
 FORMAT = "tokenmill-medusa"
@@ -150,9 +151,13 @@ class MedusaProposer:
     """Drafts a static tree from the heads' guesses on each request's latest target feature."""
 
     def __init__(self, heads: MedusaHeads, accuracy: list[list[float]], max_nodes: int, max_width: int,
-                 max_depth: int, max_model_len: int) -> None:
+                 max_depth: int, max_model_len: int, lookup: "NgramProposer | None" = None) -> None:
         self.heads = heads
+        self.accuracy = accuracy
         self.paths = static_tree(accuracy, max_nodes, max_width, max_depth)
+        self.lookup = lookup
+        """With a datastore (`"datastore"` in the config): the heads' guesses join prompt lookup and the datastore
+        in one best-first tree (ngram.ngram_tree), each guess scored by its head's held-out rank accuracy."""
         self.max_width = max_width
         self.max_model_len = max_model_len
         self.latest: dict[str, tuple[int, torch.Tensor]] = {}
@@ -168,7 +173,11 @@ class MedusaProposer:
         tree = config.tree
         nodes = config.num_speculative_tokens if tree is None else tree.max_nodes
         width = 1 if tree is None else tree.max_width
-        return cls(heads, acc, nodes, width, config.tree_max_depth, ctx.max_model_len)
+        lookup = None
+        if config.datastore:
+            from tokenmill.spec_decode.ngram import NgramProposer
+            lookup = NgramProposer.from_context(config, ctx)
+        return cls(heads, acc, nodes, width, config.tree_max_depth, ctx.max_model_len, lookup)
 
     def write(self, batch: list[StepTokens], hidden: torch.Tensor) -> None:
         """The runner's hook: keep each request's last row (the feature its next token came from)."""
@@ -187,10 +196,14 @@ class MedusaProposer:
             if num_tokens[i] > 0 and held is not None and held[0] == r.num_tokens - 2:
                 rows.append(i)
                 feats.append(held[1])
+        top = None
+        if rows:
+            logits = self.heads(torch.stack(feats))                                     # [K, n, Vd]
+            top = self.heads.draft_vocab[logits.topk(self.max_width, dim=-1).indices].tolist()   # [K][n][w]
+        if self.lookup is not None:
+            return self._hybrid(requests, num_tokens, rows, top)
         if not rows:
             return Proposal(drafts, None, parents)
-        logits = self.heads(torch.stack(feats))                                         # [K, n, Vd]
-        top = self.heads.draft_vocab[logits.topk(self.max_width, dim=-1).indices].tolist()   # [K][n][w]
         for j, i in enumerate(rows):
             depth = min(draft_budget(requests[i], len(top), self.max_model_len), num_tokens[i])
             index: dict[tuple[int, ...], int] = {}
@@ -200,6 +213,24 @@ class MedusaProposer:
                 index[path] = len(drafts[i])
                 drafts[i].append(top[len(path) - 1][j][path[-1]])
                 parents[i].append(index[path[:-1]] if len(path) > 1 else -1)
+        return Proposal(drafts, None, parents)
+
+    def _hybrid(self, requests: list[Request], num_tokens: list[int], rows: list[int], top) -> Proposal:
+        from tokenmill.spec_decode.ngram import ngram_tree
+        lk = self.lookup
+        row_of = {i: j for j, i in enumerate(rows)}
+        drafts, parents = [], []
+        for i, r in enumerate(requests):
+            depth = min(num_tokens[i], draft_budget(r, lk.max_depth, self.max_model_len))
+            guesses = None
+            if i in row_of:
+                j = row_of[i]
+                guesses = [[(top[d][j][rank], self.accuracy[d][rank]) for rank in range(len(top[d][j]))]
+                           for d in range(len(top))]
+            toks, par = ngram_tree(r.all_token_ids, num_tokens[i], self.max_width, depth, lk.min_n, lk.max_n,
+                                   lk.datastore, lk.min_share, guesses) if depth > 0 else ([], [])
+            drafts.append(toks)
+            parents.append(par)
         return Proposal(drafts, None, parents)
 
     def forget(self, request_ids: list[str]) -> None:

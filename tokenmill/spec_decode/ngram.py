@@ -64,7 +64,8 @@ def _prompt_children(seq: list[int], starts: list[int], precision: float) -> dic
 
 
 def ngram_tree(tokens: list[int], max_nodes: int, max_width: int, max_depth: int, min_n: int, max_n: int,
-               datastore=None, min_share: float = 0.3) -> tuple[list[int], list[int]]:
+               datastore=None, min_share: float = 0.3,
+               guesses: list[list[tuple[int, float]]] | None = None) -> tuple[list[int], list[int]]:
     """A token tree of guesses (tokens, parents; spec_decode/tree.py), grown best first by the product of
     its nodes' scores, a guess of each path's chance to be the target's:
 
@@ -74,7 +75,9 @@ def ngram_tree(tokens: list[int], max_nodes: int, max_width: int, max_depth: int
         occurrences, so a repeated passage is drafted without searching again (LZ77-style: an occurrence
         may run into the path drafted so far);
       - the datastore: the TOP_K continuations of the node's context, scored by their corpus share;
-      - a token offered by both: 1 - (1 - a)(1 - b).
+      - guesses[d] (Medusa heads, medusa.py): (token, score) children for every node at depth d, whatever
+        its path;
+      - a token offered by several sources: 1 - prod(1 - score).
 
         tokens ... 5 7 9 | 2 ... 5 7 9 | 4 ... 5 7 9       root context ends 5 7 9 (two earlier occurrences)
         root's children: 2 (0.395, from the first), 4 (0.395), the datastore's 9 (0.5) ...
@@ -107,13 +110,15 @@ def ngram_tree(tokens: list[int], max_nodes: int, max_width: int, max_depth: int
             cands = _prompt_children(seq, starts, prec)
         elif starts:
             cands = _prompt_children(seq, starts, PROMPT_MATCH_PRECISION)
-        if datastore is not None:
-            for t, sh in datastore.next_tokens(seq, min_share):
-                if t in cands:
-                    a, occ = cands[t]
-                    cands[t] = (1 - (1 - a) * (1 - sh), occ)
-                else:
-                    cands[t] = (sh, [])
+        offers = datastore.next_tokens(seq, min_share) if datastore is not None else []
+        if guesses is not None and len(path) < len(guesses):
+            offers = offers + guesses[len(path)]
+        for t, sh in offers:
+            if t in cands:
+                a, occ = cands[t]
+                cands[t] = (1 - (1 - a) * (1 - sh), occ)
+            else:
+                cands[t] = (sh, [])
         ranked = sorted(((sc, t, occ) for t, (sc, occ) in cands.items()), key=lambda x: -x[0])
         return ranked[:max_width]
 
