@@ -96,3 +96,21 @@ def test_rejection_sampler_exact_on_real_distributions(target):
     expected = n * p.numpy()
     assert counts[expected == 0].sum() == 0
     assert chisquare_pvalue(counts[expected > 5], expected[expected > 5]) > 0.01
+
+
+def test_tree_greedy_identical_on_the_real_model(target):
+    params = SamplingParams(temperature=0, max_tokens=40)
+    ref = target.chat(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False, "tree": {"max_nodes": 10}}
+    llm = LLM("smollm2-135m", max_num_batched_tokens=64, num_gpu_blocks_override=64, speculative_config=spec)
+    assert llm.chat(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == ref
+    llm.check_integrity()
+    stats = llm.stats().spec_decode
+    assert stats["num_accepted_tokens"] > 0 and stats["mean_draft_size"] > 4
+
+
+def test_tree_verification_follows_the_real_target(tmp_path):
+    """The engine-level distribution test of token trees (tests/spec_decode/test_engine.py) at one position
+    of the real model: three deterministic siblings, temperature 1, top-k 3."""
+    from tests.spec_decode.test_engine import tree_distribution_check
+    tree_distribution_check("smollm2-135m", [1, 20, 30, 40], 300, tmp_path)
