@@ -218,7 +218,8 @@ class SpeculativeConfig:
     draft_num_layers: int | None = None
     """Keep only this many layers of the draft model (its first N-1 and its last): a layer-truncated draft."""
     tree: TreeConfig | None = None
-    """Draft token trees (ngram): several candidates per position, verified exactly in one pass (TreeConfig)."""
+    """Draft token trees (ngram, medusa, eagle): several candidates per position, verified exactly in one pass
+    (TreeConfig)."""
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model", "eagle", "medusa"):
@@ -235,9 +236,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.datastore with medusa needs a tree (the heads' guesses join it)")
         if not 0.0 <= self.datastore_min_share <= 1.0:
             raise ValueError("speculative_config.datastore_min_share must be in [0, 1]")
-        if self.tree is not None and self.method not in ("ngram", "medusa"):
+        if self.tree is not None and self.method not in ("ngram", "medusa", "eagle"):
             raise ValueError(f"speculative_config.tree: method {self.method} drafts chains only here "
-                             "(ngram and medusa draft trees)")
+                             "(ngram, medusa and eagle draft trees)")
 
     @property
     def tree_max_depth(self) -> int:

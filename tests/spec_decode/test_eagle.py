@@ -208,3 +208,40 @@ def test_train_eagle_command_end_to_end(tiny_llama, tmp_path):
                                                    "adaptive": False})
     run(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert llm.stats().spec_decode["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_dynamic_tree_greedy_identical(tiny_llama, trained_head, greedy_ref, adaptive):
+    """The head drafts a dynamic tree (one head pass per level over the tree so far): output stays plain
+    decoding's through chunking, preemption and prefix hits."""
+    path, *_ = trained_head
+    params, ref = greedy_ref
+    cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3, "adaptive": adaptive,
+           "tree": {"max_nodes": 6, "max_width": 2}}
+    llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT)
+    assert run(llm, PROMPTS, params) == ref
+    assert run(llm, PROMPTS[:1], params) == ref[:1]
+    spec = llm.stats().spec_decode
+    if not adaptive:
+        assert spec["num_drafts"] > 0 and spec["mean_draft_size"] > 3      # trees: more nodes than depth
+
+
+def test_dynamic_tree_nodes_are_the_heads_top_guesses(tiny_llama, trained_head):
+    """Width 1 makes the dynamic tree a chain of the head's argmax guesses: the same drafts as chain drafting."""
+    path, *_ = trained_head
+    base = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3, "adaptive": False}
+    outs = {}
+    for name, cfg in (("chain", base), ("tree", {**base, "tree": {"max_nodes": 3, "max_width": 1}})):
+        llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
+        seen = []
+        prop = llm.engine.spec.proposer
+        inner = prop.propose
+
+        def spy(reqs, ks, inner=inner, seen=seen):
+            p = inner(reqs, ks)
+            seen.append(p.token_ids)
+            return p
+        prop.propose = spy
+        run(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        outs[name] = seen
+    assert outs["chain"] == outs["tree"] and any(any(d) for d in outs["chain"])

@@ -182,7 +182,7 @@ class DraftModelProposer:
         kv = ctx.kv_spec
         return dict(num_blocks=kv.num_blocks, block_size=kv.block_size,
                     kv_dtype=kv.dtype if kv.dtype.is_floating_point else ctx.dtype, device=ctx.device,
-                    gamma_max=config.num_speculative_tokens, max_num_seqs=ctx.max_num_seqs,
+                    gamma_max=config.max_draft_tokens, max_num_seqs=ctx.max_num_seqs,
                     block_table=ctx.block_table, seed=ctx.seed)
 
     def forget(self, request_ids: list[str]) -> None:

@@ -30,10 +30,10 @@ from tokenmill.request import Request
 from tokenmill.core.step_io import StepTokens
 from tokenmill.spec_decode.draft_model import DraftModelProposer, draft_loop
 from tokenmill.spec_decode.eagle_head import EagleHead, load_eagle_head, target_tables
-from tokenmill.spec_decode.proposer import Proposal
+from tokenmill.spec_decode.proposer import Proposal, draft_budget
 
 if TYPE_CHECKING:
-    from tokenmill.config import SpeculativeConfig
+    from tokenmill.config import SpeculativeConfig, TreeConfig
     from tokenmill.spec_decode.proposer import ProposerContext
 
 
@@ -81,9 +81,14 @@ class EagleProposer(DraftModelProposer):
     """The draft model's mirrored paged pool (one layer here) and drafting loop, with the head
     reading target features instead of a second network's own layers."""
 
-    def __init__(self, head: EagleHead, **pool) -> None:
+    def __init__(self, head: EagleHead, tree: "TreeConfig | None" = None, max_depth: int = 4,
+                 max_model_len: int = 1 << 30, **pool) -> None:
         super().__init__(head, head.arch, **pool)
         self.head = head
+        self.tree = tree
+        """Draft a dynamic token tree (`_draft_tree`) instead of a chain."""
+        self.max_depth = max_depth
+        self.max_model_len = max_model_len
         self.store = FeatureStore()
         self.feature_sink = self.store.write  # the target's runner hands it every step's features
         # num_computed (inherited): positions whose head K/V came from real target features
@@ -92,7 +97,7 @@ class EagleProposer(DraftModelProposer):
     def from_context(cls, config: "SpeculativeConfig", ctx: "ProposerContext") -> "EagleProposer":
         embed, lm = target_tables(ctx.target)
         head = load_eagle_head(config.model, ctx.target_arch, embed, lm, ctx.dtype, ctx.device)
-        return cls(head, **cls.pool_args(config, ctx))
+        return cls(head, config.tree, config.tree_max_depth, ctx.max_model_len, **cls.pool_args(config, ctx))
 
     def forget(self, request_ids: list[str]) -> None:
         super().forget(request_ids)
@@ -122,7 +127,8 @@ class EagleProposer(DraftModelProposer):
             if got is None:   # no feature for position n - 2 (cannot happen after a target step)
                 continue
             first, f = got
-            num_needed = -(-(n + k - 2) // bs)   # positions up to n + k - 3
+            # positions up to n + k - 3 (a chain's last input); a tree's k nodes sit at slots up to n + k - 2
+            num_needed = -(-(n + k - 2 + (self.tree is not None)) // bs)
             extra = max(0, num_needed - len(real))
             table = real + list(range(next_scratch, next_scratch + extra))
             next_scratch += extra
@@ -136,8 +142,13 @@ class EagleProposer(DraftModelProposer):
         if not reqs:
             return Proposal([[] for _ in requests], None)
 
-        meta = self.runner.sampling_metadata(reqs)
         logits, fhat = self._forward(catch_up, feats)
+        if self.tree is not None:
+            drafted = self._draft_tree(reqs, ks, tables, [f[-1:] for f in feats], logits, fhat)
+            by_id = {r.request_id: d for r, d in zip(reqs, drafted)}
+            return Proposal([by_id.get(r.request_id, ([], []))[0] for r in requests], None,
+                            [by_id.get(r.request_id, ([], []))[1] for r in requests])
+        meta = self.runner.sampling_metadata(reqs)
 
         def step(alive: list[int], keep: list[int], j: int, last: list[int]) -> torch.Tensor:
             nonlocal fhat
@@ -149,6 +160,66 @@ class EagleProposer(DraftModelProposer):
             return out
         drafts, probs = draft_loop(reqs, ks, meta, logits, self._sample, step)
         return Proposal([drafts.get(r.request_id, []) for r in requests], probs)
+
+    def _draft_tree(self, reqs: list[Request], budgets: list[int], tables: list[list[int]],
+                    root_feats: list[torch.Tensor], logits: torch.Tensor,
+                    fhat: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+        """A dynamic tree per request (EAGLE-2's expansion, Li et al. 2024, from the paper's description): each
+        level keeps the `max_width` nodes of highest cumulative draft log-probability among the children of the
+        level before, and one head pass per level over the root and every node kept so far (a token-tree step
+        of the head's own cache: each node reads its parent's predicted feature) gives their children. Finally
+        the `budget` nodes of highest cumulative log-probability are kept (a child never outscores its parent,
+        so they form a tree; here every kept node is verified, up to `budget`). Nodes are the head's
+        deterministic top guesses: point masses for the verifier.
+
+            root -> a (-0.1), b (-1.2), c (-2.0)        width 2: keep a, b; their children scored
+            a -> d (-0.1 - 0.3), e (...); b -> f ...    keep the 2 best of d, e, f, ... and so on
+        """
+        w, vocab = self.tree.max_width, self.head.draft_vocab
+        out: list[tuple[list[int], list[int]]] = []
+        root_lp = logits.log_softmax(-1)
+        for i, r in enumerate(reqs):
+            depth_cap = min(budgets[i], draft_budget(r, self.max_depth, self.max_model_len))
+            toks: list[int] = []
+            parents: list[int] = []
+            scores: list[float] = []
+            node_fhat: list[torch.Tensor] = []   # each kept node's predicted feature (its children's input)
+            top = root_lp[i].topk(w)
+            level = [(float(v), -1, int(vocab[t])) for v, t in zip(top.values, top.indices)]
+            for d in range(depth_cap):
+                level.sort(key=lambda x: -x[0])
+                new = level[:min(w, budgets[i] - len(toks))]
+                if not new:
+                    break
+                first = len(toks)
+                for sc, par, t in new:
+                    toks.append(t)
+                    parents.append(par)
+                    scores.append(sc)
+                if d + 1 == depth_cap:
+                    break
+                # one head pass: the root (t_{N-1} with the target's f_{N-2}) and every node so far
+                feats_in = [root_feats[i]] + [fhat[i:i + 1] if p < 0 else node_fhat[p] for p in parents]
+                step = StepTokens(r.request_id, r.num_tokens - 2, [r.all_token_ids[-1]] + toks, tables[i],
+                                  len(toks), True, None, list(parents))
+                lg, fh = self._forward_tree(step, torch.cat(feats_in))
+                node_fhat = [fh[1 + j:2 + j] for j in range(len(toks))]
+                lp = lg.log_softmax(-1)
+                level = []
+                for j in range(first, len(toks)):
+                    tv = lp[1 + j].topk(w)
+                    level += [(scores[j] + float(v), j, int(vocab[t])) for v, t in zip(tv.values, tv.indices)]
+            keep = sorted(sorted(range(len(toks)), key=lambda j: -scores[j])[:budgets[i]])
+            index = {j: n for n, j in enumerate(keep)}
+            out.append(([toks[j] for j in keep], [index[parents[j]] if parents[j] >= 0 else -1 for j in keep]))
+        return out
+
+    def _forward_tree(self, step: StepTokens, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One tree step of the head: (logits [1 + k, V'], predicted features [1 + k, H]) of the root and nodes."""
+        inp = self.runner.prepare_inputs([step])
+        with forward_context(inp.meta):
+            fh = self.head(inp.input_ids, inp.positions, feats.to(self.head.norm.weight.dtype))
+        return self.head.compute_logits(fh), fh
 
     def _forward(self, slices: list[StepTokens], feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits over the draft vocab [n, V'], predicted features [n, H]) at each slice's last

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -79,6 +80,29 @@ def generate_corpus(llm, sharegpt: str | Path, num_prompts: int, max_tokens: int
         n_out = sum(len(s) for s in seqs) - sum(len(p) for p in prompts[:len(seqs)])
         log(f"corpus: {len(seqs)}/{len(prompts)} prompts, {n_out} answer tokens, {time.perf_counter() - t0:.0f} s")
     return Corpus(seqs, [len(p) for p in prompts])
+
+
+def corpus_from_datastore(path: str | Path, tokenizer, sharegpt: str | Path, skip_rows: int = 1000,
+                          max_prompt_tokens: int = 384) -> Corpus:
+    """The corpus a build-datastore run answered: its answers (the file's sequences, in order) after the prompts
+    generate_corpus chose for them (same rows, same filter)."""
+    with np.load(path) as f:
+        flat = f["tokens"].astype(np.int64)
+    ends = np.flatnonzero(flat < 0)
+    answers, start = [], 0
+    for e in ends:
+        answers.append(flat[start:e].tolist())
+        start = e + 1
+    prompts: list[list[int]] = []
+    for r in sharegpt_rows(sharegpt)[skip_rows:]:
+        ids = chat_prompt_ids(tokenizer, r["conversations"][0]["value"])
+        if 4 <= len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) == len(answers):
+            break
+    if len(prompts) != len(answers):
+        raise ValueError(f"{path}: {len(answers)} answers but only {len(prompts)} prompts in {sharegpt}")
+    return Corpus([p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts])
 
 
 @torch.inference_mode()
@@ -222,7 +246,7 @@ def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Te
 def main(model: str, out: str, sharegpt: str, num_prompts: int = 3300, max_tokens: int = 192,
          draft_vocab_size: int = 8192, epochs: int = 8, lr: float = 2e-3, threads: int | None = None,
          cache: str | None = None, init: str | None = None, answers_only: bool = True,
-         bf16: bool = True) -> dict[str, float]:
+         bf16: bool = True, datastore: str | None = None) -> dict[str, float]:
     """The whole recipe; `cache` keeps the corpus and features between runs (a .pt file); `init`
     continues training a head saved before (its draft vocabulary is kept)."""
     from tokenmill import LLM
@@ -237,7 +261,8 @@ def main(model: str, out: str, sharegpt: str, num_prompts: int = 3300, max_token
         seqs, feats, argmaxes, plens = data["sequences"], data["features"], data["argmaxes"], data["prompt_lens"]
         print(f"loaded corpus and features from {cache}")
     else:
-        corpus = generate_corpus(llm, sharegpt, num_prompts, max_tokens)
+        corpus = corpus_from_datastore(datastore, llm.tokenizer, sharegpt) if datastore else \
+            generate_corpus(llm, sharegpt, num_prompts, max_tokens)
         seqs, plens = corpus.sequences, corpus.prompt_lens
         feats, argmaxes = extract_features(target, seqs)
         if cache:
@@ -286,6 +311,8 @@ def add_arguments(p) -> None:
     p.add_argument("--all-positions", action="store_true", help="score prompt positions too (default: answers only)")
     p.add_argument("--fp32", action="store_true", help="train in float32 (default: bf16 autocast)")
     p.add_argument("--cache", default=None, help="a .pt file keeping corpus and features between runs")
+    p.add_argument("--datastore", default=None,
+                   help="reuse the answers of a `tokenmill build-datastore` file instead of generating a corpus")
 
 
 def run(args) -> int:
@@ -293,5 +320,5 @@ def run(args) -> int:
         raise ValueError(f"{args.sharegpt}: ShareGPT file not found (pass --sharegpt)")
     main(args.model, args.out, args.sharegpt, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
          draft_vocab_size=args.draft_vocab, epochs=args.epochs, lr=args.lr, threads=args.threads, cache=args.cache,
-         init=args.init, answers_only=not args.all_positions, bf16=not args.fp32)
+         init=args.init, answers_only=not args.all_positions, bf16=not args.fp32, datastore=args.datastore)
     return 0

@@ -21,39 +21,15 @@ import math
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tokenmill.spec_decode.eagle_train import (Corpus, add_corpus_arguments, chat_prompt_ids, choose_draft_vocab,
-                                               extract_features, generate_corpus, sharegpt_rows)
+from tokenmill.spec_decode.eagle_train import (add_corpus_arguments, choose_draft_vocab, corpus_from_datastore,
+                                               extract_features, generate_corpus)
 from tokenmill.spec_decode.medusa import MedusaHeads
 
 HEAD_WEIGHT_DECAY = 0.8
 """Head k's loss weight is 0.8^k (later heads are less accurate and matter less)."""
-
-
-def corpus_from_datastore(path: str | Path, tokenizer, sharegpt: str | Path, skip_rows: int = 1000,
-                          max_prompt_tokens: int = 384) -> Corpus:
-    """The corpus a build-datastore run answered: its answers (the file's sequences, in order) after the prompts
-    generate_corpus chose for them (same rows, same filter)."""
-    with np.load(path) as f:
-        flat = f["tokens"].astype(np.int64)
-    ends = np.flatnonzero(flat < 0)
-    answers, start = [], 0
-    for e in ends:
-        answers.append(flat[start:e].tolist())
-        start = e + 1
-    prompts: list[list[int]] = []
-    for r in sharegpt_rows(sharegpt)[skip_rows:]:
-        ids = chat_prompt_ids(tokenizer, r["conversations"][0]["value"])
-        if 4 <= len(ids) <= max_prompt_tokens:
-            prompts.append(ids)
-        if len(prompts) == len(answers):
-            break
-    if len(prompts) != len(answers):
-        raise ValueError(f"{path}: {len(answers)} answers but only {len(prompts)} prompts in {sharegpt}")
-    return Corpus([p + a for p, a in zip(prompts, answers)], [len(p) for p in prompts])
 
 
 def answer_rows(seqs: list[list[int]], plens: list[int], feats: list[torch.Tensor], num_heads: int,
