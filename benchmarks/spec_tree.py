@@ -11,7 +11,7 @@ Columns:
     measured   plain wall time / speculative wall time, same prompts and lengths (ignore_eos)
     same       greedy rows: the speculative tokens equal plain decoding's
 
-    python benchmarks/spec_tree.py --datastore FILE [--medusa DIR]
+    python benchmarks/spec_tree.py --datastore FILE [--medusa DIR] [--eagle DIR] [--only NAME,...]
 """
 from __future__ import annotations
 
@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--datastore", default=None, help="tokenmill build-datastore output: adds ngram+datastore rows")
     ap.add_argument("--medusa", default=None, help="tokenmill train-medusa output: adds medusa rows")
+    ap.add_argument("--eagle", default=None, help="tokenmill train-eagle output: adds eagle rows")
     ap.add_argument("--num-prompts", type=int, default=8, help="single-stream prompts")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request at batch 1")
     ap.add_argument("--batch-max-tokens", type=int, default=32, help="tokens per request at batch 8 and 32")
@@ -119,6 +120,10 @@ def main() -> None:
         if args.datastore:
             configs["medusa+ngram+datastore tree"] = {**md, "tree": tree, "datastore": args.datastore,
                                                       "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    if args.eagle:
+        eg = {"method": "eagle", "model": args.eagle, "num_speculative_tokens": args.gamma}
+        configs["eagle chain"] = eg
+        configs["eagle tree"] = {**eg, "tree": tree}
     if args.only:
         keep = set(args.only.split(","))
         configs = {k: v for k, v in configs.items() if k == "plain" or k in keep}
