@@ -39,3 +39,20 @@ def test_datastore_siblings_and_agreement():
     assert toks[0] == 4                                     # 1 - (1 - 0.395)(1 - 2/3) = 0.80: the best child
     assert set(toks) == {4, 2, 6} and par == [-1, -1, -1]
     assert 1 - (1 - PROMPT_MATCH_PRECISION / 2) * (1 - 2 / 3) > PROMPT_MATCH_PRECISION / 2
+
+
+def test_tree_config_errors_name_the_problem():
+    import pytest
+
+    from tokenmill.config import SpeculativeConfig, TreeConfig
+    with pytest.raises(ValueError, match="max_nodes must be in"):
+        SpeculativeConfig.from_dict({"method": "ngram", "tree": {"max_nodes": 40}})
+    with pytest.raises(ValueError, match="unknown speculative_config.tree keys"):
+        SpeculativeConfig.from_dict({"method": "ngram", "tree": {"nodes": 4}})
+    with pytest.raises(ValueError, match="must be true or an object"):
+        SpeculativeConfig.from_dict({"method": "ngram", "tree": 5})
+    with pytest.raises(ValueError, match="drafts chains only"):
+        SpeculativeConfig.from_dict({"method": "draft_model", "model": "m", "tree": True})
+    cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "tree": True})
+    assert cfg.tree == TreeConfig() and cfg.tree_max_depth == 3 and cfg.max_draft_tokens == TreeConfig().max_nodes
+    assert SpeculativeConfig.from_dict({"method": "ngram", "tree": False}).tree is None
