@@ -20,17 +20,24 @@ def _target(path):
     return load_model(str(path), dtype=torch.float32, device="cpu", load_tokenizer=False).model
 
 
-@pytest.fixture(scope="module")
-def corpus(tiny_llama):
-    """Greedy continuations of the tiny target (its own outputs) and their features. Every LLM here is float32:
-    the head trains on the float32 target's features (`_target`)."""
-    llm = LLM(str(tiny_llama), dtype="float32")
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 2000, (int(n),), generator=g).tolist() for n in torch.randint(4, 24, (24,), generator=g)]
+def greedy_corpus(path, seed: int, num_prompts: int, max_prompt_len: int):
+    """Random prompts, the tiny target's greedy continuations (its own outputs) and their features:
+    (target, sequences, prompt lengths, features, argmaxes). Every LLM here is float32: heads train on the
+    float32 target's features (`_target`)."""
+    llm = LLM(str(path), dtype="float32")
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 2000, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, max_prompt_len, (num_prompts,), generator=g)]
     outs = run(llm, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     seqs = [p + o for p, o in zip(prompts, outs)]
-    target = _target(tiny_llama)
+    target = _target(path)
     feats, argmaxes = et.extract_features(target, seqs, log=lambda *_: None)
+    return target, seqs, [len(p) for p in prompts], feats, argmaxes
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_llama):
+    target, seqs, _, feats, argmaxes = greedy_corpus(tiny_llama, 0, 24, 24)
     return target, seqs, feats, argmaxes
 
 

@@ -78,9 +78,10 @@ def test_limits_and_stop_tokens_hold(tiny_llama, greedy_reference, name):
     assert out == [ref[0][:ref[0].index(stop) + 1]]
 
 
-def test_mixed_sampling_batch_and_seeds(tiny_llama, greedy_reference):
+@pytest.mark.parametrize("name", ["draft_truncated", "ngram_tree"])
+def test_mixed_sampling_batch_and_seeds(tiny_llama, greedy_reference, name):
     _, ref = greedy_reference
-    cfg = spec_configs(tiny_llama)["draft_truncated"]
+    cfg = spec_configs(tiny_llama)[name]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
@@ -227,18 +228,3 @@ def tree_distribution_check(model_path: str, prompt: list[int], n: int, tmp_path
 
 def test_tree_sampled_tokens_follow_the_target(tiny_llama, tmp_path):
     tree_distribution_check(str(tiny_llama), [1, 20, 30, 40], 300, tmp_path)
-
-
-def test_tree_mixed_sampling_batch_and_seeds(tiny_llama, greedy_reference):
-    _, ref = greedy_reference
-    cfg = spec_configs(tiny_llama)["ngram_tree"]
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_k=20, frequency_penalty=0.5, seed=4, max_tokens=10, ignore_eos=True,
-                             logprobs=2)]
-    a = run(LLM(str(tiny_llama), speculative_config=cfg, **TIGHT), PROMPTS, params)
-    b = run(LLM(str(tiny_llama), speculative_config=cfg, **TIGHT), PROMPTS, params)
-    assert a == b
-    assert a[0] == ref[0] and a[2] == ref[2]
-    assert len(a[1]) == len(a[3]) == 10

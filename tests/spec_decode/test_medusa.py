@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.spec_decode.test_eagle import _target
+from tests.spec_decode.test_eagle import _target, greedy_corpus
 from tests.spec_decode.test_engine import PROMPTS, TIGHT, run
 from tokenmill import LLM, SamplingParams
 from tokenmill.spec_decode import eagle_train as et
@@ -27,14 +27,7 @@ def test_static_tree_worked_example():
 
 @pytest.fixture(scope="module")
 def medusa_corpus(tiny_llama):
-    llm = LLM(str(tiny_llama), dtype="float32")
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 2000, (int(n),), generator=g).tolist() for n in torch.randint(4, 16, (40,), generator=g)]
-    outs = run(llm, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    seqs = [p + o for p, o in zip(prompts, outs)]
-    target = _target(tiny_llama)
-    feats, argmaxes = et.extract_features(target, seqs, log=lambda *_: None)
-    return target, seqs, [len(p) for p in prompts], feats, argmaxes
+    return greedy_corpus(tiny_llama, 1, 40, 16)
 
 
 @pytest.fixture(scope="module")

@@ -76,6 +76,14 @@ class DerivedPlans:
     """tiled is final (None then means: no request is long)."""
 
 
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node of a token tree (parents[i]: node i's parent, -1 the root; the root's children: 1)."""
+    d: list[int] = []
+    for p in parents:
+        d.append(1 if p < 0 else d[p] + 1)
+    return d
+
+
 def tree_key_masks(parents: list[int]) -> list[int]:
     """`token_key_mask` entries of a token tree's nodes (parents[i]: node i's parent, -1 the root). The
     nodes sit in the slots after the root in listing order, so node i's causal keys include every node

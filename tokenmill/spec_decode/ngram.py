@@ -11,6 +11,7 @@ proposer has no probabilities: the rejection sampler treats its drafts as point 
 """
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -82,7 +83,6 @@ def ngram_tree(tokens: list[int], max_nodes: int, max_width: int, max_depth: int
         tokens ... 5 7 9 | 2 ... 5 7 9 | 4 ... 5 7 9       root context ends 5 7 9 (two earlier occurrences)
         root's children: 2 (0.395, from the first), 4 (0.395), the datastore's 9 (0.5) ...
     """
-    import heapq
     base = list(tokens)
     nodes: list[int] = []
     parents: list[int] = []

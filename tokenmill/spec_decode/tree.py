@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.attention.metadata import tree_depths
 from tokenmill.core.step_io import SamplerResult, SamplingRow, StepTokens
 from tokenmill.layers.sampler import SamplingMetadata, apply_penalties, apply_temperature_and_masks, gather_logprobs
 from tokenmill.spec_decode.rejection_sampler import expand_rows
@@ -70,10 +71,7 @@ class TokenTree:
 
     def depths(self) -> list[int]:
         """Depth of each node (root's children: 1): its position is the root's + depth."""
-        d: list[int] = []
-        for p in self.parents:
-            d.append(1 if p < 0 else d[p] + 1)
-        return d
+        return tree_depths(self.parents)
 
     def ancestors_mask(self) -> torch.Tensor:
         """[size, size] bool, True where node j is node i or one of its ancestors: what node i attends to
@@ -138,17 +136,11 @@ def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.
     the q its sampled children were drawn from), None when no node is sampled (or greedy)."""
     if target_probs.shape[0] != tree.size + 1:
         raise ValueError(f"target_probs has {target_probs.shape[0]} rows, the tree needs {tree.size + 1}")
+    if greedy:
+        return greedy_tree_walk(tree, target_probs.argmax(-1).tolist())
     kids = tree.children()
     accepted: list[int] = []
     row = 0   # 0: the root; 1 + u: node u
-    if greedy:
-        while True:
-            best = int(target_probs[row].argmax())
-            nxt = next((c for c in kids[row] if tree.tokens[c] == best), None)
-            if nxt is None:
-                return TreeVerdict(accepted, [tree.tokens[c] for c in accepted] + [best])
-            accepted.append(nxt)
-            row = nxt + 1
     if draft_probs is None and any(tree.sampled):
         raise ValueError("sampled nodes need draft_probs")
     dev = target_probs.device
@@ -189,13 +181,6 @@ def greedy_tree_walk(tree: TokenTree, argmax: list[int]) -> TreeVerdict:
             return TreeVerdict(accepted, [tree.tokens[c] for c in accepted] + [best])
         accepted.append(nxt)
         row = nxt + 1
-
-
-def verify_trees(trees: list[TokenTree], target_probs: list[torch.Tensor], draft_probs: list[torch.Tensor | None],
-                 greedy: list[bool], generators: list[torch.Generator | None]) -> list[TreeVerdict]:
-    """A batch of requests' trees; each request draws from its own generator (seeded requests stay
-    reproducible whatever else is batched)."""
-    return [verify_tree(t, p, q, g, gen) for t, p, q, g, gen in zip(trees, target_probs, draft_probs, greedy, generators)]
 
 
 class TreeVerifier:

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from tokenmill.attention.kv_quant import cache_head_dim
-from tokenmill.attention.metadata import AttentionMetadata, forward_context, tree_key_masks
+from tokenmill.attention.metadata import AttentionMetadata, forward_context, tree_depths, tree_key_masks
 from tokenmill.config import ModelArchConfig
 from tokenmill.core.step_io import (NewRequestData, SamplerResult, SamplingRow, ScheduledChunk, StepInput,
                                     StepTokens)
@@ -254,11 +254,8 @@ class ModelRunner:
             else:  # a token tree: nodes at the root's position + depth, in slots after the root in listing order
                 k = s.num_spec_tokens
                 root = start + n - k - 1
-                depth: list[int] = []
-                for p in tree:
-                    depth.append(1 if p < 0 else depth[p] + 1)
                 positions.extend(range(start, root + 1))
-                positions.extend(root + d for d in depth)
+                positions.extend(root + d for d in tree_depths(tree))
                 if key_masks is None:
                     key_masks = [0] * len(key_lens)
                 key_masks.extend([0] * (n - k))
