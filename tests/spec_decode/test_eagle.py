@@ -64,6 +64,66 @@ def test_train_forward_is_the_inference_forward(corpus):
     assert torch.allclose(dense, trained, atol=1e-5, rtol=1e-5)
 
 
+def _draft_dense(head, ids: list[int], feats: torch.Tensor, a: int, depth: int) -> list[torch.Tensor]:
+    """Serving-time drafting spelled out with the dense module: the real features up to position a, then
+    each step's own prediction fed back with the next token; the output of every draft step."""
+    f = [feats[i].float() for i in range(a + 1)]
+    outs = []
+    for k in range(depth):
+        n = a + 1 + k
+        x = head(torch.tensor(ids[1:n + 1]), torch.arange(n), torch.stack(f))
+        outs.append(x[-1])
+        f.append(x[-1])
+    return outs
+
+
+def test_unrolled_training_forward_is_drafting_on_own_predictions(corpus):
+    """train_forward(..., steps=3) at position a + k equals drafting k + 1 tokens from a with the module."""
+    target, seqs, feats, argmaxes = corpus
+    head = et.init_head_from_target(target, torch.arange(100))
+    s = seqs[2]
+    ids, f = torch.tensor([s[1:]]), feats[2][:-1].float()[None]
+    with torch.no_grad():
+        outs = train_forward(head, ids, f, steps=3)
+        assert torch.allclose(outs[0], train_forward(head, ids, f), atol=1e-6)
+        for a in (0, 5, len(s) - 5):
+            drafted = _draft_dense(head, s, feats[2], a, 3)
+            for k in range(3):
+                assert torch.allclose(outs[k][0, a + k], drafted[k], atol=1e-4, rtol=1e-4), (a, k)
+
+
+def test_chain_acceptance_counts_what_drafting_accepts(trained_head, corpus):
+    """chain_acceptance's counts equal a greedy drafting loop checked against the target's argmax."""
+    _, head, _, _ = trained_head
+    target, seqs, feats, argmaxes = corpus
+    seqs, feats, argmaxes = seqs[:3], feats[:3], argmaxes[:3]
+    starts = [len(s) - 30 for s in seqs]
+    got = et.chain_acceptance(head, seqs, feats, argmaxes, starts, depth=3)
+    counts = [0, 0, 0, 0]
+    with torch.no_grad():
+        for s, f, am, st in zip(seqs, feats, argmaxes, starts):
+            for a in range(st, len(s) - 1 - 3 + 1):
+                outs = _draft_dense(head, s, f, a, 3)
+                n = 0
+                while n < 3 and int(head.draft_vocab[head.compute_logits(outs[n][None]).argmax()]) == int(am[a + n + 1]):
+                    n += 1
+                counts[n] += 1
+    total = sum(counts)
+    assert got["starts"] == total
+    assert got["accepted"] == pytest.approx(sum(i * c for i, c in enumerate(counts)) / total)
+    assert got["alpha1"] == pytest.approx(1 - counts[0] / total)
+    assert 0 < got["accepted"] < 3            # the trained head gets some drafts right, not all
+
+
+def test_training_on_own_drafts_reports_each_step(corpus):
+    target, seqs, feats, argmaxes = corpus
+    head = et.init_head_from_target(target, et.choose_draft_vocab(argmaxes, target.config.vocab_size, 256))
+    st = et.train_head(head, seqs, feats, argmaxes, epochs=2, lr=3e-3, tokens_per_batch=256, steps=3,
+                       log=lambda *_: None)
+    assert {"top1_step1", "top1_step2", "top1_step3"} <= set(st)
+    assert st["top1_step1"] == st["top1"] and st["top1_step1"] > 0
+
+
 def test_features_and_argmax_are_the_targets(corpus):
     target, seqs, feats, argmaxes = corpus
     with torch.no_grad():
@@ -208,9 +268,11 @@ def test_train_eagle_command_end_to_end(tiny_llama, tmp_path):
         pytest.fail(f"{data} not found: the shared data folder must sit next to the repository")
     out = tmp_path / "head"
     assert main(["train-eagle", "--model", str(tiny_llama), "--out", str(out), "--sharegpt", str(data),
-                 "--num-prompts", "4", "--max-tokens", "8", "--epochs", "1", "--draft-vocab", "128"]) == 0
+                 "--num-prompts", "4", "--max-tokens", "8", "--epochs", "1", "--draft-vocab", "128",
+                 "--unroll", "2", "--eval-prompts", "2"]) == 0
     stats = json.loads((out / "train_stats.json").read_text())
     assert stats["tokens"] > 4 * 8
+    assert "top1_step2" in stats and stats["heldout_before_starts"] == stats["heldout_after_starts"] > 0
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config={"method": "eagle", "model": str(out), "num_speculative_tokens": 2,
                                                    "adaptive": False})
     run(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

@@ -185,10 +185,39 @@ def load_eagle_head(directory: str | Path, target_arch: ModelArchConfig, embed: 
 
 
 # ---------------------------------------------------------------------------------- training
-def train_forward(head: EagleHead, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+def unrolled_key_mask(T: int, step: int) -> torch.Tensor:
+    """Which keys a step-`step` query at position j reads when the head is trained on its own drafts
+    (`train_forward(..., steps)`), over the keys of steps 1..step concatenated, [T, step * T] bool.
+
+    At drafting time, step s at position j drafts the s-th token after the last accepted position
+    a = j - s + 1: it reads the step-1 keys of positions 0..a (computed from the target's features,
+    as after verification) and the keys its own chain wrote at a + 1 .. j (step r at position a + r - 1,
+    r = 2..s). Worked example, T = 4, step 2 (rows j = 0..3; columns step-1 keys 0..3 | step-2 keys 0..3):
+
+        j=0   . . . . | 1 . . .      a = -1: not a draft that happens (never scored), only its own key
+        j=1   1 . . . | . 1 . .      a = 0: step-1 key 0, its own key at 1
+        j=2   1 1 . . | . . 1 .
+        j=3   1 1 1 . | . . . 1
+"""
+    j = torch.arange(T)[:, None]
+    p = torch.arange(T)[None, :]
+    blocks = [p <= j - step + 1]
+    for r in range(2, step + 1):
+        blocks.append(p == j - step + r)
+    return torch.cat(blocks, dim=1)
+
+
+def train_forward(head: EagleHead, input_ids: torch.Tensor, features: torch.Tensor,
+                  steps: int = 1) -> torch.Tensor | list[torch.Tensor]:
     """The head's forward in plain differentiable torch ops, dense causal over [B, T] (positions
     0..T-1). The inference kernels (fused norms, in-place RoPE) bypass autograd, so training uses
-    this; tests check it equals `head(...)` outside a forward context."""
+    this; tests check it equals `head(...)` outside a forward context.
+
+    steps > 1 also runs the head on its own drafts, as it drafts at serving time (EAGLE-3's
+    "training-time test"): step s at position j reads the step-(s-1) prediction made at j - 1 (the
+    head's guess of f_j) and the same token t_{j+1}, and attends as `unrolled_key_mask` says. Every
+    step predicts f_{j+1} at position j, so all steps share one set of labels; step s is valid for
+    j >= s - 1. Returns [B, T, H] for steps == 1, else the list of the steps' outputs."""
     arch = head.arch
     nh, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
     eps = arch.rms_norm_eps
@@ -198,25 +227,37 @@ def train_forward(head: EagleHead, input_ids: torch.Tensor, features: torch.Tens
 
     B, T = input_ids.shape
     e = F.embedding(input_ids, head.embed.detach()).to(features.dtype)
-    h = F.linear(torch.cat([e, features], dim=-1), head.fc.weight)
     lay = head.layer
-    qkv = F.linear(rms(h, lay.input_layernorm.weight), lay.self_attn.qkv_proj.weight)
-    q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
-    q, k, v = q.view(B, T, nh, d), k.view(B, T, nkv, d), v.view(B, T, nkv, d)
-    cs = head.rotary.cos_sin[:T].to(h.dtype)
+    cs = head.rotary.cos_sin[:T].to(features.dtype)
     cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2:]
 
     def rope(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x[..., : d // 2], x[..., d // 2:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    q, k = rope(q), rope(k)
     rep = nh // nkv
-    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                       scale=d ** -0.5)
-    h = h + F.linear(o.transpose(1, 2).reshape(B, T, nh * d), lay.self_attn.o_proj.weight)
-    gu = F.linear(rms(h, lay.post_attention_layernorm.weight), lay.mlp.gate_up_proj.weight)
-    g, u = gu.chunk(2, dim=-1)
-    h = h + F.linear(F.silu(g) * u, lay.mlp.down_proj.weight)
-    return rms(h, head.norm.weight)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    feat = features
+    for step in range(1, steps + 1):
+        if step > 1:  # position j reads the previous step's guess made at j - 1
+            feat = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)
+        h = F.linear(torch.cat([e, feat], dim=-1), head.fc.weight)
+        qkv = F.linear(rms(h, lay.input_layernorm.weight), lay.self_attn.qkv_proj.weight)
+        q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+        q, k, v = rope(q.view(B, T, nh, d)), rope(k.view(B, T, nkv, d)), v.view(B, T, nkv, d)
+        keys.append(k.repeat_interleave(rep, dim=2).transpose(1, 2))
+        values.append(v.repeat_interleave(rep, dim=2).transpose(1, 2))
+        if step == 1:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[0], values[0], is_causal=True, scale=d ** -0.5)
+        else:
+            mask = unrolled_key_mask(T, step).to(q.device)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(keys, dim=2), torch.cat(values, dim=2),
+                                               attn_mask=mask, scale=d ** -0.5)
+        h = h + F.linear(o.transpose(1, 2).reshape(B, T, nh * d), lay.self_attn.o_proj.weight)
+        gu = F.linear(rms(h, lay.post_attention_layernorm.weight), lay.mlp.gate_up_proj.weight)
+        g, u = gu.chunk(2, dim=-1)
+        h = h + F.linear(F.silu(g) * u, lay.mlp.down_proj.weight)
+        outs.append(rms(h, head.norm.weight))
+    return outs[0] if steps == 1 else outs

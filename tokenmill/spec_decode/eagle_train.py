@@ -150,12 +150,14 @@ def init_head_from_target(target, draft_vocab: torch.Tensor, seed: int = 0) -> E
 def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Tensor], argmaxes: list[torch.Tensor],
                epochs: int = 3, lr: float = 1e-3, tokens_per_batch: int = 4096, max_len: int = 512,
                ce_weight: float = 0.1, noise: float = 0.1, seed: int = 0, loss_start: list[int] | None = None,
-               bf16: bool = False, log=print) -> dict[str, float]:
+               bf16: bool = False, steps: int = 1, log=print) -> dict[str, float]:
     """Train in place (parameters of fc, layer and norm). Returns the last epoch's mean losses and
     the draft-vocab top-1 accuracy on the target's argmax (teacher-forced, one step ahead).
     loss_start[s]: the first feature index of sequence s that is scored (the head only drafts
     inside answers, so `prompt_len - 1` scores answer predictions only; earlier positions still
-    give attention context). bf16: autocast the forward (AVX512-BF16 CPUs train ~2x faster)."""
+    give attention context). bf16: autocast the forward (AVX512-BF16 CPUs train ~2x faster).
+    steps > 1: also train on the head's own drafts, steps deep (`train_forward(..., steps)`); the
+    losses of all steps are summed and `top1_step{s}` reports each step's accuracy."""
     for name, p in head.named_parameters():
         p.requires_grad_(not name.startswith("head."))
     params = [p for p in head.parameters() if p.requires_grad]
@@ -189,7 +191,7 @@ def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Te
                 cur, cur_tok = [], 0
         if cur:
             batches.append(cur)
-        sums = {"l1": 0.0, "ce": 0.0, "acc": 0.0, "n": 0.0}
+        sums = {"l1": 0.0, "ce": 0.0, "acc": 0.0, "n": 0.0} | {f"acc{k}": 0.0 for k in range(1, steps + 1)}
         for bi, batch in enumerate(batches):
             T = max(b - a - 1 for _, a, b in batch)
             B = len(batch)
@@ -214,41 +216,96 @@ def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Te
             if not mask.any():
                 continue
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                pred = train_forward(head, ids, fin)
-                picked = pred[mask]
-                logits = F.linear(picked, head_w).float()
-            picked = picked.float()
-            l1 = F.smooth_l1_loss(picked, fout[mask]) / feat_rms
-            lab = labels[mask]
-            ce = F.cross_entropy(logits, lab, ignore_index=-100)
+                preds = train_forward(head, ids, fin, steps)
+                preds = [preds] if steps == 1 else preds
+            l1 = ce = torch.zeros(())
+            step_acc = []
+            for k, pred in enumerate(preds):  # step k + 1 drafts from position j - k: scored if that one is
+                mk = torch.zeros_like(mask)
+                mk[:, k:] = mask[:, :T - k]
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    picked = pred[mk]
+                    logits = F.linear(picked, head_w).float()
+                l1 = l1 + F.smooth_l1_loss(picked.float(), fout[mk]) / feat_rms
+                lab = labels[mk]
+                ce = ce + F.cross_entropy(logits, lab, ignore_index=-100)
+                with torch.no_grad():
+                    valid = lab >= 0
+                    step_acc.append((logits.argmax(-1)[valid] == lab[valid]).float().mean().item()
+                                    if valid.any() else 0.0)
             loss = l1 + ce_weight * ce
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
-            with torch.no_grad():
-                valid = lab >= 0
-                acc = (logits.argmax(-1)[valid] == lab[valid]).float().mean().item() if valid.any() else 0.0
+            acc = step_acc[0]
             sums["l1"] += l1.item(); sums["ce"] += ce.item(); sums["acc"] += acc; sums["n"] += 1
+            for k, a in enumerate(step_acc):
+                sums[f"acc{k + 1}"] += a
             if (bi + 1) % 20 == 0 or bi + 1 == len(batches):
                 n = sums["n"]
                 log(f"epoch {ep + 1}/{epochs} batch {bi + 1}/{len(batches)}: smooth-l1 {sums['l1'] / n:.4f} "
-                    f"ce {sums['ce'] / n:.3f} top-1 {sums['acc'] / n:.3f} lr {lr_now:.2e} "
+                    f"ce {sums['ce'] / n:.3f} top-1 {sums['acc'] / n:.3f}"
+                    + ("".join(f"/{sums[f'acc{k}'] / n:.3f}" for k in range(2, steps + 1)))
+                    + f" lr {lr_now:.2e} "
                     f"{time.perf_counter() - t0:.0f} s")
         n = max(1.0, sums["n"])
         stats = {"smooth_l1": sums["l1"] / n, "ce": sums["ce"] / n, "top1": sums["acc"] / n}
+        if steps > 1:
+            stats |= {f"top1_step{k}": sums[f"acc{k}"] / n for k in range(1, steps + 1)}
     for p in head.parameters():
         p.requires_grad_(False)
     return stats
 
 
+@torch.no_grad()
+def chain_acceptance(head: EagleHead, sequences: list[list[int]], feats: list[torch.Tensor],
+                     argmaxes: list[torch.Tensor], loss_start: list[int], depth: int = 5,
+                     max_len: int = 512) -> dict[str, float]:
+    """Greedy chain acceptance of `head` on a corpus, as drafting at serving time sees it: from every
+    answer position a, the head drafts `depth` tokens from the target's features up to a and its own
+    after (`train_forward(..., depth)`), and the target's argmax accepts the longest matching prefix.
+    Returns the mean accepted drafts per step ("accepted"), and "alpha{k}": the share of steps whose
+    k-th draft was accepted given the first k - 1 were. (Greedy targets: a draft is accepted iff it is
+    the target's argmax, the same rule the engine's greedy verifier applies.)"""
+    vocab = head.draft_vocab
+    head_w = head.head.weight.float()
+    accepted = torch.zeros(depth + 1)
+    for si, s in enumerate(sequences):
+        for a0 in range(0, len(s) - 1, max_len):
+            b = min(a0 + max_len + 1, len(s))
+            n = b - a0 - 1
+            ids = torch.tensor(s[a0 + 1:b])[None]
+            outs = train_forward(head, ids, feats[si][a0:b - 1].float()[None], depth)
+            labels = argmaxes[si][a0 + 1:b].long()
+            # ok[k, a]: the (k+1)-th draft from start a (position a + k) is the target's argmax there
+            ok = torch.zeros(depth, n, dtype=torch.bool)
+            for k, o in enumerate(outs):
+                hit = vocab[F.linear(o[0].float(), head_w).argmax(-1)] == labels
+                ok[k, :n - k] = hit[k:]
+            run = torch.cumprod(ok.int(), dim=0)          # drafts 1..k all accepted
+            first = max(0, loss_start[si] - a0)
+            starts = torch.arange(n)
+            keep = (starts >= first) & (starts + depth <= n)  # whole chain inside the window
+            accepted += torch.bincount(run[:, keep].sum(0), minlength=depth + 1).float()
+    total = accepted.sum().item()
+    out = {"accepted": float((accepted * torch.arange(depth + 1)).sum() / max(total, 1.0)), "starts": total}
+    reach = accepted.flip(0).cumsum(0).flip(0)               # reach[k]: starts with >= k accepted
+    for k in range(1, depth + 1):
+        out[f"alpha{k}"] = float(reach[k] / max(reach[k - 1].item(), 1.0))
+    return out
+
+
 def main(model: str, out: str, sharegpt: str, num_prompts: int = 3300, max_tokens: int = 192,
          draft_vocab_size: int = 8192, epochs: int = 8, lr: float = 2e-3, threads: int | None = None,
          cache: str | None = None, init: str | None = None, answers_only: bool = True,
-         bf16: bool = True, datastore: str | None = None) -> dict[str, float]:
+         bf16: bool = True, datastore: str | None = None, unroll: int = 1, eval_prompts: int = 0,
+         eval_depth: int = 5) -> dict[str, float]:
     """The whole recipe; `cache` keeps the corpus and features between runs (a .pt file); `init`
-    continues training a head saved before (its draft vocabulary is kept)."""
+    continues training a head saved before (its draft vocabulary is kept); `unroll` trains on the
+    head's own drafts that deep; `eval_prompts` > 0 measures greedy chain acceptance (`chain_acceptance`)
+    before and after training on that many held-out prompts: the benchmark's rows, never trained on."""
     from tokenmill import LLM
     from tokenmill.spec_decode.eagle_head import load_eagle_head
     if threads:
@@ -279,9 +336,22 @@ def main(model: str, out: str, sharegpt: str, num_prompts: int = 3300, max_token
     covered[vocab] = True
     coverage = covered[torch.cat(argmaxes).long()].float().mean().item()
     print(f"draft vocab {len(vocab)}: covers {coverage:.4f} of the target's argmax tokens")
+    held = None
+    if eval_prompts:
+        ev = generate_corpus(llm, sharegpt, eval_prompts, max_tokens, skip_rows=0)
+        ev_feats, ev_arg = extract_features(target, ev.sequences)
+        held = (ev.sequences, ev_feats, ev_arg, [p - 1 for p in ev.prompt_lens])
+        before = chain_acceptance(head, *held, depth=eval_depth)
+        print(f"held-out chain acceptance before training: {json.dumps(before)}")
     starts = [p - 1 for p in plens] if answers_only else None
-    stats = train_head(head, seqs, feats, argmaxes, epochs=epochs, lr=lr, ce_weight=0.2, loss_start=starts, bf16=bf16)
+    stats = train_head(head, seqs, feats, argmaxes, epochs=epochs, lr=lr, ce_weight=0.2, loss_start=starts, bf16=bf16,
+                       steps=unroll)
     head.save(out, model)
+    if held is not None:
+        after = chain_acceptance(head, *held, depth=eval_depth)
+        print(f"held-out chain acceptance after training: {json.dumps(after)}")
+        stats.update({f"heldout_before_{k}": v for k, v in before.items()})
+        stats.update({f"heldout_after_{k}": v for k, v in after.items()})
     stats.update(coverage=coverage, data_seconds=t_data, total_seconds=time.perf_counter() - t0,
                  tokens=float(sum(len(s) for s in seqs)))
     (Path(out) / "train_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
@@ -311,6 +381,11 @@ def add_arguments(p) -> None:
     p.add_argument("--all-positions", action="store_true", help="score prompt positions too (default: answers only)")
     p.add_argument("--fp32", action="store_true", help="train in float32 (default: bf16 autocast)")
     p.add_argument("--cache", default=None, help="a .pt file keeping corpus and features between runs")
+    p.add_argument("--unroll", type=int, default=1,
+                   help="also train on the head's own drafts this many steps deep (EAGLE-3's training-time test)")
+    p.add_argument("--eval-prompts", type=int, default=0,
+                   help="held-out prompts (the benchmark's rows) on which greedy chain acceptance is measured "
+                        "before and after training")
     p.add_argument("--datastore", default=None,
                    help="reuse the answers of a `tokenmill build-datastore` file instead of generating a corpus")
 
@@ -320,5 +395,6 @@ def run(args) -> int:
         raise ValueError(f"{args.sharegpt}: ShareGPT file not found (pass --sharegpt)")
     main(args.model, args.out, args.sharegpt, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
          draft_vocab_size=args.draft_vocab, epochs=args.epochs, lr=args.lr, threads=args.threads, cache=args.cache,
-         init=args.init, answers_only=not args.all_positions, bf16=not args.fp32, datastore=args.datastore)
+         init=args.init, answers_only=not args.all_positions, bf16=not args.fp32, datastore=args.datastore,
+         unroll=args.unroll, eval_prompts=args.eval_prompts)
     return 0
