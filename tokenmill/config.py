@@ -261,11 +261,51 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (distributed/kv_connector.py): `--kv-role` plus `--kv-transfer-config` JSON."""
+
+    kv_role: str = "both"
+    """prefill: computes prompts and holds their K/V for decode workers; decode: pulls them and generates;
+    both: either, per request."""
+    kv_host: str = "127.0.0.1"
+    """Address of this worker's KV endpoint (the TCP store decode workers pull from; prefill and both roles)."""
+    kv_port: int = 0
+    """Port of the KV endpoint (0: any free port; the worker reports it in kv_transfer_params)."""
+    hold_timeout_s: float = 60.0
+    """A prompt's K/V held for a decode worker go back to the pool if nobody pulled them within this."""
+    transfer_timeout_s: float = 30.0
+    """A pull (store wait, gloo send/recv) that takes longer fails; the decode worker then recomputes the prompt."""
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in ("prefill", "decode", "both"):
+            raise ValueError(f"kv_role must be prefill, decode or both, got {self.kv_role!r}")
+        if not 0 <= self.kv_port < 65536:
+            raise ValueError(f"kv_transfer_config.kv_port must be a port number, got {self.kv_port}")
+        if self.hold_timeout_s <= 0 or self.transfer_timeout_s <= 0:
+            raise ValueError("kv_transfer_config: hold_timeout_s and transfer_timeout_s must be positive")
+
+    @property
+    def serves_kv(self) -> bool:
+        """Holds prompts' K/V for others to pull (hosts a KV endpoint)."""
+        return self.kv_role in ("prefill", "both")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KVTransferConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown kv_transfer_config keys: {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None
+    """Disaggregation role and KV endpoint, or None (a colocated engine)."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -273,6 +313,7 @@ class EngineConfig:
         groups: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
         owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
         spec = kwargs.pop("speculative_config", None)
+        kvt = kwargs.pop("kv_transfer_config", None)
         for key, value in kwargs.items():
             for group, klass in owners.items():
                 if key in {f.name for f in fields(klass)}:
@@ -282,5 +323,7 @@ class EngineConfig:
                 raise TypeError(f"unknown engine argument {key!r}")
         if isinstance(spec, dict):
             spec = SpeculativeConfig.from_dict(spec)
+        if isinstance(kvt, dict):
+            kvt = KVTransferConfig.from_dict(kvt)
         return cls(model=ModelConfig(**groups["model"]), cache=CacheConfig(**groups["cache"]),
-                   scheduler=SchedulerConfig(**groups["scheduler"]), speculative=spec)
+                   scheduler=SchedulerConfig(**groups["scheduler"]), speculative=spec, kv_transfer=kvt)

@@ -98,6 +98,9 @@ class RequestOutput:
     prompt_logprobs: list | None = field(default=None)
     is_delta: bool = False
     """outputs hold only what is new since the previous output (SamplingParams.output_kind "delta")."""
+    kv_transfer_params: dict | None = None
+    """A prefill worker's finished request: where its prompt K/V wait for a decode worker (the fields of
+    distributed/kv_connector.PullFromPrefill), passed on to the decode worker's request."""
 
     def merged(self, later: "RequestOutput") -> "RequestOutput":
         """Two consecutive outputs as one (a reader that lagged): deltas are joined choice by choice,

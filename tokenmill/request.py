@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.distributed.kv_connector import KVTransferRequest
 
 RequestId = NewType("RequestId", str)
 
@@ -19,6 +22,8 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
+    """Blocks allocated; its prompt's K/V are being pulled from a prefill worker (distributed/kv_connector.py)."""
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -36,7 +41,8 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_id: int | None, max_tokens: int, arrival_time: float | None = None,
-                 cache_salt: str | None = None, sample_index: int = 0, parent_id: str | None = None) -> None:
+                 cache_salt: str | None = None, sample_index: int = 0, parent_id: str | None = None,
+                 kv_transfer: KVTransferRequest | None = None) -> None:
         self.request_id = RequestId(request_id)
         self.parent_id = parent_id or request_id
         self.sample_index = sample_index
@@ -51,6 +57,9 @@ class Request:
         self.eos_token_id = eos_token_id
         self.max_tokens = max_tokens
         self.cache_salt = cache_salt
+        self.kv_transfer = kv_transfer
+        """Disaggregation: hold this prompt's K/V for a decode worker, or pull it from a prefill worker (consumed
+        at admission: a preempted request recomputes locally)."""
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -76,6 +76,8 @@ class KVCacheManager:
         """Blocks of each request already registered in the prefix cache."""
         self.stats = PrefixCacheStats()
         self.pending_copies: list[BlockCopy] = []
+        self.held: dict[str, list[KVCacheBlock]] = {}
+        """Blocks of finished requests kept for a decode worker to pull (disaggregation), by transfer id."""
         self.rewritten: set[str] = set()
         """Requests whose block table changed other than by appending (copy on write) since
         take_rewritten(); every other table only grows."""
@@ -107,11 +109,12 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed: ComputedBlocks | None = None) -> list[KVCacheBlock] | None:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: ComputedBlocks | None = None,
+                       cache_blocks: bool = True) -> list[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens after the computed ones (and after the
         cache hits in `computed`). Returns the newly allocated blocks, or None if the pool
-        cannot supply them (nothing changes then)."""
+        cannot supply them (nothing changes then). cache_blocks=False: do not register the new
+        full blocks in the prefix cache yet (their K/V arrive later, by a transfer: `cache_blocks`)."""
         blocks = self.req_blocks.setdefault(req.request_id, [])
         hits = computed.blocks if computed else []
         num_computed = req.num_computed_tokens + (computed.num_tokens if computed else 0)
@@ -141,8 +144,27 @@ class KVCacheManager:
         if cow:
             self.rewritten.add(req.request_id)
         blocks.extend(new[:num_new_blocks])
-        self._cache_full_blocks(req, min(total, req.num_tokens))
+        if cache_blocks:
+            self._cache_full_blocks(req, min(total, req.num_tokens))
         return new
+
+    def cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """Register the request's full blocks among its first num_tokens tokens (their K/V are in place now)."""
+        self._cache_full_blocks(req, num_tokens)
+
+    def hold(self, req: Request, transfer_id: str) -> list[int]:
+        """A finished request's blocks stay allocated under `transfer_id` (for a decode worker to pull) instead
+        of going back to the pool; returns their ids in table order."""
+        assert transfer_id not in self.held, f"transfer {transfer_id} already held"
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self.num_cached.pop(req.request_id, None)
+        self.req_hashes.pop(req.request_id, None)
+        self.held[transfer_id] = blocks
+        return [b.block_id for b in blocks]
+
+    def release_held(self, transfer_id: str) -> None:
+        """Held blocks back to the pool (they stay in the prefix cache until evicted)."""
+        self.pool.free_blocks(list(reversed(self.held.pop(transfer_id, []))))
 
     def fork(self, parent: Request, child: Request, num_shared_tokens: int) -> None:
         """Give `child` the parent's block table by reference (every block's ref_cnt + 1). Its
@@ -217,7 +239,7 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         refs: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
+        for blocks in [*self.req_blocks.values(), *self.held.values()]:
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         self.pool.check_integrity(refs)

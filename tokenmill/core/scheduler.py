@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.step_io import BlockCopy, NewRequestData, SamplerResult, ScheduledChunk, StepInput
+from tokenmill.distributed.kv_connector import (ConnectorEvents, ConnectorStep, HoldForDecode, KVConnectorScheduler,
+                                                KVLoad, PullFromPrefill)
 from tokenmill.request import Request, RequestStatus
 
 
@@ -63,6 +65,8 @@ class SchedulerOutput:
     before this step's forward."""
     step: StepInput = field(default_factory=StepInput)
     """The runner's view of this step: plain data, new rows once, deltas after (core/step_io.py)."""
+    kv: ConnectorStep | None = None
+    """Disaggregation: blocks to pull, hold or release (the KV connector's worker half applies it)."""
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +86,9 @@ class _RunnerView:
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
+                 connector: KVConnectorScheduler | None = None) -> None:
+        """connector: the KV connector's scheduler half (prefill/decode disaggregation), or None."""
         self.config = sched
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
@@ -96,6 +102,9 @@ class Scheduler:
         """Leader id -> samples that fork from it once its prompt is computed (n > 1)."""
         self.runner_views: dict[str, _RunnerView] = {}
         """Request id -> what the runner holds of it, so each step sends only what changed."""
+        self.connector = connector
+        self.loading: dict[str, Request] = {}
+        """Requests whose prompt K/V are being pulled from a prefill worker (WAITING_FOR_REMOTE_KV)."""
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req: Request, forks: list[Request] | None = None) -> None:
@@ -145,7 +154,54 @@ class Scheduler:
                                                fork_of=leader.request_id))
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    # ----------------------------------------------------------- KV transfer
+    def apply_kv_events(self, events: ConnectorEvents) -> None:
+        """Loads that ended become running requests: with the pulled K/V counted as computed (all but the last
+        prompt token), or, when the pull failed, with only their local prefix hit (the rest is recomputed here).
+        Served transfers release their held blocks."""
+        for rid, ok in events.loads_done.items():
+            req = self.loading.pop(rid, None)
+            if req is None:
+                continue  # left while loading
+            if ok:
+                req.num_computed_tokens = req.num_tokens - 1
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+            else:
+                self.connector.stats.num_loads_failed += 1
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        for tid in events.sends_done:
+            if tid in self.connector.held:
+                self.kv.release_held(tid)
+                self.connector.release(tid)
+
+    def _release_expired_holds(self) -> None:
+        for tid in self.connector.expired():
+            self.kv.release_held(tid)
+            self.connector.release(tid, expired=True)
+
+    def _admit_remote(self, req: Request, source: PullFromPrefill) -> bool:
+        """Admit a request whose prompt K/V a prefill worker holds: blocks for its whole prompt (after the local
+        prefix hit), the pull queued, no token budget spent. False if the pool cannot supply the blocks."""
+        computed = self.kv.get_computed_blocks(req)
+        plan = self.connector.plan_load(req.request_id, source, req.num_tokens, computed.num_tokens, self.block_size)
+        if plan.num_blocks == 0:  # everything but the last token is cached here: an ordinary admission
+            req.kv_transfer = None
+            return False
+        if self.kv.allocate_slots(req, req.num_tokens - computed.num_tokens, computed, cache_blocks=False) is None:
+            return False
+        self.waiting.popleft()
+        req.kv_transfer = None
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        req.num_cached_tokens = req.num_computed_tokens = computed.num_tokens
+        self.loading[req.request_id] = req
+        blocks = self.kv.get_block_ids(req.request_id)
+        self.connector.add_load(KVLoad(req.request_id, source, plan.first_block,
+                                       blocks[plan.first_block:plan.first_block + plan.num_blocks]),
+                                num_skipped_blocks=plan.first_block)
+        return True
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         req = self.requests.pop(request_id, None)
@@ -159,6 +215,9 @@ class Scheduler:
                 forks.remove(req)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.loading[request_id]
+            self.connector.cancel_load(request_id)
         else:
             try:
                 self.waiting.remove(req)
@@ -179,6 +238,8 @@ class Scheduler:
         self.finished_since_step = []
         now = time.time()
         new_forks: list[Request] = []
+        if self.connector is not None:
+            self._release_expired_holds()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -209,8 +270,15 @@ class Scheduler:
         self.running.extend(new_forks)  # after the loop: never preempted in the step that forks them
 
         if not out.preempted_ids:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                if isinstance(req.kv_transfer, PullFromPrefill):
+                    if req.first_scheduled_time is None:
+                        req.first_scheduled_time = now
+                    if self._admit_remote(req, req.kv_transfer):
+                        continue
+                    if req.kv_transfer is not None:
+                        break  # no blocks for it yet
                 if self.pending_forks and len(self.running) + self._num_reserved_seqs() + 1 + \
                         len(self.pending_forks.get(req.request_id, ())) > self.config.max_num_seqs:
                     break  # pending samples (n > 1) will need sequence slots too
@@ -238,6 +306,8 @@ class Scheduler:
                 budget -= num_new
         out.block_copies = self.kv.take_block_copies()
         out.step = self._runner_step(out)
+        if self.connector is not None:
+            out.kv = self.connector.take_step()
         return out
 
     def _runner_step(self, out: SchedulerOutput) -> StepInput:
@@ -321,7 +391,10 @@ class Scheduler:
                 self.requests.pop(req.request_id, None)
                 self.running.remove(req)
                 req.finished_time = now
-                self.kv.free(req)
+                if isinstance(req.kv_transfer, HoldForDecode):  # a prefill worker's request: keep its K/V
+                    self.connector.add_hold(req.request_id, self.kv.hold(req, req.request_id))
+                else:
+                    self.kv.free(req)
                 self.kv.forget(req.request_id)
                 self.finished_since_step.append(req.request_id)
         return changed
@@ -346,6 +419,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting} | \
-            {f.request_id for forks in self.pending_forks.values() for f in forks}
-        assert set(self.kv.req_blocks) <= {r.request_id for r in self.running}, "blocks held by a non-running request"
+            {f.request_id for forks in self.pending_forks.values() for f in forks} | set(self.loading)
+        assert set(self.kv.req_blocks) <= {r.request_id for r in self.running} | set(self.loading), \
+            "blocks held by a non-running request"
+        if self.connector is not None:
+            assert set(self.kv.held) == set(self.connector.held), "held transfers drift"
         assert live == set(self.requests), "request table drift"

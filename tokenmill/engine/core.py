@@ -8,6 +8,7 @@ request uses seed + i, so it equals a separate request with that seed.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ from tokenmill.attention.backend import TorchPagedAttention
 
 from tokenmill.config import EngineConfig, ModelArchConfig
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.distributed.kv_connector import HoldForDecode, KVConnectorScheduler, KVTransferRequest, PullFromPrefill
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.errors import InvalidRequest
 from tokenmill.models.loader import load_model
@@ -64,6 +66,8 @@ class EngineStats:
     """Pool size in tokens: num_blocks_total * block_size."""
     kv_pool_bytes: int = 0
     kv_cache_dtype: str = ""
+    kv_transfer: dict[str, float] = field(default_factory=dict)
+    """Disaggregation counters (distributed/kv_connector.ConnectorStats), empty for a colocated engine."""
 
 
 @dataclass
@@ -102,7 +106,9 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_transport=None) -> None:
+        """kv_transport: the KV connector's transport (distributed/kv_transfer.py) when config.kv_transfer is set;
+        None builds the torch.distributed one from the config."""
         self.config = config
         mc = config.model
         self.device = torch.device(mc.device)
@@ -135,7 +141,9 @@ class EngineCore:
         if num_blocks < 1:
             raise ValueError("the KV-cache budget holds no block; raise kv_cache_memory_bytes")
         self.kv_spec = KVCacheSpec(num_blocks, cc.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype)
-        self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len)
+        kvt = config.kv_transfer
+        self.kv_connector = KVConnectorScheduler(kvt.kv_role, kvt.hold_timeout_s) if kvt is not None else None
+        self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len, self.kv_connector)
         self.spec = None
         if config.speculative is not None:  # lazy import: engines without speculation never load it
             from tokenmill.spec_decode.decoder import SpeculativeDecoder
@@ -147,6 +155,15 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.arch, self.kv_spec, self.device, seed=mc.seed,
                                   verifier=self.spec.verify if self.spec else None,
                                   feature_sink=self.spec.proposer.feature_sink if self.spec else None)
+        self.kv_worker = None
+        if kvt is not None:  # lazy import: colocated engines never load torch.distributed
+            from tokenmill.distributed.kv_transfer import GlooTransport, KVConnectorWorker
+            if kv_transport is None:
+                kv_transport = GlooTransport(kvt.kv_host, kvt.kv_port, serve=kvt.serves_kv,
+                                             timeout_s=kvt.transfer_timeout_s)
+            self.kv_worker = KVConnectorWorker(self.runner.kv_caches, kv_transport, self.kv_connector.stats)
+            if kv_transport.address is not None:
+                logger.info("KV endpoint (role %s) at %s:%d", kvt.kv_role, *kv_transport.address)
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, str] = {}
         self.sequences: dict[str, Request] = {}
@@ -160,7 +177,8 @@ class EngineCore:
     # ------------------------------------------------------------------ intake
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, kv_transfer: KVTransferRequest | None = None) -> None:
+        """kv_transfer (disaggregation): HoldForDecode on a prefill worker, PullFromPrefill on a decode worker."""
         if request_id in self.parents:
             raise InvalidRequest(f"request_id {request_id!r} is already in use", "request_id")
         if not prompt_token_ids:
@@ -195,6 +213,8 @@ class EngineCore:
                 cache_salt.encode()
             except UnicodeEncodeError:
                 raise InvalidRequest("cache_salt is not valid Unicode text (a lone surrogate?)", "cache_salt") from None
+        if kv_transfer is not None:
+            self._check_kv_transfer(kv_transfer, n_prompt, params)
         arrival = arrival_time if arrival_time is not None else time.time()
         children, detoks = [], []
         for i in range(params.n):
@@ -203,7 +223,7 @@ class EngineCore:
                 child_params = params.clone(seed=params.seed + i)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(cid, prompt_token_ids, child_params, self.eos_token_id, max_tokens, arrival,
-                          cache_salt=cache_salt, sample_index=i, parent_id=request_id)
+                          cache_salt=cache_salt, sample_index=i, parent_id=request_id, kv_transfer=kv_transfer)
             children.append(req)
             detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                                  params.skip_special_tokens, params.include_stop_str_in_output))
@@ -213,6 +233,23 @@ class EngineCore:
         # Samples 2..n fork from the first once its prompt is computed (shared blocks, CoW).
         self.scheduler.add_request(children[0], forks=children[1:])
         self.num_prompt_tokens += n_prompt * params.n
+
+    def _check_kv_transfer(self, kvt: KVTransferRequest, n_prompt: int, params: SamplingParams) -> None:
+        cfg = self.config.kv_transfer
+        if cfg is None:
+            raise InvalidRequest("kv_transfer_params: this server is not a prefill or decode worker "
+                                 "(start it with --kv-role)", "kv_transfer_params")
+        if params.n != 1:
+            raise InvalidRequest("kv_transfer_params: disaggregated requests take n = 1", "n")
+        if isinstance(kvt, HoldForDecode) and not cfg.serves_kv:
+            raise InvalidRequest(f"kv_transfer_params: a {cfg.kv_role} worker does not hold K/V for others "
+                                 f"(do_remote_decode needs kv_role prefill or both)", "kv_transfer_params")
+        if isinstance(kvt, PullFromPrefill):
+            if cfg.kv_role == "prefill":
+                raise InvalidRequest("kv_transfer_params: a prefill worker does not pull K/V", "kv_transfer_params")
+            if kvt.num_tokens != n_prompt:
+                raise InvalidRequest(f"kv_transfer_params: {kvt.num_tokens} prompt tokens held, but this prompt has "
+                                     f"{n_prompt} (the same prompt must reach both workers)", "kv_transfer_params")
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)
@@ -224,6 +261,9 @@ class EngineCore:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
+        """Requests to step, or (disaggregation) held K/V or transfers still to serve."""
+        if self.kv_worker is not None and (self.kv_connector.has_pending_work or self.kv_worker.has_pending_io):
+            return True
         return bool(self.parents or self.sequences)
 
     # ------------------------------------------------------- raw sequences
@@ -281,7 +321,14 @@ class EngineCore:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        if self.kv_worker is not None:  # transfers that ended since the last step
+            self.kv_worker.collect()
+            self.scheduler.apply_kv_events(self.kv_worker.take_events())
         sched = self.scheduler.schedule()
+        if self.kv_worker is not None:
+            self.kv_worker.start_step(sched.kv)
+            if sched.is_empty and not sched.finished_ids:  # only transfers in flight: wait for one, do not spin
+                self.kv_worker.wait(0.005)
         results = self.runner.execute(sched.step) if self.spec is None else self.spec.execute(self.runner, sched)
         changed = self.scheduler.update(sched, results)
         touched: dict[str, None] = {}
@@ -350,7 +397,17 @@ class EngineCore:
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason, logprobs=lps,
                 cumulative_logprob=sum(d[t].logprob for d, t in zip(lps, req.output_token_ids)) if lps else None))
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps, finished,
-                             self._metrics(parent, finished), num_cached_tokens=parent.children[0].num_cached_tokens)
+                             self._metrics(parent, finished), num_cached_tokens=parent.children[0].num_cached_tokens,
+                             kv_transfer_params=self._held_params(parent, finished))
+
+    def _held_params(self, parent: _Parent, finished: bool) -> dict | None:
+        """A finished prefill-side request whose K/V are held: where a decode worker pulls them from."""
+        req = parent.children[0]
+        if not finished or not isinstance(req.kv_transfer, HoldForDecode) or \
+                req.request_id not in self.kv_connector.held:
+            return None
+        host, port = self.kv_worker.transport.address
+        return PullFromPrefill(host, port, req.request_id, len(req.prompt_token_ids)).to_params()
 
     def _make_delta(self, parent: _Parent, finished: bool) -> RequestOutput:
         """Only what is new since the last output (output_kind "delta"): work in proportion to the new
@@ -374,7 +431,7 @@ class EngineCore:
                                           req.stop_reason, lps, cum, n))
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps, finished,
                              self._metrics(parent, finished), num_cached_tokens=parent.children[0].num_cached_tokens,
-                             is_delta=True)
+                             is_delta=True, kv_transfer_params=self._held_params(parent, finished))
 
     # ------------------------------------------------------------ accounting
     def stats(self) -> EngineStats:
@@ -393,7 +450,8 @@ class EngineCore:
             spec_decode=self.spec.metrics() if self.spec is not None else {},
             num_blocks_used=mem.num_blocks_used, num_blocks_shared=mem.num_blocks_shared,
             num_unfilled_slots=mem.num_unfilled_slots, kv_pool_tokens=mem.num_blocks_total * spec.block_size,
-            kv_pool_bytes=mem.num_blocks_total * spec.bytes_per_block, kv_cache_dtype=str(spec.dtype).removeprefix("torch."))
+            kv_pool_bytes=mem.num_blocks_total * spec.bytes_per_block, kv_cache_dtype=str(spec.dtype).removeprefix("torch."),
+            kv_transfer=dataclasses.asdict(self.kv_connector.stats) if self.kv_connector is not None else {})
 
     def check_integrity(self) -> None:
         """Asserts allocator invariants; when idle, every block must be free."""

@@ -8,7 +8,7 @@ import inspect
 import json
 from dataclasses import MISSING, fields
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -42,6 +42,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             g.add_argument(flag, dest=f.name, type=kind, default=default, help=f"{help_} (default: {default})")
     g.add_argument("--speculative-config", dest="speculative_config", type=json.loads, default=None,
                    help="JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
+    kv_docs = _field_docs(KVTransferConfig)
+    g.add_argument("--kv-role", dest="kv_role", choices=["prefill", "decode", "both"], default=None,
+                   help=f"disaggregation: {kv_docs['kv_role']} (default: off, a colocated engine)")
+    g.add_argument("--kv-transfer-config", dest="kv_transfer_config", type=json.loads, default=None,
+                   help="JSON with " + "; ".join(f"{k}: {v}" for k, v in kv_docs.items() if k != "kv_role"))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -53,4 +58,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     spec = getattr(args, "speculative_config", None)
     if spec is not None:
         kwargs["speculative_config"] = SpeculativeConfig.from_dict(spec)
+    kvt = getattr(args, "kv_transfer_config", None)
+    role = getattr(args, "kv_role", None)
+    if kvt is not None or role is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig.from_dict({**(kvt or {}), **({"kv_role": role} if role else {})})
     return EngineConfig.from_kwargs(**kwargs)
