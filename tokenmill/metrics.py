@@ -65,6 +65,24 @@ ENGINE_COUNTERS: tuple[StatRow, ...] = (
     StatRow("spec_decode.num_draft_tokens", "tokenmill:spec_decode_num_draft_tokens", "Number of draft tokens."),
     StatRow("spec_decode.num_accepted_tokens", "tokenmill:spec_decode_num_accepted_tokens",
             "Number of accepted draft tokens."),
+    # Disaggregation (distributed/kv_connector.ConnectorStats); emitted on prefill and decode workers.
+    StatRow("kv_transfer.num_loads", "tokenmill:kv_transfer_loads", "KV pulls started (decode side)."),
+    StatRow("kv_transfer.num_loads_failed", "tokenmill:kv_transfer_loads_failed",
+            "KV pulls that failed; the request recomputed its prompt locally."),
+    StatRow("kv_transfer.num_blocks_loaded", "tokenmill:kv_transfer_blocks_loaded", "KV blocks pulled in."),
+    StatRow("kv_transfer.num_blocks_skipped", "tokenmill:kv_transfer_blocks_skipped",
+            "Prompt blocks not pulled because the local prefix cache held them."),
+    StatRow("kv_transfer.bytes_loaded", "tokenmill:kv_transfer_bytes_loaded", "Bytes of K/V pulled in."),
+    StatRow("kv_transfer.load_seconds", "tokenmill:kv_transfer_load_seconds",
+            "Seconds from pull to blocks in place, summed over pulls."),
+    StatRow("kv_transfer.num_holds", "tokenmill:kv_transfer_holds", "Prompts whose K/V were held for a decode worker."),
+    StatRow("kv_transfer.num_holds_expired", "tokenmill:kv_transfer_holds_expired",
+            "Held K/V nobody pulled in time (blocks returned to the pool)."),
+    StatRow("kv_transfer.num_sends", "tokenmill:kv_transfer_sends", "Transfers sent (prefill side)."),
+    StatRow("kv_transfer.num_blocks_sent", "tokenmill:kv_transfer_blocks_sent", "KV blocks sent."),
+    StatRow("kv_transfer.bytes_sent", "tokenmill:kv_transfer_bytes_sent", "Bytes of K/V sent."),
+    StatRow("kv_transfer.send_seconds", "tokenmill:kv_transfer_send_seconds",
+            "Seconds spent sending, summed over transfers."),
 )
 
 # vLLM's buckets.

@@ -59,10 +59,10 @@ class ServerProcess:
 
 
 def start_server(tmp_path: Path, *args: str, api_key: str | None = API_KEY, load_timeout: float = 240.0,
-                 threads: int | None = 1) -> ServerProcess:
+                 threads: int | None = 1, port: int | None = None) -> ServerProcess:
     """threads: torch threads of the server. NOTE: 1 by default: on a shared 2-core machine, OpenMP
-    threads oversubscribed by other processes made engine steps ~15x slower."""
-    port = free_port()
+    threads oversubscribed by other processes made engine steps ~15x slower. port: a given one (a restart)."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", MODEL, "--log-stats-interval", "5", *args]
     if api_key:

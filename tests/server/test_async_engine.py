@@ -59,7 +59,8 @@ class FakeCore:
     def _mark(self) -> None:
         self.thread_ids.add(threading.get_ident())
 
-    def add_request(self, request_id, prompt_token_ids, params, prompt=None, arrival_time=None, cache_salt=None):
+    def add_request(self, request_id, prompt_token_ids, params, prompt=None, arrival_time=None, cache_salt=None,
+                    kv_transfer=None):
         self._mark()
         if not prompt_token_ids:
             raise ValueError("prompt is empty")

@@ -101,15 +101,23 @@ class KVTransport(Protocol):
     def wait(self, timeout_s: float) -> None:
         """Block until an event may be ready or timeout_s passed."""
 
+    def abandon(self, source: PullFromPrefill) -> None:
+        """Give up on the connection to this prefill worker (a pull ran past its deadline): the next pull opens a
+        new one; whatever the old one still delivers is ignored."""
+
     def close(self) -> None: ...
 
 
 class KVConnectorWorker:
     """Applies the scheduler half's `ConnectorStep` to the KV cache and reports `ConnectorEvents`."""
 
-    def __init__(self, kv_caches: list[torch.Tensor], transport: KVTransport, stats: ConnectorStats) -> None:
+    def __init__(self, kv_caches: list[torch.Tensor], transport: KVTransport, stats: ConnectorStats,
+                 timeout_s: float = 30.0) -> None:
+        """timeout_s: a pull not finished by then fails here, whatever the transport is still waiting on (a TCP
+        store whose host is frozen answers nothing, and its client waits for it indefinitely)."""
         self.kv_caches = kv_caches  # [num_layers] x [2, num_blocks, block_size, num_kv_heads, cache_head_dim]
         self.transport = transport
+        self.timeout_s = timeout_s
         self.stats = stats
         self.held: dict[str, list[int]] = {}
         """Transfer id -> block ids it may serve."""
@@ -161,6 +169,15 @@ class KVConnectorWorker:
                 logger.warning("KV pull for %s failed (%s): recomputing its prompt here", d.request_id, d.error)
             self.stats.load_seconds += time.perf_counter() - t0
             self.events.loads_done[d.request_id] = d.ok
+        now = time.perf_counter()
+        for rid, (load, _, t0) in list(self.loads.items()):
+            if now - t0 > self.timeout_s:
+                logger.warning("KV pull for %s from %s:%d ran past %.1f s: recomputing its prompt here", rid,
+                               load.source.host, load.source.port, self.timeout_s)
+                del self.loads[rid]
+                self.transport.abandon(load.source)
+                self.stats.load_seconds += now - t0
+                self.events.loads_done[rid] = False
         for s in ev.sends:
             self.sends_started.pop(s.transfer_id, None)
             if s.ok:
@@ -258,13 +275,18 @@ class InProcessTransport:
     def wait(self, timeout_s: float) -> None:
         pass
 
+    def abandon(self, source: PullFromPrefill) -> None:
+        pass
+
     def close(self) -> None:
         self.hub.endpoints.pop(self._address, None)
 
 
 # ------------------------------------------------------------------------------- torch.distributed
 POLL_S = 0.2
-"""How long a session thread waits on the store for the next pull before checking whether it should stop."""
+"""How long an idle sender or puller thread waits for work before checking whether it should stop."""
+PULL_POLL_S = 0.001
+"""How often a prefill-side session thread looks for the next pull in the store (a non-blocking check)."""
 
 
 def _store(host: str, port: int, timeout_s: float, is_master: bool = False):
@@ -309,10 +331,14 @@ class _ServerSession:
         while self.alive and not t.closed:
             key = f"s{self.number}/pull/{i}"
             try:
-                store.wait([key])
-            except Exception:  # noqa: BLE001 - no pull within POLL_S: look again
-                continue
-            msg = json.loads(store.get(key))
+                if not store.check([key]):
+                    time.sleep(PULL_POLL_S)
+                    continue
+                msg = json.loads(store.get(key))
+            except Exception as e:  # noqa: BLE001 - the store is gone (this worker is closing)
+                logger.warning("KV session %d: store unreadable (%s); closing it", self.number, e)
+                self.alive = False
+                return
             t.push_pull(PullRequest(msg["transfer_id"], msg["first_block"], msg["num_blocks"], tuple(msg["shape"]),
                                     msg["dtype"], _GlooReply(self, i)))
             i += 1
@@ -368,10 +394,26 @@ class _ClientSession:
         self.host, self.port = host, port
         self.jobs: queue.Queue = queue.Queue()
         self.alive = True
+        self._lock = threading.Lock()  # submit vs _fail_all: no job is queued on a session that has failed
         threading.Thread(target=self._run, name=f"kv-pull-{host}:{port}", daemon=True).start()
 
+    def submit(self, job: _PullJob) -> bool:
+        """Queue a pull; False if the session has failed (the caller opens a new one)."""
+        with self._lock:
+            if not self.alive:
+                return False
+            self.jobs.put(job)
+            return True
+
+    def abandon(self) -> None:
+        """Stop taking jobs; the thread may stay blocked on a frozen peer (a daemon: it dies with the process)."""
+        with self._lock:
+            self.alive = False
+
     def _fail_all(self, first: _PullJob | None, error: str) -> None:
-        self.alive = False
+        with self._lock:
+            self.alive = False
+        logger.warning("%s", error)
         pending = [first] if first is not None else []
         while True:
             try:
@@ -392,7 +434,7 @@ class _ClientSession:
             self._fail_all(None, f"cannot reach the KV endpoint {self.host}:{self.port}: {e}")
             return
         i = 0
-        while not t.closed:
+        while not t.closed and self.alive:
             try:
                 job = self.jobs.get(timeout=POLL_S)
             except queue.Empty:
@@ -465,10 +507,11 @@ class GlooTransport:
     def pull(self, request_id: str, source: PullFromPrefill, first_block: int, num_blocks: int,
              into: torch.Tensor) -> None:
         key = (source.host, source.port)
+        job = _PullJob(request_id, source, first_block, num_blocks, into)
         session = self._clients.get(key)
-        if session is None or not session.alive:
+        if session is None or not session.submit(job):
             session = self._clients[key] = _ClientSession(self, *key)
-        session.jobs.put(_PullJob(request_id, source, first_block, num_blocks, into))
+            session.submit(job)
 
     def answer(self, pull: PullRequest, data: torch.Tensor | None, error: str | None) -> None:
         reply: _GlooReply = pull.reply_to
@@ -476,6 +519,11 @@ class GlooTransport:
             self.push_send(SendDone(pull.transfer_id, False, 0, 0.0, "session closed"))
             return
         reply.session.outbox.put(_Answer(reply.index, pull.transfer_id, data, error))
+
+    def abandon(self, source: PullFromPrefill) -> None:
+        session = self._clients.pop((source.host, source.port), None)
+        if session is not None:
+            session.abandon()
 
     def poll(self) -> TransportEvents:
         with self._lock:

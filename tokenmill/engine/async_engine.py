@@ -33,6 +33,7 @@ from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
+    from tokenmill.distributed.kv_connector import KVTransferRequest
     from tokenmill.metrics import EngineMetrics
     from tokenmill.tokenizer import Tokenizer
 
@@ -49,7 +50,7 @@ class EngineCoreLike(Protocol):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> None: ...
+                    cache_salt: str | None = None, kv_transfer: KVTransferRequest | None = None) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -81,6 +82,7 @@ class _Add:
     prompt: str | None
     arrival_time: float
     cache_salt: str | None
+    kv_transfer: KVTransferRequest | None
     accepted: asyncio.Future  # set to None, or to the ValueError add_request raised
 
 
@@ -293,10 +295,12 @@ class AsyncEngine:
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
                           request_id: str | None = None, prompt: str | None = None,
-                          arrival_time: float | None = None, cache_salt: str | None = None) -> RequestStream:
+                          arrival_time: float | None = None, cache_salt: str | None = None,
+                          kv_transfer: KVTransferRequest | None = None) -> RequestStream:
         """Hand a request to the engine; returns once the core accepted it.
 
         cache_salt: prefix-cache blocks are shared only between requests with the same salt.
+        kv_transfer: disaggregation (distributed/kv_connector.py): hold the prompt's K/V, or pull them.
 
         Raises ValueError (the core's message) for a request the engine can never run,
         EngineNotReadyError while loading and EngineDeadError after a failure.
@@ -314,7 +318,7 @@ class AsyncEngine:
         stream = RequestStream(self, rid, arrival)
         self._streams[rid] = stream
         accepted = asyncio.get_running_loop().create_future()
-        self._send(_Add(rid, list(prompt_token_ids), params, prompt, arrival, cache_salt, accepted))
+        self._send(_Add(rid, list(prompt_token_ids), params, prompt, arrival, cache_salt, kv_transfer, accepted))
         try:
             error = await accepted
         except BaseException:
@@ -434,7 +438,8 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             try:
                 core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                 prompt=cmd.prompt, arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt)
+                                 prompt=cmd.prompt, arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt,
+                                 kv_transfer=cmd.kv_transfer)
                 self._live_ids.add(cmd.request_id)
                 error = None
             except (ValueError, TypeError) as e:

@@ -161,7 +161,8 @@ class EngineCore:
             if kv_transport is None:
                 kv_transport = GlooTransport(kvt.kv_host, kvt.kv_port, serve=kvt.serves_kv,
                                              timeout_s=kvt.transfer_timeout_s)
-            self.kv_worker = KVConnectorWorker(self.runner.kv_caches, kv_transport, self.kv_connector.stats)
+            self.kv_worker = KVConnectorWorker(self.runner.kv_caches, kv_transport, self.kv_connector.stats,
+                                               kvt.transfer_timeout_s)
             if kv_transport.address is not None:
                 logger.info("KV endpoint (role %s) at %s:%d", kvt.kv_role, *kv_transport.address)
         self.parents: dict[str, _Parent] = {}
@@ -250,6 +251,16 @@ class EngineCore:
             if kvt.num_tokens != n_prompt:
                 raise InvalidRequest(f"kv_transfer_params: {kvt.num_tokens} prompt tokens held, but this prompt has "
                                      f"{n_prompt} (the same prompt must reach both workers)", "kv_transfer_params")
+
+    def num_cached_prompt_tokens(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Tokens of this prompt the prefix cache would serve now (a pure lookup)."""
+        if not prompt_token_ids:
+            return 0
+        probe = Request("\0kv-plan", prompt_token_ids, SamplingParams(max_tokens=1), None, 1, cache_salt=cache_salt)
+        try:
+            return self.scheduler.kv.get_computed_blocks(probe).num_tokens
+        finally:
+            self.scheduler.kv.forget(probe.request_id)
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.pop(request_id, None)

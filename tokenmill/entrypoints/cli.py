@@ -11,6 +11,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tokenmill.entrypoints.cli_generate", "Generate a completion, streamed to the terminal."),
     "chat": ("tokenmill.entrypoints.cli_chat", "Interactive chat with the model's chat template."),
     "serve": ("tokenmill.entrypoints.openai.cli", "OpenAI-compatible HTTP server."),
+    "router": ("tokenmill.entrypoints.router", "OpenAI-compatible front for prefill/decode disaggregated workers."),
     "quantize": ("tokenmill.entrypoints.cli_quantize", "Quantize a model with RTN, GPTQ or AWQ."),
     "eval": ("tokenmill.eval.cli", "Evaluate a model (perplexity)."),
     "train-eagle": ("tokenmill.spec_decode.eagle_train", "Train an EAGLE draft head for speculative decoding."),

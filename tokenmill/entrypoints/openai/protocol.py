@@ -122,6 +122,10 @@ class SamplingFields(OpenAIBaseModel):
     cache_salt: str | None = Field(
         None, description="Prefix-cache blocks are shared only between requests with the same salt; "
         "give each tenant its own (random, unguessable) salt so one cannot probe another's prompts.")
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="Disaggregation (vLLM's field): {\"do_remote_decode\": true} on a prefill worker holds the "
+        "prompt's K/V and returns where they wait; {\"do_remote_prefill\": true, ...those params} on a decode worker "
+        "pulls them. The router (`tokenmill router`) sets both.")
 
     @model_validator(mode="after")
     def _check_salt(self) -> "SamplingFields":
@@ -315,6 +319,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill worker's answer: where the prompt's K/V wait for a decode worker."""
 
 
 class ChatTopLogprob(BaseModel):
@@ -351,6 +357,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill worker's answer: where the prompt's K/V wait for a decode worker."""
 
 
 class ModelCard(BaseModel):

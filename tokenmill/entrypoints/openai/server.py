@@ -6,7 +6,7 @@
 
 Endpoints: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
 /v1/models/{id}, /health, /metrics, /version, /debug/kv_cache (free blocks and the KV pool's
-integrity check, for tests and operators).
+integrity check, for tests and operators), /kv/plan (prompt length and local prefix hit, for the router).
 
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections and lets in-flight requests
 finish for up to `shutdown_timeout` seconds, then cancels them (which aborts them in the
@@ -49,8 +49,8 @@ from tokenmill.metrics import EngineMetrics, StatLogger
 
 logger = logging.getLogger("tokenmill.server")
 
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/debug/")
-_NEEDS_ENGINE_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/debug/", "/health")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/debug/", "/kv/")
+_NEEDS_ENGINE_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/debug/", "/health", "/kv/")
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
@@ -264,6 +264,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         return JSONResponse(serving.detokenize(body))
+
+    @app.post("/kv/plan", responses=_ERROR_RESPONSES)
+    async def kv_plan(body: TokenizeRequest) -> JSONResponse:
+        """For the router's conditional disaggregation: the prompt's length and how much of it this worker's
+        prefix cache holds (a pure lookup on the engine thread)."""
+        return JSONResponse(await serving.kv_plan(body))
 
     @app.get("/health", responses={503: _ERROR_RESPONSES[503]})
     async def health() -> dict[str, str]:

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable
 
 import jinja2
 
+from tokenmill.distributed.kv_connector import HoldForDecode, KVTransferRequest, PullFromPrefill
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from tokenmill.errors import InvalidRequest
 from tokenmill.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
@@ -235,15 +236,16 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             raise OpenAIError(str(e)) from e
 
-    async def _start(self, prompts: list[_Prompt], params: SamplingParams, prefix: str,
-                     cache_salt: str | None) -> list[RequestStream]:
+    async def _start(self, prompts: list[_Prompt], params: SamplingParams, prefix: str, cache_salt: str | None,
+                     kv_transfer_params: dict[str, Any] | None = None) -> list[RequestStream]:
         """Add one engine request per prompt; all or none (a refused one aborts the others)."""
+        kv_transfer = _kv_transfer(kv_transfer_params, len(prompts))
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
                 rid = self.engine.new_request_id(prefix)
                 streams.append(await self.engine.add_request(p.token_ids, params, request_id=rid, prompt=p.text,
-                                                             cache_salt=cache_salt))
+                                                             cache_salt=cache_salt, kv_transfer=kv_transfer))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -279,7 +281,7 @@ class OpenAIServing:
         model = self.resolve_model(req.model)
         prompts = await self._completion_prompts(req)
         params = self._sampling_params(req, req.max_tokens, req.logprobs)
-        streams = await self._start(prompts, params, "cmpl", req.cache_salt)
+        streams = await self._start(prompts, params, "cmpl", req.cache_salt, req.kv_transfer_params)
         request_id = f"cmpl-{streams[0].request_id.split('-', 1)[1]}"
         created = int(time.time())
         if req.stream:
@@ -299,8 +301,8 @@ class OpenAIServing:
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=lps,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         choices.sort(key=lambda ch: ch.index)
-        return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                  usage=usage.info()).model_dump(), None
+        return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage.info(),
+                                  kv_transfer_params=finals.outputs[0].kv_transfer_params).model_dump(), None
 
     def _token_text(self, token_id: int, lp: Logprob | None) -> str:
         if lp is not None and lp.decoded_token is not None:
@@ -350,7 +352,7 @@ class OpenAIServing:
         self._check_length(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs)
-        streams = await self._start([_Prompt(ids, text)], params, "chatcmpl", req.cache_salt)
+        streams = await self._start([_Prompt(ids, text)], params, "chatcmpl", req.cache_salt, req.kv_transfer_params)
         request_id = f"chatcmpl-{streams[0].request_id.split('-', 1)[1]}"
         created = int(time.time())
         top_n = req.top_logprobs or 0
@@ -364,8 +366,8 @@ class OpenAIServing:
                               if req.logprobs else None,
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
         usage = _Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
-        return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                      usage=usage.info()).model_dump(), None
+        return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage.info(),
+                                      kv_transfer_params=out.kv_transfer_params).model_dump(), None
 
     def _chat_logprobs(self, c: CompletionOutput, start: int, end: int, top_n: int) -> list[dict[str, Any]]:
         content = []
@@ -442,13 +444,23 @@ class OpenAIServing:
 
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         """Token ids of any text that could fit the context; a longer one is a 400 (bounded work)."""
+        ids = await self._tokenize_request(req)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    async def _tokenize_request(self, req: TokenizeRequest) -> list[int]:
+        """The token ids of a prompt or messages, encoded as the completion or chat endpoint encodes them."""
         self.resolve_model(req.model)
         if req.messages is not None:
-            ids = await self._encode(self._render_chat(req.messages, req.add_generation_prompt), False, None,
-                                     "messages")
-        else:
-            ids = await self._encode(req.prompt or "", req.add_special_tokens, None, "prompt")
-        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+            return await self._encode(self._render_chat(req.messages, req.add_generation_prompt), False, None,
+                                      "messages")
+        return await self._encode(req.prompt or "", req.add_special_tokens, None, "prompt")
+
+    async def kv_plan(self, req: TokenizeRequest) -> dict[str, Any]:
+        """num_prompt_tokens and num_cached_tokens (this worker's prefix-cache hit) for a prompt or messages, encoded
+        as the completion or chat endpoint would encode them."""
+        ids = await self._tokenize_request(req)
+        cached = await self.engine.run_on_engine(lambda core: core.num_cached_prompt_tokens(ids))
+        return {"num_prompt_tokens": len(ids), "num_cached_tokens": cached}
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.resolve_model(req.model)
@@ -456,6 +468,26 @@ class OpenAIServing:
 
 
 _MIN_LOGPROB = -9999.0  # NOTE: JSON has no -inf; vLLM clamps the same way
+
+
+def _kv_transfer(params: dict[str, Any] | None, num_prompts: int) -> KVTransferRequest | None:
+    """The request's `kv_transfer_params` (vLLM's spelling) as the engine's KVTransferRequest; 400 when malformed."""
+    if params is None:
+        return None
+    if num_prompts != 1:
+        raise OpenAIError("kv_transfer_params: a disaggregated request has exactly one prompt", param="kv_transfer_params")
+    if params.get("do_remote_decode") and params.get("do_remote_prefill"):
+        raise OpenAIError("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other",
+                          param="kv_transfer_params")
+    if params.get("do_remote_decode"):
+        return HoldForDecode()
+    if params.get("do_remote_prefill"):
+        try:
+            return PullFromPrefill.from_params(params)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="kv_transfer_params") from None
+    raise OpenAIError("kv_transfer_params needs do_remote_decode or do_remote_prefill set to true",
+                      param="kv_transfer_params")
 
 
 def _lp(x: float | None) -> float | None:
