@@ -93,6 +93,9 @@ class ModelConfig:
     from `tokenmill quantize --lm-head`; else RTN int8 for quantized checkpoints on CPU in bf16/fp16),
     int8 or int4 (RTN from the fp16 table), or none (the fp16 table as is)."""
 
+    tensor_parallel_size: int = 1
+    """Split the model over this many processes on this host (torch.distributed gloo; distributed/tensor_parallel.py):
+    heads, MLP columns and the LM head's vocabulary are divided; it must divide the query and KV head counts."""
     batch_invariant: bool = True
     """Give each request's tokens the same bits whatever else is batched or how its prompt is chunked:
     prompt chunks attended token by token like decodes (not by the faster tiled prefill kernel); with
@@ -105,6 +108,8 @@ class ModelConfig:
             raise ValueError(f"quantize_lm_head must be one of auto, none, int8, int4; got {self.quantize_lm_head!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -126,9 +126,15 @@ class EngineCore:
         if mc.max_model_len and mc.max_model_len > self.arch.max_position_embeddings:
             raise ValueError(f"max_model_len {mc.max_model_len} exceeds the model's context length "
                              f"{self.arch.max_position_embeddings}")
+        tp = mc.tensor_parallel_size
+        if tp > 1:
+            from tokenmill.distributed.tensor_parallel import check_tensor_parallel
+            check_tensor_parallel(self.arch, tp)
+            if config.speculative is not None or config.kv_transfer is not None or self.device.type != "cpu":
+                raise ValueError("tensor_parallel_size > 1 runs on CPU without speculative decoding or KV transfer here")
         cc = config.cache
         kv_dtype = torch.int8 if cc.kv_cache_dtype == "int8" else mc.torch_dtype
-        spec = KVCacheSpec(0, cc.block_size, self.arch.num_hidden_layers, self.arch.num_key_value_heads,
+        spec = KVCacheSpec(0, cc.block_size, self.arch.num_hidden_layers, self.arch.num_key_value_heads // tp,
                            self.arch.head_dim, kv_dtype)
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
@@ -152,9 +158,16 @@ class EngineCore:
                                   self.scheduler.kv.get_block_ids, config.scheduler.max_num_seqs, self.max_model_len,
                                   mc.seed)
             self.spec = SpeculativeDecoder(config.speculative, ctx)
-        self.runner = ModelRunner(self.model, self.arch, self.kv_spec, self.device, seed=mc.seed,
-                                  verifier=self.spec.verify if self.spec else None,
-                                  feature_sink=self.spec.proposer.feature_sink if self.spec else None)
+        self.tp_executor = None
+        """The other ranks' processes when the model is split (tensor_parallel_size > 1)."""
+        if tp > 1:  # rank 0 of a model split over tp processes; the others are spawned by the executor
+            from tokenmill.distributed.tensor_parallel import TPExecutor
+            self.runner = self.tp_executor = TPExecutor(self.model, mc.model, mc.torch_dtype, self.kv_spec, mc.seed, tp,
+                                                        cc.kv_cache_dtype, torch.get_num_threads())
+        else:
+            self.runner = ModelRunner(self.model, self.arch, self.kv_spec, self.device, seed=mc.seed,
+                                      verifier=self.spec.verify if self.spec else None,
+                                      feature_sink=self.spec.proposer.feature_sink if self.spec else None)
         self.kv_worker = None
         if kvt is not None:  # lazy import: colocated engines never load torch.distributed
             from tokenmill.distributed.kv_transfer import GlooTransport, KVConnectorWorker
@@ -463,6 +476,13 @@ class EngineCore:
             num_unfilled_slots=mem.num_unfilled_slots, kv_pool_tokens=mem.num_blocks_total * spec.block_size,
             kv_pool_bytes=mem.num_blocks_total * spec.bytes_per_block, kv_cache_dtype=str(spec.dtype).removeprefix("torch."),
             kv_transfer=dataclasses.asdict(self.kv_connector.stats) if self.kv_connector is not None else {})
+
+    def close(self) -> None:
+        """Stop the processes this engine started (tensor-parallel ranks, the KV transport's threads)."""
+        if self.tp_executor is not None:
+            self.tp_executor.close()
+        if self.kv_worker is not None:
+            self.kv_worker.transport.close()
 
     def check_integrity(self) -> None:
         """Asserts allocator invariants; when idle, every block must be free."""

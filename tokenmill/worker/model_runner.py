@@ -152,9 +152,11 @@ TILED_PREFILL_MIN_TOKENS) also get per-token attention metadata, so the CPU deco
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, kv_spec: KVCacheSpec,
                  device: torch.device, seed: int = 0, verifier: Verifier | None = None,
-                 feature_sink: FeatureSink | None = None) -> None:
+                 feature_sink: FeatureSink | None = None, use_decode_loop: bool = True) -> None:
         """verifier: verifies steps with drafts (speculative decoding); feature_sink: receives every
-        step's final hidden states (a proposer drafting from the target's features)."""
+        step's final hidden states (a proposer drafting from the target's features); use_decode_loop: False
+        keeps every step on the module path (a tensor-parallel shard: its layers all-reduce, which the C++
+        loop does not)."""
         self.model = model  # weights already processed for their kernels (load_model)
         self.arch = arch
         self.kv_spec = kv_spec
@@ -168,7 +170,8 @@ class ModelRunner:
         for attn, cache in zip(model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache
         # Steps of a few tokens per request on CPU: the C++ layer loop (worker/cpu_decode.py), or None.
-        self.decode_loop = cpu_decode.build(model.decoder_layout(), self.kv_caches) if device.type == "cpu" else None
+        self.decode_loop = cpu_decode.build(model.decoder_layout(), self.kv_caches) \
+            if device.type == "cpu" and use_decode_loop else None
         self.sampler = Sampler(seed, device=str(device))
         self.generators: dict[str, torch.Generator] = {}
         self.requests: dict[str, RequestState] = {}

@@ -1,0 +1,58 @@
+"""Tensor parallelism across real processes (torch.distributed gloo on 127.0.0.1): greedy float32 tokens of
+TP = N equal TP = 1 on a tiny model and on the default model, through batching, chunked prefill and
+preemption; the collectives really run; a size that does not divide the heads is refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.distributed.tensor_parallel import check_tensor_parallel
+from tokenmill.engine.core import EngineCore
+from tests.distributed.test_disaggregation import drain, prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def run(path, ps, tp, params=GREEDY, **kw):
+    e = EngineCore(EngineConfig.from_kwargs(model=str(path), dtype="float32", tensor_parallel_size=tp, **kw))
+    try:
+        for i, p in enumerate(ps):
+            e.add_request(f"r{i}", p, params)
+        out = {k: o.outputs[0].token_ids for k, o in drain(e).items()}
+        e.check_integrity()
+        reduces = e.tp_executor.group.num_all_reduces if e.tp_executor else 0
+        return out, reduces, e.stats()
+    finally:
+        e.close()
+
+
+def test_tp2_equals_tp1_on_the_tiny_model(tiny_llama):
+    ps = prompts(5, seed=7, lo=20, hi=40)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kw = dict(block_size=4, num_gpu_blocks_override=24, max_num_batched_tokens=32)   # chunked prefill, preemption
+    want, _, _ = run(tiny_llama, ps, 1, params, **kw)
+    got, reduces, stats = run(tiny_llama, ps, 2, params, **kw)
+    assert got == want
+    assert reduces > 0 and stats.num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_tp3_equals_tp1_on_the_default_model(real_model_path):
+    from tokenmill.models.loader import load_model
+    tok = load_model(str(real_model_path), load_tokenizer=True).tokenizer
+    ps = [tok.encode(t) for t in ("The capital of France is", "Paged attention stores keys and values in",
+                                  "def fibonacci(n):")]
+    want, _, _ = run(real_model_path, ps, 1, max_model_len=256)
+    got, reduces, _ = run(real_model_path, ps, 3, max_model_len=256)
+    assert got == want and reduces > 0
+
+
+def test_a_size_that_does_not_divide_is_refused(tiny_llama):
+    from tokenmill.models.loader import load_model
+    arch = load_model(str(tiny_llama), load_tokenizer=False).config      # 4 query heads, 2 KV heads
+    with pytest.raises(ValueError, match="does not divide the model's query heads \\(4\\), KV heads \\(2\\).*1, 2"):
+        check_tensor_parallel(arch, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+        EngineCore(EngineConfig.from_kwargs(model=str(tiny_llama), dtype="float32", tensor_parallel_size=3))

@@ -1,0 +1,275 @@
+"""Tensor parallelism: one model split across N processes, all-reduce over torch.distributed (gloo on CPU).
+
+Every rank loads the whole checkpoint and keeps its slice (`shard_model`, the one place weights are sharded):
+
+    layer part        split                      rank r of N keeps                       after it
+    qkv_proj          column-parallel, by head   its H/N query heads, Hkv/N KV heads     attention on its heads
+    o_proj            row-parallel               input columns of its query heads        all-reduce (sum)
+    gate_up_proj      column-parallel            rows r*I/N .. of gate and of up         SiLU(gate) * up, local
+    down_proj         row-parallel               input columns r*I/N ..                  all-reduce (sum)
+    LM head           vocabulary-parallel        rows r*V/N .. of the (tied) head        all-gather of logits
+    embedding, norms  replicated
+
+A bias of a row-parallel layer stays on rank 0 only, so the sum adds it once. The KV cache of each rank holds
+its own KV heads, so a cache block's bytes shrink by N on every rank. The default model (9 query / 3 KV heads)
+splits into N = 1 or 3; a size that does not divide the heads is refused before anything loads.
+
+Rank 0 runs the engine (scheduler, detokenizer, server); `TPExecutor` sends each step's plain data
+(core/step_io.StepInput) to the other ranks by broadcast, and every rank runs the same runner step on its
+shard. Their logits are identical after the gather and their generators are seeded alike, so each rank samples
+the same tokens; rank 0's are the ones kept.
+"""
+from __future__ import annotations
+
+import pickle
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from tokenmill.config import ModelArchConfig
+from tokenmill.layers.linear import Linear
+
+
+def check_tensor_parallel(arch: ModelArchConfig, size: int) -> None:
+    """ValueError naming the sizes that do not divide (before any process starts)."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    bad = [f"{what} ({n})" for what, n in (("query heads", arch.num_attention_heads),
+                                           ("KV heads", arch.num_key_value_heads),
+                                           ("intermediate size", arch.intermediate_size)) if n % size]
+    if bad:
+        ok = [d for d in range(1, arch.num_key_value_heads + 1)
+              if arch.num_attention_heads % d == 0 and arch.num_key_value_heads % d == 0
+              and arch.intermediate_size % d == 0]
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {', '.join(bad)}; "
+                         f"this model splits into {', '.join(map(str, ok))}")
+
+
+class TPGroup:
+    """This process's place in the tensor-parallel group, and its collectives."""
+
+    def __init__(self, pg, rank: int, size: int, store) -> None:
+        self.pg = pg
+        self.store = store
+        """The TCPStore the group formed on (rank 0 hosts it: it must live as long as the group)."""
+        self.rank = rank
+        self.size = size
+        self.num_all_reduces = 0
+        """Collectives run (tests check the sharded path really communicates)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in float32 (gloo sums bf16 poorly and the partial sums need the precision)."""
+        self.num_all_reduces += 1
+        t = x.float().contiguous()
+        self.pg.allreduce([t]).wait()
+        return t.to(x.dtype)
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., d] on every rank -> [..., size * d], rank order."""
+        t = x.contiguous()
+        outs = [torch.empty_like(t) for _ in range(self.size)]
+        self.pg.allgather([outs], [t]).wait()
+        return torch.cat(outs, dim=-1)
+
+
+class RowParallel(nn.Module):
+    """A Linear holding some input columns: each rank's partial product, summed over the group."""
+
+    def __init__(self, inner: Linear, group: TPGroup) -> None:
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.inner(x))
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head's rows of this rank's vocabulary slice; logits gathered over ranks, padding cut."""
+
+    def __init__(self, inner: Linear, group: TPGroup, vocab_size: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.group = group
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather_last(self.inner(hidden).float())[..., :self.vocab_size]
+
+
+def _rows(w: torch.Tensor, parts: list[slice]) -> torch.Tensor:
+    return torch.cat([w[p] for p in parts]).contiguous()
+
+
+def _sliced(lin: Linear, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> Linear:
+    out = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, output_sizes=sizes, dtype=weight.dtype)
+    out.weight.data = weight
+    if bias is not None:
+        out.bias.data = bias
+    return out
+
+
+def shard_model(model: nn.Module, group: TPGroup) -> None:
+    """Keep this rank's slice of a loaded Llama-family model, in place (see the module docstring). Dense weights
+    only: quantized layers would need their packed codes split along the same lines."""
+    arch: ModelArchConfig = model.config
+    n, r = group.size, group.rank
+    check_tensor_parallel(arch, n)
+    d = arch.head_dim
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if lin.quant_bits is not None:
+                raise ValueError("tensor parallelism needs dense weights here (a quantized checkpoint was given)")
+        hq, hkv = attn.num_heads // n, attn.num_kv_heads // n
+        q, kv = attn.q_size, attn.kv_size
+        parts = [slice(r * hq * d, (r + 1) * hq * d),                      # this rank's query heads
+                 slice(q + r * hkv * d, q + (r + 1) * hkv * d),              # its K heads
+                 slice(q + kv + r * hkv * d, q + kv + (r + 1) * hkv * d)]    # its V heads
+        w, b = attn.qkv_proj.weight.data, attn.qkv_proj.bias
+        attn.qkv_proj = _sliced(attn.qkv_proj, _rows(w, parts), None if b is None else _rows(b.data, parts),
+                                [hq * d, hkv * d, hkv * d])
+        o = attn.o_proj
+        attn.o_proj = RowParallel(_sliced(o, o.weight.data[:, parts[0]].contiguous(),
+                                          None if o.bias is None else o.bias.data * (r == 0), [o.out_features]), group)
+        attn.num_heads, attn.num_kv_heads = hq, hkv
+        attn.q_size, attn.kv_size = hq * d, hkv * d
+        i = mlp.gate_up_proj.output_sizes[0] // n
+        gparts = [slice(r * i, (r + 1) * i), slice(n * i + r * i, n * i + (r + 1) * i)]
+        g, gb = mlp.gate_up_proj.weight.data, mlp.gate_up_proj.bias
+        mlp.gate_up_proj = _sliced(mlp.gate_up_proj, _rows(g, gparts), None if gb is None else _rows(gb.data, gparts),
+                                   [i, i])
+        dn = mlp.down_proj
+        mlp.down_proj = RowParallel(_sliced(dn, dn.weight.data[:, r * i:(r + 1) * i].contiguous(),
+                                            None if dn.bias is None else dn.bias.data * (r == 0), [dn.out_features]),
+                                    group)
+    # vocabulary-parallel head, from the tied table or the untied head
+    table = model.lm_head.weight.data if model.lm_head is not None else model.model.embed_tokens.dense_table()
+    if model.lm_head is not None and model.lm_head.quant_bits is not None:
+        raise ValueError("tensor parallelism needs a dense LM head here (quantize_lm_head none)")
+    vocab = arch.vocab_size
+    per = -(-vocab // n)
+    rows = table[r * per:min((r + 1) * per, vocab)]
+    if rows.shape[0] < per:  # the last rank's slice is padded to the common width
+        rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])])
+    model.lm_head = VocabParallelHead(_sliced(Linear(1, 1), rows.contiguous(), None, [per]), group, vocab)
+    model.process_weights_after_loading()
+
+
+# ------------------------------------------------------------------------------------------ processes
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank > 0 needs to build its shard and runner (everything plain, for spawn)."""
+
+    model: str
+    dtype: str
+    num_blocks: int
+    block_size: int
+    kv_cache_dtype: str
+    seed: int
+    port: int
+    rank: int
+    size: int
+    num_threads: int
+    timeout_s: float
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group(port: int, rank: int, size: int, timeout_s: float, is_master: bool = False) -> TPGroup:
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=is_master, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("tp/", store), rank, size, timedelta(seconds=timeout_s))
+    return TPGroup(pg, rank, size, store)
+
+
+def build_shard(model: str, dtype: torch.dtype, group: TPGroup):
+    from tokenmill.models.loader import load_model
+    loaded = load_model(model, dtype=dtype, load_tokenizer=False, quantize_lm_head="none")
+    shard_model(loaded.model, group)
+    return loaded
+
+
+def _broadcast_step(group: TPGroup, step) -> object:
+    """Rank 0 sends `step` (pickled), every other rank receives it; None ends the loop."""
+    if group.rank == 0:
+        data = pickle.dumps(step)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        group.pg.broadcast(size, 0).wait()
+        if len(data):
+            group.pg.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0).wait()
+        return step
+    size = torch.zeros(1, dtype=torch.int64)
+    group.pg.broadcast(size, 0).wait()
+    buf = torch.empty(int(size), dtype=torch.uint8)
+    group.pg.broadcast(buf, 0).wait()
+    return pickle.loads(buf.numpy().tobytes())
+
+
+def _rank_main(spec: RankSpec) -> None:
+    from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
+    try:
+        torch.set_num_threads(spec.num_threads)
+        group = _group(spec.port, spec.rank, spec.size, spec.timeout_s)
+        dtype = getattr(torch, spec.dtype)
+        loaded = build_shard(spec.model, dtype, group)
+        arch = loaded.config
+        kv_dtype = torch.int8 if spec.kv_cache_dtype == "int8" else dtype
+        kv = KVCacheSpec(spec.num_blocks, spec.block_size, arch.num_hidden_layers,
+                         arch.num_key_value_heads // spec.size, arch.head_dim, kv_dtype)
+        runner = ModelRunner(loaded.model, arch, kv, torch.device("cpu"), seed=spec.seed, use_decode_loop=False)
+    except Exception:  # noqa: BLE001 - rank 0 sees the group fail; the traceback goes to this rank's stderr
+        traceback.print_exc()
+        return
+    while True:
+        step = _broadcast_step(group, None)
+        if step is None:
+            return
+        runner.execute(step)
+
+
+class TPExecutor:
+    """Rank 0's runner of a model split over `size` processes on this host (ranks 1.. spawned here). `model` is
+    rank 0's loaded model, sharded here in place; `model_path` is what the other ranks load."""
+
+    def __init__(self, model: nn.Module, model_path: str, dtype: torch.dtype, kv_spec, seed: int, size: int,
+                 kv_cache_dtype: str = "auto", num_threads: int = 1, timeout_s: float = 300.0) -> None:
+        from tokenmill.worker.model_runner import ModelRunner
+        self.size = size
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        dname = str(dtype).removeprefix("torch.")
+        self.procs = [ctx.Process(target=_rank_main, daemon=True, args=(RankSpec(
+            model_path, dname, kv_spec.num_blocks, kv_spec.block_size, kv_cache_dtype, seed, port, r, size, num_threads,
+            timeout_s),)) for r in range(1, size)]
+        for p in self.procs:
+            p.start()
+        self.group = _group(port, 0, size, timeout_s, is_master=True)
+        shard_model(model, self.group)
+        self.model = model
+        self.runner = ModelRunner(model, model.config, kv_spec, torch.device("cpu"), seed=seed, use_decode_loop=False)
+        self.kv_caches = self.runner.kv_caches
+
+    def execute(self, step):
+        _broadcast_step(self.group, step)
+        return self.runner.execute(step)
+
+    def close(self) -> None:
+        try:
+            _broadcast_step(self.group, None)
+        except Exception:  # noqa: BLE001 - a rank already gone
+            pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
