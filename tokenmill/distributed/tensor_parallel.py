@@ -14,21 +14,17 @@ A bias of a row-parallel layer stays on rank 0 only, so the sum adds it once. Th
 its own KV heads, so a cache block's bytes shrink by N on every rank. The default model (9 query / 3 KV heads)
 splits into N = 1 or 3; a size that does not divide the heads is refused before anything loads.
 
-Rank 0 runs the engine (scheduler, detokenizer, server); `TPExecutor` sends each step's plain data
-(core/step_io.StepInput) to the other ranks by broadcast, and every rank runs the same runner step on its
+Rank 0 runs the engine (scheduler, detokenizer, server); `worker/tp_executor.TPExecutor` sends each step's plain
+data (core/step_io.StepInput) to the other ranks by broadcast, and every rank runs the same runner step on its
 shard. Their logits are identical after the gather and their generators are seeded alike, so each rank samples
 the same tokens; rank 0's are the ones kept.
 """
 from __future__ import annotations
 
-import pickle
 import socket
-import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from tokenmill.config import ModelArchConfig
@@ -161,31 +157,14 @@ def shard_model(model: nn.Module, group: TPGroup) -> None:
     model.process_weights_after_loading()
 
 
-# ------------------------------------------------------------------------------------------ processes
-@dataclass(frozen=True)
-class RankSpec:
-    """What a rank > 0 needs to build its shard and runner (everything plain, for spawn)."""
-
-    model: str
-    dtype: str
-    num_blocks: int
-    block_size: int
-    kv_cache_dtype: str
-    seed: int
-    port: int
-    rank: int
-    size: int
-    num_threads: int
-    timeout_s: float
-
-
+# ------------------------------------------------------------------------------------------ groups
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _group(port: int, rank: int, size: int, timeout_s: float, is_master: bool = False) -> TPGroup:
+def make_group(port: int, rank: int, size: int, timeout_s: float, is_master: bool = False) -> TPGroup:
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", port, size, is_master=is_master, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
@@ -198,78 +177,3 @@ def build_shard(model: str, dtype: torch.dtype, group: TPGroup):
     loaded = load_model(model, dtype=dtype, load_tokenizer=False, quantize_lm_head="none")
     shard_model(loaded.model, group)
     return loaded
-
-
-def _broadcast_step(group: TPGroup, step) -> object:
-    """Rank 0 sends `step` (pickled), every other rank receives it; None ends the loop."""
-    if group.rank == 0:
-        data = pickle.dumps(step)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        group.pg.broadcast(size, 0).wait()
-        if len(data):
-            group.pg.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0).wait()
-        return step
-    size = torch.zeros(1, dtype=torch.int64)
-    group.pg.broadcast(size, 0).wait()
-    buf = torch.empty(int(size), dtype=torch.uint8)
-    group.pg.broadcast(buf, 0).wait()
-    return pickle.loads(buf.numpy().tobytes())
-
-
-def _rank_main(spec: RankSpec) -> None:
-    from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
-    try:
-        torch.set_num_threads(spec.num_threads)
-        group = _group(spec.port, spec.rank, spec.size, spec.timeout_s)
-        dtype = getattr(torch, spec.dtype)
-        loaded = build_shard(spec.model, dtype, group)
-        arch = loaded.config
-        kv_dtype = torch.int8 if spec.kv_cache_dtype == "int8" else dtype
-        kv = KVCacheSpec(spec.num_blocks, spec.block_size, arch.num_hidden_layers,
-                         arch.num_key_value_heads // spec.size, arch.head_dim, kv_dtype)
-        runner = ModelRunner(loaded.model, arch, kv, torch.device("cpu"), seed=spec.seed, use_decode_loop=False)
-    except Exception:  # noqa: BLE001 - rank 0 sees the group fail; the traceback goes to this rank's stderr
-        traceback.print_exc()
-        return
-    while True:
-        step = _broadcast_step(group, None)
-        if step is None:
-            return
-        runner.execute(step)
-
-
-class TPExecutor:
-    """Rank 0's runner of a model split over `size` processes on this host (ranks 1.. spawned here). `model` is
-    rank 0's loaded model, sharded here in place; `model_path` is what the other ranks load."""
-
-    def __init__(self, model: nn.Module, model_path: str, dtype: torch.dtype, kv_spec, seed: int, size: int,
-                 kv_cache_dtype: str = "auto", num_threads: int = 1, timeout_s: float = 300.0) -> None:
-        from tokenmill.worker.model_runner import ModelRunner
-        self.size = size
-        port = free_port()
-        ctx = mp.get_context("spawn")
-        dname = str(dtype).removeprefix("torch.")
-        self.procs = [ctx.Process(target=_rank_main, daemon=True, args=(RankSpec(
-            model_path, dname, kv_spec.num_blocks, kv_spec.block_size, kv_cache_dtype, seed, port, r, size, num_threads,
-            timeout_s),)) for r in range(1, size)]
-        for p in self.procs:
-            p.start()
-        self.group = _group(port, 0, size, timeout_s, is_master=True)
-        shard_model(model, self.group)
-        self.model = model
-        self.runner = ModelRunner(model, model.config, kv_spec, torch.device("cpu"), seed=seed, use_decode_loop=False)
-        self.kv_caches = self.runner.kv_caches
-
-    def execute(self, step):
-        _broadcast_step(self.group, step)
-        return self.runner.execute(step)
-
-    def close(self) -> None:
-        try:
-            _broadcast_step(self.group, None)
-        except Exception:  # noqa: BLE001 - a rank already gone
-            pass
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()

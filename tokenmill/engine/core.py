@@ -161,7 +161,7 @@ class EngineCore:
         self.tp_executor = None
         """The other ranks' processes when the model is split (tensor_parallel_size > 1)."""
         if tp > 1:  # rank 0 of a model split over tp processes; the others are spawned by the executor
-            from tokenmill.distributed.tensor_parallel import TPExecutor
+            from tokenmill.worker.tp_executor import TPExecutor
             self.runner = self.tp_executor = TPExecutor(self.model, mc.model, mc.torch_dtype, self.kv_spec, mc.seed, tp,
                                                         cc.kv_cache_dtype, torch.get_num_threads())
         else:
