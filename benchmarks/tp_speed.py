@@ -1,4 +1,5 @@
-"""Decode speed, TP = 1 vs TP = N, on this machine (one torch thread per rank; ranks share its cores).
+"""Decode speed, TP = 1 vs TP = N (shared-memory and gloo all-reduce), on this machine (one torch thread per
+rank; ranks share its cores).
 
     python benchmarks/tp_speed.py [--tp 3] [--batches 1,8] [--tokens 64]
 
@@ -42,19 +43,21 @@ def main() -> int:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rows = {}
-    for tp in (1, args.tp):
+    for name, tp, gloo in (("tp1", 1, False), ("shm", args.tp, False), ("gloo", args.tp, True)):
         e = EngineCore(EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, tensor_parallel_size=tp,
-                                                max_model_len=512))
+                                                tensor_parallel_gloo_only=gloo, max_model_len=512))
         try:
             decode_rate(e, 1, 8)  # warm-up
-            rows[tp] = [decode_rate(e, b, args.tokens) for b in batches]
+            rows[name] = [decode_rate(e, b, args.tokens) for b in batches]
         finally:
             e.close()
+    n = args.tp
     print(f"# decode tok/s, {args.model} {args.dtype}, {os.cpu_count()} cores, 1 torch thread per rank")
-    print("| batch | TP = 1 | TP = %d | ratio |" % args.tp)
-    print("|---|---|---|---|")
+    print(f"| batch | TP = 1 | TP = {n}, shared-memory all-reduce | TP = {n}, gloo all-reduce | ratios to TP = 1 |")
+    print("|---|---|---|---|---|")
     for j, b in enumerate(batches):
-        print(f"| {b} | {rows[1][j]:.1f} | {rows[args.tp][j]:.1f} | {rows[args.tp][j] / rows[1][j]:.2f}x |")
+        one, shm, gloo = rows["tp1"][j], rows["shm"][j], rows["gloo"][j]
+        print(f"| {b} | {one:.1f} | {shm:.1f} | {gloo:.1f} | {shm / one:.2f}x / {gloo / one:.2f}x |")
     return 0
 
 

@@ -96,6 +96,9 @@ class ModelConfig:
     tensor_parallel_size: int = 1
     """Split the model over this many processes on this host (torch.distributed gloo; distributed/tensor_parallel.py):
     heads, MLP columns and the LM head's vocabulary are divided; it must divide the query and KV head counts."""
+    tensor_parallel_gloo_only: bool = False
+    """Tensor parallelism: send every all-reduce through gloo, not the shared-memory fast path between the ranks
+    (for comparison; the fast path is the default)."""
     batch_invariant: bool = True
     """Give each request's tokens the same bits whatever else is batched or how its prompt is chunked:
     prompt chunks attended token by token like decodes (not by the faster tiled prefill kernel); with

@@ -22,7 +22,8 @@ def run(path, ps, tp, params=GREEDY, **kw):
             e.add_request(f"r{i}", p, params)
         out = {k: o.outputs[0].token_ids for k, o in drain(e).items()}
         e.check_integrity()
-        reduces = e.tp_executor.group.num_all_reduces if e.tp_executor else 0
+        g = e.tp_executor.group if e.tp_executor else None
+        reduces = (g.num_all_reduces, g.num_shm_all_reduces) if g else (0, 0)
         return out, reduces, e.stats()
     finally:
         e.close()
@@ -33,9 +34,11 @@ def test_tp2_equals_tp1_on_the_tiny_model(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     kw = dict(block_size=4, num_gpu_blocks_override=24, max_num_batched_tokens=32)   # chunked prefill, preemption
     want, _, _ = run(tiny_llama, ps, 1, params, **kw)
-    got, reduces, stats = run(tiny_llama, ps, 2, params, **kw)
+    got, (reduces, shm), stats = run(tiny_llama, ps, 2, params, **kw)
     assert got == want
-    assert reduces > 0 and stats.num_preemptions > 0
+    assert reduces > 0 and shm == reduces and stats.num_preemptions > 0     # every all-reduce took shared memory
+    gloo, (reduces, shm), _ = run(tiny_llama, ps, 2, params, tensor_parallel_gloo_only=True, **kw)
+    assert gloo == want and reduces > 0 and shm == 0
 
 
 @pytest.mark.slow
@@ -45,8 +48,8 @@ def test_tp3_equals_tp1_on_the_default_model(real_model_path):
     ps = [tok.encode(t) for t in ("The capital of France is", "Paged attention stores keys and values in",
                                   "def fibonacci(n):")]
     want, _, _ = run(real_model_path, ps, 1, max_model_len=256)
-    got, reduces, _ = run(real_model_path, ps, 3, max_model_len=256)
-    assert got == want and reduces > 0
+    got, (reduces, shm), _ = run(real_model_path, ps, 3, max_model_len=256)
+    assert got == want and reduces == shm > 0
 
 
 def test_a_size_that_does_not_divide_is_refused(tiny_llama):

@@ -21,6 +21,7 @@ the same tokens; rank 0's are the ones kept.
 """
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -46,22 +47,80 @@ def check_tensor_parallel(arch: ModelArchConfig, size: int) -> None:
                          f"this model splits into {', '.join(map(str, ok))}")
 
 
+class SharedMemoryAllReduce:
+    """All-reduce between processes of one host through shared memory, without a round trip through sockets.
+
+    data [2, size, max_elems] float32 and flags [2, size] int64 live in shared memory (made by `create`, handed to
+    every rank at spawn). Generation g uses buffer set g % 2:
+
+        wait until every rank's read flag >= g - 2      (nobody still reads the set this generation reuses)
+        data[g % 2, rank, :n] = x;  written[rank] = g
+        wait until every rank's written flag >= g
+        out = data[g % 2, 0, :n] + data[g % 2, 1, :n] + ...   (the same order on every rank: identical sums)
+        read[rank] = g
+
+    Waiting spins with sched_yield, so ranks sharing a core hand it over. Relies on x86's ordering of stores
+    (the data is visible before the flag that announces it)."""
+
+    def __init__(self, data: torch.Tensor, flags: torch.Tensor, rank: int) -> None:
+        self.data = data    # [2, size, max_elems] float32, shared
+        self.flags = flags  # [2, size] int64, shared: row 0 written generation, row 1 read generation
+        self.rank = rank
+        self.generation = 0
+
+    @staticmethod
+    def create(size: int, max_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.zeros(2, size, max_elems, dtype=torch.float32).share_memory_(),
+                torch.zeros(2, size, dtype=torch.int64).share_memory_())
+
+    @property
+    def max_elems(self) -> int:
+        return self.data.shape[2]
+
+    def _wait(self, row: int, generation: int) -> None:
+        flags = self.flags[row]
+        while bool((flags < generation).any()):
+            os.sched_yield()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel()
+        assert n <= self.max_elems, f"{n} elements exceed the shared all-reduce buffer ({self.max_elems})"
+        self.generation += 1
+        g, s = self.generation, self.generation % 2
+        self._wait(1, g - 2)
+        self.data[s, self.rank, :n].copy_(x.reshape(-1))
+        self.flags[0, self.rank] = g
+        self._wait(0, g)
+        out = self.data[s, 0, :n].clone()
+        for r in range(1, self.data.shape[1]):
+            out += self.data[s, r, :n]
+        self.flags[1, self.rank] = g
+        return out.view(x.shape)
+
+
 class TPGroup:
     """This process's place in the tensor-parallel group, and its collectives."""
 
-    def __init__(self, pg, rank: int, size: int, store) -> None:
+    def __init__(self, pg, rank: int, size: int, store, shm: SharedMemoryAllReduce | None = None) -> None:
         self.pg = pg
         self.store = store
         """The TCPStore the group formed on (rank 0 hosts it: it must live as long as the group)."""
         self.rank = rank
         self.size = size
+        self.shm = shm
+        """The shared-memory all-reduce (ranks on one host), or None: every all-reduce goes through gloo."""
         self.num_all_reduces = 0
         """Collectives run (tests check the sharded path really communicates)."""
+        self.num_shm_all_reduces = 0
+        """Of those, the ones the shared-memory path served."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in float32 (gloo sums bf16 poorly and the partial sums need the precision)."""
         self.num_all_reduces += 1
         t = x.float().contiguous()
+        if self.shm is not None:
+            self.num_shm_all_reduces += 1
+            return self.shm.all_reduce(t).to(x.dtype)
         self.pg.allreduce([t]).wait()
         return t.to(x.dtype)
 
@@ -164,12 +223,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_group(port: int, rank: int, size: int, timeout_s: float, is_master: bool = False) -> TPGroup:
+def make_group(port: int, rank: int, size: int, timeout_s: float, is_master: bool = False,
+               shm: SharedMemoryAllReduce | None = None) -> TPGroup:
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", port, size, is_master=is_master, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
     pg = dist.ProcessGroupGloo(dist.PrefixStore("tp/", store), rank, size, timedelta(seconds=timeout_s))
-    return TPGroup(pg, rank, size, store)
+    return TPGroup(pg, rank, size, store, shm)
 
 
 def build_shard(model: str, dtype: torch.dtype, group: TPGroup):

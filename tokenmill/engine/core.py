@@ -162,8 +162,10 @@ class EngineCore:
         """The other ranks' processes when the model is split (tensor_parallel_size > 1)."""
         if tp > 1:  # rank 0 of a model split over tp processes; the others are spawned by the executor
             from tokenmill.worker.tp_executor import TPExecutor
-            self.runner = self.tp_executor = TPExecutor(self.model, mc.model, mc.torch_dtype, self.kv_spec, mc.seed, tp,
-                                                        cc.kv_cache_dtype, torch.get_num_threads())
+            self.runner = self.tp_executor = TPExecutor(
+                self.model, mc.model, mc.torch_dtype, self.kv_spec, mc.seed, tp, cc.kv_cache_dtype,
+                torch.get_num_threads(), max_num_tokens=None if mc.tensor_parallel_gloo_only
+                else config.scheduler.max_num_batched_tokens)
         else:
             self.runner = ModelRunner(self.model, self.arch, self.kv_spec, self.device, seed=mc.seed,
                                       verifier=self.spec.verify if self.spec else None,

@@ -16,7 +16,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tokenmill.distributed.tensor_parallel import TPGroup, build_shard, free_port, make_group, shard_model
+from tokenmill.distributed.tensor_parallel import (SharedMemoryAllReduce, TPGroup, build_shard, free_port, make_group,
+                                                  shard_model)
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,12 @@ def _broadcast_step(group: TPGroup, step) -> object:
     return pickle.loads(buf.numpy().tobytes())
 
 
-def _rank_main(spec: RankSpec) -> None:
+def _rank_main(spec: RankSpec, shm_data: torch.Tensor | None, shm_flags: torch.Tensor | None) -> None:
     from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
     try:
         torch.set_num_threads(spec.num_threads)
-        group = make_group(spec.port, spec.rank, spec.size, spec.timeout_s)
+        shm = SharedMemoryAllReduce(shm_data, shm_flags, spec.rank) if shm_data is not None else None
+        group = make_group(spec.port, spec.rank, spec.size, spec.timeout_s, shm=shm)
         dtype = getattr(torch, spec.dtype)
         loaded = build_shard(spec.model, dtype, group)
         arch = loaded.config
@@ -79,18 +81,24 @@ class TPExecutor:
     rank 0's loaded model, sharded here in place; `model_path` is what the other ranks load."""
 
     def __init__(self, model: nn.Module, model_path: str, dtype: torch.dtype, kv_spec, seed: int, size: int,
-                 kv_cache_dtype: str = "auto", num_threads: int = 1, timeout_s: float = 300.0) -> None:
+                 kv_cache_dtype: str = "auto", num_threads: int = 1, timeout_s: float = 300.0,
+                 max_num_tokens: int | None = None) -> None:
+        """max_num_tokens: the most tokens a step computes; sizes the shared-memory all-reduce (None: gloo only)."""
         from tokenmill.worker.model_runner import ModelRunner
         self.size = size
         port = free_port()
         ctx = mp.get_context("spawn")
         dname = str(dtype).removeprefix("torch.")
+        shm_data = shm_flags = None
+        if max_num_tokens is not None:
+            shm_data, shm_flags = SharedMemoryAllReduce.create(size, max_num_tokens * model.config.hidden_size)
         self.procs = [ctx.Process(target=_rank_main, daemon=True, args=(RankSpec(
             model_path, dname, kv_spec.num_blocks, kv_spec.block_size, kv_cache_dtype, seed, port, r, size, num_threads,
-            timeout_s),)) for r in range(1, size)]
+            timeout_s), shm_data, shm_flags)) for r in range(1, size)]
         for p in self.procs:
             p.start()
-        self.group = make_group(port, 0, size, timeout_s, is_master=True)
+        shm = SharedMemoryAllReduce(shm_data, shm_flags, 0) if shm_data is not None else None
+        self.group = make_group(port, 0, size, timeout_s, is_master=True, shm=shm)
         shard_model(model, self.group)
         self.model = model
         self.runner = ModelRunner(model, model.config, kv_spec, torch.device("cpu"), seed=seed, use_decode_loop=False)
