@@ -186,7 +186,7 @@ class Scheduler:
         """Admit a request whose prompt K/V a prefill worker holds: blocks for its whole prompt (after the local
         prefix hit), the pull queued, no token budget spent. False if the pool cannot supply the blocks."""
         computed = self.kv.get_computed_blocks(req)
-        plan = self.connector.plan_load(req.request_id, source, req.num_tokens, computed.num_tokens, self.block_size)
+        plan = self.connector.plan_load(source, req.num_tokens, computed.num_tokens, self.block_size)
         if plan.num_blocks == 0:  # everything but the last token is cached here: an ordinary admission
             req.kv_transfer = None
             return False

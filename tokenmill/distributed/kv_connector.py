@@ -165,7 +165,7 @@ class KVConnectorScheduler:
         """Held blocks still wait for a pull (the engine keeps stepping to serve it)."""
         return bool(self.held) or not self.pending.is_empty
 
-    def plan_load(self, request_id: str, source: PullFromPrefill, num_prompt_tokens: int, num_cached_tokens: int,
+    def plan_load(self, source: PullFromPrefill, num_prompt_tokens: int, num_cached_tokens: int,
                   block_size: int) -> LoadPlan:
         """Blocks to pull for a prompt of `num_prompt_tokens` whose first `num_cached_tokens` (block-aligned) hit
         the local prefix cache. The last prompt token is left to compute.

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from tokenmill.attention.backend import TorchPagedAttention
 from tokenmill.config import EngineConfig, ModelArchConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.distributed.kv_connector import HoldForDecode, KVConnectorScheduler, KVTransferRequest, PullFromPrefill
+
+if TYPE_CHECKING:
+    from tokenmill.distributed.kv_transfer import KVTransport
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.errors import InvalidRequest
 from tokenmill.models.loader import load_model
@@ -106,7 +110,7 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, kv_transport=None) -> None:
+    def __init__(self, config: EngineConfig, kv_transport: KVTransport | None = None) -> None:
         """kv_transport: the KV connector's transport (distributed/kv_transfer.py) when config.kv_transfer is set;
         None builds the torch.distributed one from the config."""
         self.config = config
