@@ -155,12 +155,26 @@ class SchedulerConfig:
     """Token budget of one engine step (prefill chunks + decodes + draft tokens)."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget across steps."""
+    target_step_ms: float | None = None
+    """Keep a step that runs prompt chunks beside decodes under this many milliseconds: its chunk is sized from
+    a step-time model fitted to the steps so far (core/step_cost.py; until it has seen a few steps with prompt
+    chunks, chunks are min_prefill_chunk tokens). Unset: only the token budget limits a step."""
+    min_prefill_chunk: int = 16
+    """With target_step_ms: the fewest prompt tokens a step still computes, so a prompt progresses however busy
+    decoding is."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.target_step_ms is not None:
+            if self.target_step_ms <= 0:
+                raise ValueError(f"target_step_ms must be > 0, got {self.target_step_ms}")
+            if not self.enable_chunked_prefill:
+                raise ValueError("target_step_ms sizes prompt chunks: it needs chunked prefill")
+        if self.min_prefill_chunk < 1:
+            raise ValueError(f"min_prefill_chunk must be >= 1, got {self.min_prefill_chunk}")
 
 
 @dataclass(frozen=True)

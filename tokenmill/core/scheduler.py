@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.step_cost import StepCostModel, chunk_kilo_keys
 from tokenmill.core.step_io import BlockCopy, NewRequestData, SamplerResult, ScheduledChunk, StepInput
 from tokenmill.distributed.kv_connector import (ConnectorEvents, ConnectorStep, HoldForDecode, KVConnectorScheduler,
                                                 KVLoad, PullFromPrefill)
@@ -102,6 +103,8 @@ class Scheduler:
         """Leader id -> samples that fork from it once its prompt is computed (n > 1)."""
         self.runner_views: dict[str, _RunnerView] = {}
         """Request id -> what the runner holds of it, so each step sends only what changed."""
+        self.step_cost = StepCostModel()
+        """Step time vs decode and prefill tokens, fitted from `observe_step` (sizes chunks under target_step_ms)."""
         self.connector = connector
         self.loading: dict[str, Request] = {}
         """Requests whose prompt K/V are being pulled from a prefill worker (WAITING_FOR_REMOTE_KV)."""
@@ -155,6 +158,30 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
+
+    # ------------------------------------------------------------- step time
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine's measured time for a step it ran (the forward and sampling). Each request's last real
+        token and its drafts count as decode tokens, the rest of a prompt chunk as prefill (core/step_cost.py)."""
+        num_prefill = sum(max(0, s.num_new_tokens - s.num_spec_tokens - 1) for s in out.scheduled)
+        keys = sum(chunk_kilo_keys(s.start_pos, s.num_new_tokens) for s in out.scheduled)
+        self.step_cost.observe(out.num_tokens - num_prefill, num_prefill, seconds, keys)
+
+    def _prefill_allowance(self) -> int | None:
+        """Prompt tokens this step may compute under target_step_ms (None: no limit but the budget)."""
+        target, cost = self.config.target_step_ms, self.step_cost.cost
+        if target is None:
+            return None
+        if cost is None:  # not measured yet: the smallest chunks, which are safe and teach the model quickly
+            return self.config.min_prefill_chunk
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        num_decodes = sum(1 + len(r.spec_token_ids) for r in decodes)
+        decode_keys = sum(chunk_kilo_keys(r.num_computed_tokens, 1 + len(r.spec_token_ids)) for r in decodes)
+        # the next chunk starts where the first prompt in progress (running, else waiting) stands
+        chunking = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        start = chunking[0].num_computed_tokens if chunking else 0
+        budget = cost.prefill_budget(num_decodes, target / 1000.0, decode_keys, start)
+        return max(self.config.min_prefill_chunk, budget)
 
     # ----------------------------------------------------------- KV transfer
     def apply_kv_events(self, events: ConnectorEvents) -> None:
@@ -241,6 +268,7 @@ class Scheduler:
         if self.connector is not None:
             self._release_expired_holds()
 
+        prefill_left = self._prefill_allowance()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -250,6 +278,9 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if prefill_left is not None and not req.spec_token_ids and num_new > 1:  # a prompt chunk
+                num_new = min(num_new, 1 + prefill_left)
+                prefill_left -= num_new - 1
             while True:
                 if self.kv.allocate_slots(req, num_new) is not None:
                     break
@@ -287,6 +318,11 @@ class Scheduler:
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget)
+                if prefill_left is not None and num_new > 1:
+                    if prefill_left == 0:
+                        break  # this step's prompt allowance is spent; it waits for the next step
+                    num_new = min(num_new, 1 + prefill_left)
+                    prefill_left -= num_new - 1
                 if self.kv.allocate_slots(req, num_new, computed) is None:
                     break
                 self.waiting.popleft()

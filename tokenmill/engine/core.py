@@ -359,7 +359,10 @@ class EngineCore:
             self.kv_worker.start_step(sched.kv)
             if sched.is_empty and not sched.finished_ids:  # only transfers in flight: wait for one, do not spin
                 self.kv_worker.wait(0.005)
+        t0 = time.perf_counter()
         results = self.runner.execute(sched.step) if self.spec is None else self.spec.execute(self.runner, sched)
+        if not sched.is_empty:
+            self.scheduler.observe_step(sched, time.perf_counter() - t0)
         changed = self.scheduler.update(sched, results)
         touched: dict[str, None] = {}
         for req in changed:

@@ -1,0 +1,86 @@
+"""The step-time model and the chunk sizes it gives the scheduler under target_step_ms (torch-free, exact)."""
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.step_cost import StepCost, StepCostModel
+from tokenmill.core.step_io import SamplerResult
+from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
+
+LAW = StepCost(a=0.008, b=0.001, c=0.0005)   # 8 ms + 1 ms per decode + 0.5 ms per prefill token
+
+
+def feed(model: StepCostModel, law: StepCost = LAW) -> None:
+    for d, p in [(1, 0), (4, 0), (16, 0), (8, 64), (16, 32), (2, 200), (12, 100), (3, 16), (16, 0), (5, 50)]:
+        model.observe(d, p, law.predict(d, p))
+
+
+def test_fit_recovers_an_exact_law_and_the_worked_example():
+    m = StepCostModel()
+    feed(m)
+    c = m.cost
+    assert (c.a, c.b, c.c) == pytest.approx((LAW.a, LAW.b, LAW.c), rel=1e-3)   # the ridge on b biases a hair
+    assert LAW.prefill_budget(16, 0.040) == 32
+    assert LAW.prefill_budget(40, 0.040) == 0
+
+
+def test_no_fit_before_prefill_steps_were_seen():
+    m = StepCostModel()
+    for d in range(1, 20):
+        m.observe(d, 0, LAW.predict(d, 0))
+    assert m.cost is None
+
+
+def make(target_ms=40.0, min_chunk=16, budget=512):
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64, target_step_ms=target_ms,
+                                  min_prefill_chunk=min_chunk), CacheConfig(block_size=4), 512, 1024)
+    feed(s.step_cost)
+    return s
+
+
+def run_decodes(s: Scheduler, n: int) -> None:
+    """n requests past their (3-token) prompts, decoding; a tight target admits them over several steps."""
+    for i in range(n):
+        s.add_request(Request(f"d{i}", [5, 6, 7], SamplingParams(max_tokens=100), None, 100))
+    while s.waiting:
+        out = s.schedule()
+        s.update(out, {r.request_id: SamplerResult([9]) for r in out.scheduled if r.is_sampling})
+    assert len(s.running) == n
+
+
+def test_a_prompt_beside_16_decodes_gets_the_modelled_chunk():
+    s = make()
+    run_decodes(s, 16)
+    s.add_request(Request("long", list(range(10, 210)), SamplingParams(max_tokens=4), None, 4))
+    out = s.schedule()
+    chunks = {r.request_id: r.num_new_tokens for r in out.scheduled}
+    assert chunks["long"] == 33 and sum(chunks.values()) == 16 + 33     # 32 prefill tokens + 1: 40 ms by the model
+    s.update(out, {})
+    out = s.schedule()                                                    # the rest keeps the same size
+    assert {r.request_id: r.num_new_tokens for r in out.scheduled}["long"] == 33
+
+
+def test_a_busy_step_still_gives_the_prompt_its_minimum():
+    s = make(target_ms=5.0, min_chunk=16)       # 16 decodes alone take 24 ms by the model
+    run_decodes(s, 16)
+    s.add_request(Request("long", list(range(10, 210)), SamplingParams(max_tokens=4), None, 4))
+    out = s.schedule()
+    assert {r.request_id: r.num_new_tokens for r in out.scheduled}["long"] == 17
+
+
+def test_without_a_target_the_budget_alone_decides():
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=512), CacheConfig(block_size=4), 512, 1024)
+    feed(s.step_cost)
+    run_decodes(s, 16)
+    s.add_request(Request("long", list(range(10, 210)), SamplingParams(max_tokens=4), None, 4))
+    assert {r.request_id: r.num_new_tokens for r in s.schedule().scheduled}["long"] == 200
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="needs chunked prefill"):
+        SchedulerConfig(target_step_ms=30, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="target_step_ms must be > 0"):
+        SchedulerConfig(target_step_ms=0)

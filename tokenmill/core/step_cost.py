@@ -1,0 +1,126 @@
+"""A step-time model the scheduler sizes prompt chunks with (SchedulerConfig.target_step_ms). Torch-free.
+
+Each engine step reports its decode tokens d, its prefill tokens p and the attention work k (keys read, summed over
+the step's tokens, in thousands), and how long it took:
+
+    t = a + b * d + c * p + e * k          (seconds; least squares over the last `window` steps)
+
+A step's decode tokens are one per request plus its drafts; its prefill tokens are the rest of a prompt chunk. The
+attention term matters for long prompts: token i of a chunk starting at position s reads s + i + 1 keys, so the
+last chunks of a 2,000-token prompt cost more per token than the first. Given the decodes that will run and where
+the next chunk starts, the chunk that keeps a step under the target is the largest p with
+
+    a + b d + e k_decodes + (c + e s / 1000) p + (e / 2000) p^2  <=  target
+
+Worked example: a = 8 ms, b = 1 ms, c = 0.5 ms, e = 0, 16 decodes, target 40 ms -> (40 - 8 - 16) / 0.5 = 32.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepCost:
+    a: float
+    """Seconds per step, whatever it computes."""
+    b: float
+    """Seconds per decode token."""
+    c: float
+    """Seconds per prefill token."""
+    e: float = 0.0
+    """Seconds per thousand keys read by attention."""
+
+    def predict(self, num_decode_tokens: int, num_prefill_tokens: int, kilo_keys: float = 0.0) -> float:
+        return self.a + self.b * num_decode_tokens + self.c * num_prefill_tokens + self.e * kilo_keys
+
+    def prefill_budget(self, num_decode_tokens: int, target_s: float, decode_kilo_keys: float = 0.0,
+                       chunk_start: int = 0) -> int:
+        """Prefill tokens that fit in a step of target_s next to these decodes, for a chunk starting at
+        chunk_start (0 if none fit)."""
+        room = target_s - self.a - self.b * num_decode_tokens - self.e * decode_kilo_keys
+        if room <= 0:
+            return 0
+        lin = self.c + self.e * chunk_start / 1000.0
+        quad = max(self.e, 0.0) / 2000.0
+        if quad > 0:
+            p = (-lin + math.sqrt(lin * lin + 4 * quad * room)) / (2 * quad)
+        elif lin > 0:
+            p = room / lin
+        else:
+            return 0
+        return max(0, int(p))
+
+
+def chunk_kilo_keys(start: int, n: int) -> float:
+    """Keys read by the tokens start .. start + n - 1 of a request (token i reads i + 1 keys), in thousands."""
+    return (n * start + n * (n + 1) / 2) / 1000.0
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(v)
+    a = [row[:] + [x] for row, x in zip(m, v)]
+    for i in range(n):
+        p = max(range(i, n), key=lambda r: abs(a[r][i]))
+        if abs(a[p][i]) < 1e-12:
+            return None
+        a[i], a[p] = a[p], a[i]
+        for r in range(n):
+            if r != i:
+                f = a[r][i] / a[i][i]
+                a[r] = [x - f * y for x, y in zip(a[r], a[i])]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+RIDGE = 1e-3
+"""Ridge weight on the (centred) decode and attention slopes, per sample."""
+
+
+class StepCostModel:
+    """The fit of `t = a + b d + c p + e k` over recent steps; `cost` is None until a few steps with prompt
+    chunks of different sizes have been seen."""
+
+    MIN_SAMPLES = 8
+
+    def __init__(self, window: int = 256) -> None:
+        self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self.cost: StepCost | None = None
+        self._since_fit = 0
+
+    def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float,
+                kilo_keys: float = 0.0) -> None:
+        if num_decode_tokens + num_prefill_tokens == 0:
+            return
+        self.samples.append((float(num_decode_tokens), float(num_prefill_tokens), kilo_keys, seconds))
+        self._since_fit += 1
+        if self._since_fit >= 4 or self.cost is None:  # refit every few steps: cheap, and tracks a drifting host
+            self._since_fit = 0
+            self.cost = self.fit()
+
+    def fit(self) -> StepCost | None:
+        s = self.samples
+        if len(s) < self.MIN_SAMPLES or sum(1 for _, p, _, _ in s if p > 0) < 3 or len({p for _, p, _, _ in s}) < 2:
+            return None
+        # NOTE: d and k are centred and their slopes get a small ridge. A busy server decodes about the same batch
+        # every step, so d hardly varies; centred, the intercept is the time at the usual batch whatever the
+        # slope, and the ridge keeps an unidentified slope near 0 instead of swinging on noise. Nothing is
+        # clamped: a clamp would break the combination the data do determine.
+        n = len(s)
+        dm = sum(x[0] for x in s) / n
+        km = sum(x[2] for x in s) / n
+        xtx = [[0.0] * 4 for _ in range(4)]
+        xtt = [0.0] * 4
+        for d, p, k, t in s:
+            x = (1.0, d - dm, p, k - km)
+            for i in range(4):
+                xtt[i] += x[i] * t
+                for j in range(4):
+                    xtx[i][j] += x[i] * x[j]
+        xtx[1][1] += RIDGE * n
+        xtx[3][3] += RIDGE * n
+        w = _solve(xtx, xtt)
+        if w is None or w[2] + max(w[3], 0.0) <= 0:
+            return None
+        return StepCost(w[0] - w[1] * dm - w[3] * km, w[1], w[2], w[3])
