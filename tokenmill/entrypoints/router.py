@@ -90,7 +90,7 @@ class Router:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.stats = RouterStats()
 
-    def _mark_down(self, w: Worker, why: Exception | str) -> None:
+    def mark_down(self, w: Worker, why: Exception | str) -> None:
         w.down_until = time.monotonic() + self.cooldown_s
         logger.warning("worker %s unavailable (%s); skipping it for %.0f s", w.url, why, self.cooldown_s)
 
@@ -120,11 +120,11 @@ class Router:
             try:
                 r = await self.client.post(f"{w.url}{path}", json=hop)
             except Exception as e:  # noqa: BLE001 - connection refused, reset, timeout
-                self._mark_down(w, e)
+                self.mark_down(w, e)
                 continue
             self.stats.prefill_seconds += time.perf_counter() - t0
             if r.status_code >= 500:
-                self._mark_down(w, f"HTTP {r.status_code}")
+                self.mark_down(w, f"HTTP {r.status_code}")
                 continue
             if r.status_code != 200:
                 return None  # the request itself is refused: the decode worker gives the client the error
@@ -163,16 +163,16 @@ class Router:
                         data = await resp.aread()
                         await resp.aclose()
                         if resp.status_code >= 500:
-                            self._mark_down(w, f"HTTP {resp.status_code}")
+                            self.mark_down(w, f"HTTP {resp.status_code}")
                             continue
                         return resp.status_code, json.loads(data), None
                     return 200, None, self._relay(resp)
                 r = await self.client.post(f"{w.url}{path}", json=send)
             except Exception as e:  # noqa: BLE001 - connection refused, reset, timeout
-                self._mark_down(w, e)
+                self.mark_down(w, e)
                 continue
             if r.status_code >= 500:
-                self._mark_down(w, f"HTTP {r.status_code}")
+                self.mark_down(w, f"HTTP {r.status_code}")
                 continue
             out = r.json()
             if isinstance(out, dict):
@@ -222,7 +222,7 @@ def build_app(router: Router) -> FastAPI:
                 r = await router.client.get(f"{w.url}/v1/models")
                 return JSONResponse(r.json(), r.status_code)
             except Exception as e:  # noqa: BLE001
-                router._mark_down(w, e)
+                router.mark_down(w, e)
         return JSONResponse(_error(503, "no decode worker is reachable"), 503)
 
     @app.get("/health")
