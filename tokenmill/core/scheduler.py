@@ -162,7 +162,10 @@ class Scheduler:
     # ------------------------------------------------------------- step time
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine's measured time for a step it ran (the forward and sampling). Each request's last real
-        token and its drafts count as decode tokens, the rest of a prompt chunk as prefill (core/step_cost.py)."""
+        token and its drafts count as decode tokens, the rest of a prompt chunk as prefill (core/step_cost.py).
+        Without target_step_ms nothing reads the model, so nothing is fitted (no work on the step path)."""
+        if self.config.target_step_ms is None:
+            return
         num_prefill = sum(max(0, s.num_new_tokens - s.num_spec_tokens - 1) for s in out.scheduled)
         keys = sum(chunk_kilo_keys(s.start_pos, s.num_new_tokens) for s in out.scheduled)
         self.step_cost.observe(out.num_tokens - num_prefill, num_prefill, seconds, keys)
