@@ -13,9 +13,11 @@
 
 namespace tokenmill {
 
-// The instruction sets a kernel may need, lowest first (amx: avx512_bf16 plus AMX-BF16 tiles). The level in force is the highest this CPU and
-// its OS support, capped by TOKENMILL_ISA or set_max_isa (tests use that to run the generic paths).
-enum class Isa : int { generic = 0, avx512 = 1, avx512_bf16 = 2, amx = 3 };
+// The instruction sets a kernel may need, lowest first (avx2: AVX2 + FMA + F16C; amx: avx512_bf16 plus
+// AMX-BF16 tiles); each level has every instruction set of the ones below it. The level in force is the
+// highest this CPU and its OS support, capped by TOKENMILL_ISA or set_max_isa (tests use that to run the
+// generic paths).
+enum class Isa : int { generic = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3, amx = 4 };
 
 Isa detected_isa();           // what the CPU and OS support
 Isa current_isa();            // min(detected, cap)
@@ -23,6 +25,7 @@ Isa set_max_isa(Isa cap);     // returns the previous cap
 const char* isa_name(Isa isa);
 Isa isa_from_name(const std::string& name);   // throws on an unknown name
 
+inline bool cpu_has_avx2() { return current_isa() >= Isa::avx2; }   // AVX2 + FMA + F16C
 inline bool cpu_has_avx512() { return current_isa() >= Isa::avx512; }
 inline bool cpu_has_avx512_bf16() { return current_isa() >= Isa::avx512_bf16; }
 inline bool cpu_has_amx() { return current_isa() >= Isa::amx; }   // AMX-BF16 tiles, granted by the OS

@@ -268,16 +268,135 @@ static bool gemv_f32_avx512(at::Tensor y, at::Tensor x, at::Tensor w) {
 
 #include "isa/avx512_end.h"
 
+// --------------------------------------------------------------------------------------- AVX2 code
+#include "isa/avx2_begin.h"
+#include "vec_avx2.h"
+
+// silu_mul_avx512's 8-lane twin (exp8 is exp16's algorithm).
+template <typename T>
+static int64_t silu_mul_avx2(const T* g, const T* u, T* o, int64_t d) {
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        const __m256 gv = load8(g + j);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 sv = round8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)), (T*)nullptr);
+        store8(o + j, round8(_mm256_mul_ps(sv, load8(u + j)), (T*)nullptr));
+    }
+    return j;
+}
+
+// The AVX2 linear, y [M, N] = x [M, K] @ w [N, K]^T (+ bias), float32 accumulation, one rounding at the
+// end; bf16 or float32 weights, K % 16 == 0, any M. The bf16 input rows are converted once per call to
+// float32 in bf16_even8/bf16_odd8's split order (per 16 elements: the 8 even ones, then the 8 odd ones),
+// so a weight's 16 bf16 become two float vectors with one shift and one mask, no lane-crossing unpack.
+// A tile of R rows x C outputs keeps R*C accumulators; each converted weight vector is FMA'd into R of them.
+// Every (row, output) sum runs in one order whatever the tile, the row count or the thread split (one
+// 8-lane accumulator over K in blocks of 16, even half then odd half, hsum8, + bias): a row's result
+// does not depend on the other rows of the call (bf16 on AVX2 is batch-invariant in its linears).
+static inline void wpair8(const float* w, __m256& lo, __m256& hi) {   // 16 float32 weights: as stored
+    lo = _mm256_loadu_ps(w);
+    hi = _mm256_loadu_ps(w + 8);
+}
+static inline void wpair8(const uint16_t* w, __m256& lo, __m256& hi) {   // 16 bf16 weights: split order
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    lo = bf16_even8(p);
+    hi = bf16_odd8(p);
+}
+
+template <int R, int C, typename W>
+static inline void linear_tile_avx2(const float* xf, const W* w, int64_t K, float* out) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r) for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m256 lo[C], hi[C];
+        for (int c = 0; c < C; ++c) wpair8(w + c * K + k, lo[c], hi[c]);
+        for (int r = 0; r < R; ++r) {
+            const __m256 xv = _mm256_loadu_ps(xf + r * K + k);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, lo[c], acc[r][c]);
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m256 xv = _mm256_loadu_ps(xf + r * K + k + 8);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, hi[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r) for (int c = 0; c < C; ++c) out[r * C + c] = hsum8(acc[r][c]);
+}
+
+// Rows [0, R) of xf against outputs [n0, n1) of w, results (+ bias) into y's rows: C outputs at a time,
+// then one at a time for the last n1 - n0 mod C.
+template <int R, int C, typename W, typename Y>
+static void linear_rows_avx2(const float* xf, const W* w, const Y* bias, Y* y, int64_t K, int64_t N,
+                             int64_t n0, int64_t n1) {
+    float out[R * C];
+    int64_t n = n0;
+    for (; n + C <= n1; n += C) {
+        linear_tile_avx2<R, C>(xf, w + n * K, K, out);
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c)
+                y[r * N + n + c] = static_cast<Y>(out[r * C + c] + (bias ? static_cast<float>(bias[n + c]) : 0.f));
+    }
+    for (; n < n1; ++n) {
+        linear_tile_avx2<R, 1>(xf, w + n * K, K, out);
+        for (int r = 0; r < R; ++r) y[r * N + n] = static_cast<Y>(out[r] + (bias ? static_cast<float>(bias[n]) : 0.f));
+    }
+}
+
+template <typename T>
+static bool linear_avx2(at::Tensor& y, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+    const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+    if (K % 16 != 0 || M < 1 || !x.is_contiguous() || !w.is_contiguous() || !y.is_contiguous()) return false;
+    const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+    T* yp = y.data_ptr<T>();
+    using W = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
+    const W* wp = reinterpret_cast<const W*>(w.data_ptr<T>());
+    std::vector<float> split;
+    const float* xf;
+    if constexpr (std::is_same_v<T, float>) {
+        xf = x.data_ptr<float>();
+    } else {
+        split.resize(M * K);
+        const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<T>());
+        for (int64_t i = 0; i < M * K; i += 16) {
+            __m256 lo, hi;
+            wpair8(xp + i, lo, hi);
+            _mm256_storeu_ps(split.data() + i, lo);
+            _mm256_storeu_ps(split.data() + i + 8, hi);
+        }
+        xf = split.data();
+    }
+    // Outputs in blocks of NB, whose weights (~128 KiB) stay in L2 while every 4-row tile of x passes
+    // over them. Threads split the outputs; calls under 2^17 multiply-adds stay on the calling thread.
+    const int64_t NB = std::max<int64_t>(8, (int64_t(1) << 17) / (K * static_cast<int64_t>(sizeof(W))) / 8 * 8);
+    const int64_t grain = M * N * K < (int64_t(1) << 17) ? N : 8;
+    at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
+        for (int64_t n0 = b; n0 < e; n0 += NB) {
+            const int64_t n1 = std::min(e, n0 + NB);
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4)
+                linear_rows_avx2<4, 2>(xf + m * K, wp, bp, yp + m * N, K, N, n0, n1);
+            switch (M - m) {
+                case 3: linear_rows_avx2<3, 2>(xf + m * K, wp, bp, yp + m * N, K, N, n0, n1); break;
+                case 2: linear_rows_avx2<2, 3>(xf + m * K, wp, bp, yp + m * N, K, N, n0, n1); break;
+                case 1: linear_rows_avx2<1, 4>(xf + m * K, wp, bp, yp + m * N, K, N, n0, n1); break;
+                default: break;
+            }
+        }
+    });
+    return true;
+}
+
+#include "isa/avx2_end.h"
+
 // ------------------------------------------------------------------------------------ entry points
 
 template <typename T>
 static void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
     const int64_t d = out.size(-1), N = out.numel() / d;
     const T* xp = x.data_ptr<T>(); T* op = out.data_ptr<T>();
-    const bool vec = cpu_has_avx512();
+    const bool v16 = cpu_has_avx512(), v8 = cpu_has_avx2();
     for_rows(N, d, [&](int64_t i) {
         const T* g = xp + i * 2 * d; const T* u = g + d; T* o = op + i * d;
-        silu_mul_tail(g, u, o, vec ? silu_mul_avx512(g, u, o, d) : 0, d);
+        silu_mul_tail(g, u, o, v16 ? silu_mul_avx512(g, u, o, d) : v8 ? silu_mul_avx2(g, u, o, d) : 0, d);
     });
 }
 
@@ -296,13 +415,18 @@ void silu_mul(at::Tensor out, const at::Tensor& x) {
 }
 
 bool linear_bf16_small(at::Tensor y, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-    return cpu_has_avx512_bf16() && gemv_bf16_avx512(y, x, w, bias);
+    if (cpu_has_avx512_bf16()) return gemv_bf16_avx512(y, x, w, bias);
+    return cpu_has_avx2() && x.size(0) <= 8 && linear_avx2<at::BFloat16>(y, x, w, bias);
+}
+bool linear_bf16_avx2(at::Tensor y, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+    return cpu_has_avx2() && linear_avx2<at::BFloat16>(y, x, w, bias);
 }
 bool linear_bf16_vnni(at::Tensor y, const at::Tensor& x, const at::Tensor& wv, const std::optional<at::Tensor>& bias) {
     return cpu_has_avx512_bf16() && gemm_vnni_bf16_avx512(y, x, wv, bias);
 }
 bool linear_f32_small(at::Tensor y, const at::Tensor& x, const at::Tensor& w) {
-    return cpu_has_avx512() && gemv_f32_avx512(y, x, w);
+    if (cpu_has_avx512()) return gemv_f32_avx512(y, x, w);
+    return cpu_has_avx2() && x.size(0) == 1 && linear_avx2<float>(y, x, w, std::nullopt);
 }
 
 }  // namespace tokenmill

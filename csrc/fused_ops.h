@@ -16,6 +16,9 @@ void silu_mul(at::Tensor out, const at::Tensor& x);
 bool linear_bf16_small(at::Tensor y, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 bool linear_bf16_vnni(at::Tensor y, const at::Tensor& x, const at::Tensor& wv, const std::optional<at::Tensor>& bias);
 bool linear_f32_small(at::Tensor y, const at::Tensor& x, const at::Tensor& w);
+// The AVX2 bf16 linear at any row count (fused_ops.cpp: one summation order per row whatever the rows, so
+// batch-invariant); false without AVX2 or for K % 16 != 0.
+bool linear_bf16_avx2(at::Tensor y, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 // Any number of rows on AMX tiles, one reduction order whatever the row count (gemm_amx.cpp); false
 // without AMX or for K % 32 != 0.
 bool linear_bf16_amx(at::Tensor y, const at::Tensor& x, const at::Tensor& wv, const std::optional<at::Tensor>& bias);

@@ -37,6 +37,7 @@ at::Tensor dense_linear_into(at::Tensor y, const at::Tensor& x, const at::Tensor
         return y;
     }
     if (bf16 && packed.has_value() && packed->defined() && packed->numel()) return onednn_linear(x, *packed, bias);
+    if (bf16 && w.is_contiguous() && linear_bf16_avx2(y, x, w, bias)) return y;
     return at::linear(x, w, bias);
 }
 

@@ -22,7 +22,9 @@ constexpr int64_t kSmallLinearMaxOutputs = 5000;
 //     else the VNNI kernel for M <= 8;
 //   float32, one row, no bias: the AVX-512 GEMV;
 //   bf16: the row-major GEMV for one row, or up to 8 rows while M x N <= 5000;
-//   bf16 with packed (oneDNN's prepacked copy): oneDNN; otherwise at::linear.
+//   bf16 with packed (oneDNN's prepacked copy): oneDNN;
+//   bf16 on an AVX2 CPU (where oneDNN has no bf16 path): the AVX2 kernel at any M, which sums a row in
+//     the same order whatever M (batch-invariant, like AMX); otherwise at::linear.
 // `y` [M, N] is written when the result is one of our kernels'; the returned tensor is the result.
 at::Tensor dense_linear_into(at::Tensor y, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& vnni,
                              const std::optional<at::Tensor>& packed, const std::optional<at::Tensor>& bias);

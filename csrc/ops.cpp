@@ -27,6 +27,7 @@ TORCH_LIBRARY(tokenmill, m) {
     m.def("linear_bf16_small(Tensor(a!) y, Tensor x, Tensor w, Tensor? bias) -> bool", &tokenmill::linear_bf16_small);
     m.def("linear_bf16_vnni(Tensor(a!) y, Tensor x, Tensor wv, Tensor? bias) -> bool", &tokenmill::linear_bf16_vnni);
     m.def("linear_f32_small(Tensor(a!) y, Tensor x, Tensor w) -> bool", &tokenmill::linear_f32_small);
+    m.def("linear_bf16_avx2(Tensor(a!) y, Tensor x, Tensor w, Tensor? bias) -> bool", &tokenmill::linear_bf16_avx2);
     m.def("linear_bf16_amx(Tensor(a!) y, Tensor x, Tensor wv, Tensor? bias) -> bool", &tokenmill::linear_bf16_amx);
     // layers/linear.py: the dense linear's kernel rule (linear.h), shared with DecodeStack
     m.def("dense_linear(Tensor x, Tensor w, Tensor? vnni, Tensor? packed, Tensor? bias) -> Tensor",

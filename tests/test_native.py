@@ -17,7 +17,7 @@ from tokenmill.layers import fused_ops
 # Every op csrc/ops.cpp registers, with the arguments its schema declares as written in place.
 EXPECTED_OPS = {
     "rms_norm": {"out"}, "add_rms_norm": {"out", "sum"}, "rope_inplace": {"qk"}, "silu_mul": {"out"},
-    "linear_bf16_small": {"y"}, "linear_bf16_vnni": {"y"}, "linear_f32_small": {"y"}, "linear_bf16_amx": {"y"},
+    "linear_bf16_small": {"y"}, "linear_bf16_avx2": {"y"}, "linear_bf16_vnni": {"y"}, "linear_f32_small": {"y"}, "linear_bf16_amx": {"y"},
     "paged_decode": {"out"}, "write_and_decode": {"out", "k_cache", "v_cache"}, "paged_prefill": {"out"},
     "int4_linear": {"y"}, "int8_linear": {"y"}, "dense_linear": set(), "argmax_rows": set(), "stream_read": set(),
 }
@@ -34,6 +34,8 @@ def cpuinfo_isa() -> str:
         if "avx512_bf16" not in flags:
             return "avx512"
         return "amx" if {"amx_tile", "amx_bf16"} <= flags else "avx512_bf16"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2"
     return "generic"
 
 
@@ -140,7 +142,7 @@ def test_few_row_linears_serve_exactly_where_the_cpu_allows(each_isa):
     y = x.new_empty(3, 128)
     bf16 = each_isa in ("avx512_bf16", "amx")
     served = ops.linear_bf16_small(y, x, w, None)
-    assert served == bf16
+    assert served == (each_isa != "generic")          # AVX-512 BF16's GEMV, else the AVX2 kernel
     if served:
         torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.02)
     vnni = w.reshape(2, 64, 128, 2).permute(0, 2, 1, 3).contiguous()
@@ -172,7 +174,7 @@ def test_amx_linear_gives_a_row_the_same_bits_whatever_the_row_count(each_isa):
     vnni = fused_ops.pack_vnni(w)
     x = torch.randn(70, 576, generator=g).bfloat16()
     if vnni is None:  # no AVX512-BF16 at this level: no packed copy, so the AMX kernel has nothing to read
-        assert each_isa in ("generic", "avx512")
+        assert each_isa in ("generic", "avx2", "avx512")
         return
     full = x.new_empty(70, 192)
     if each_isa != "amx":  # below the amx level the kernel declines every call
@@ -185,3 +187,30 @@ def test_amx_linear_gives_a_row_the_same_bits_whatever_the_row_count(each_isa):
         y = x.new_empty(m, 192)
         assert ops.linear_bf16_amx(y, x[:m].contiguous(), vnni, b)
         assert torch.equal(y, full[:m]), m
+
+
+def test_avx2_linear_gives_a_row_the_same_bits_whatever_the_row_count(each_isa):
+    """The batch invariance of bf16 on AVX2 CPUs (no oneDNN bf16 there): row i of a 70-row call equals row i
+    of every smaller call (1, 2, 3, 4, 5, 9, 33 rows: each tile shape and its remainders), bias included, and
+    the few-row entry point (linear_bf16_small) gives the same bits as the any-row one."""
+    ops = torch.ops.tokenmill
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 576, generator=g).bfloat16()      # 200 outputs: the 4- and 2-wide tiles leave tails
+    b = torch.randn(200, generator=g).bfloat16()
+    x = torch.randn(70, 576, generator=g).bfloat16()
+    full = x.new_empty(70, 200)
+    served = ops.linear_bf16_avx2(full, x, w, b)
+    assert served == (each_isa != "generic")
+    if not served:
+        return
+    ref = x.double() @ w.double().T + b.double()
+    assert torch.all((full.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-2)
+    for m in (1, 2, 3, 4, 5, 9, 33):
+        y = x.new_empty(m, 200)
+        assert ops.linear_bf16_avx2(y, x[:m].contiguous(), w, b)
+        assert torch.equal(y, full[:m]), m
+        if m <= 8 and each_isa == "avx2":
+            small = x.new_empty(m, 200)
+            assert ops.linear_bf16_small(small, x[:m].contiguous(), w, b)
+            assert torch.equal(small, full[:m]), m
+    assert not ops.linear_bf16_avx2(x.new_empty(2, 200), x[:2, :100].contiguous(), w[:, :100].contiguous(), b)  # K % 16

@@ -1,8 +1,8 @@
 """tokenmill._C, the C++ kernels built from csrc/ at install, and what this process may use of them.
 
 The ops are `torch.ops.tokenmill.<name>` (schemas in csrc/ops.cpp). Every op runs on any x86-64 CPU;
-inside, AVX-512 and AVX512-BF16 paths are chosen at run time from the CPU's features (`isa()`), capped
-by TOKENMILL_ISA=generic|avx512|avx512_bf16|amx.
+inside, AVX2, AVX-512 and AVX512-BF16 paths are chosen at run time from the CPU's features (`isa()`),
+capped by TOKENMILL_ISA=generic|avx2|avx512|avx512_bf16|amx.
 
 Each caller keeps a PyTorch reference, the oracle of its tests, and falls back to it only when `ops()`
 is None: the build is missing, or TOKENMILL_NO_CPP_KERNELS=1. With TOKENMILL_REQUIRE_KERNELS=1 (CI sets
@@ -72,7 +72,7 @@ def available() -> bool:
     return module() is not None
 
 
-ISA_LEVELS = ("generic", "avx512", "avx512_bf16", "amx")
+ISA_LEVELS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
 """Lowest first; each level has every instruction set of the ones before it (amx: AMX-BF16 tiles)."""
 
 
@@ -85,6 +85,11 @@ def isa() -> str:
 def _at_least(level: str) -> bool:
     current = isa()
     return current != "none" and ISA_LEVELS.index(current) >= ISA_LEVELS.index(level)
+
+
+def has_avx2() -> bool:
+    """AVX2 + FMA + F16C (every AVX-512 level has them too)."""
+    return _at_least("avx2")
 
 
 def has_avx512() -> bool:

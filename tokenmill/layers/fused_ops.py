@@ -25,6 +25,8 @@ within one rounding of a differently ordered float32 sum.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -138,9 +140,13 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor | None:
     return weight.detach().reshape(n // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+@functools.cache
 def onednn_available() -> bool:
+    """oneDNN can prepack and run bf16 linears on this CPU. Its bf16 path needs AVX-512 (BW/VL/DQ) or
+    AVX-NE-CONVERT: on an AVX2-only CPU `_reorder_linear_weight` raises, so ask oneDNN first."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:
