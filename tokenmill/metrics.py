@@ -60,6 +60,11 @@ ENGINE_COUNTERS: tuple[StatRow, ...] = (
     StatRow("num_preemptions", "tokenmill:num_preemptions", "Cumulative number of preemptions."),
     StatRow("num_prompt_tokens", "tokenmill:prompt_tokens", "Number of prefill tokens processed."),
     StatRow("num_generation_tokens", "tokenmill:generation_tokens", "Number of generation tokens processed."),
+    StatRow("num_steps", "tokenmill:engine_steps", "Engine steps that ran the model."),
+    StatRow("step_seconds", "tokenmill:engine_step_seconds",
+            "Wall seconds inside engine steps (scheduling, forward, sampling, detokenizing, outputs)."),
+    StatRow("forward_seconds", "tokenmill:engine_forward_seconds",
+            "Of the step seconds, the model runner's part (inputs, forward, LM head, sampling)."),
     # Speculative decoding (vLLM's names); emitted once EngineStats carries these fields.
     StatRow("spec_decode.num_drafts", "tokenmill:spec_decode_num_drafts", "Number of spec-decode drafts."),
     StatRow("spec_decode.num_draft_tokens", "tokenmill:spec_decode_num_draft_tokens", "Number of draft tokens."),

@@ -72,6 +72,12 @@ class EngineStats:
     kv_cache_dtype: str = ""
     kv_transfer: dict[str, float] = field(default_factory=dict)
     """Disaggregation counters (distributed/kv_connector.ConnectorStats), empty for a colocated engine."""
+    num_steps: int = 0
+    """Engine steps that ran the model."""
+    step_seconds: float = 0.0
+    """Wall seconds inside those steps (scheduling, the forward, sampling, detokenizing, outputs)."""
+    forward_seconds: float = 0.0
+    """Of step_seconds, the model runner's part (inputs, the forward, the LM head, sampling)."""
 
 
 @dataclass
@@ -190,6 +196,9 @@ class EngineCore:
         """Raw sequences (beam search): scheduled like requests, never detokenized or emitted."""
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.forward_seconds = 0.0
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else (self.arch.eos_token_ids or (None,))[0]
         logger.info("loaded %s in %.1fs: %d KV blocks of %d tokens (%.1f MiB)", loaded.path.name, time.time() - t0,
                     num_blocks, cc.block_size, num_blocks * self.kv_spec.bytes_per_block / 2**20)
@@ -351,6 +360,7 @@ class EngineCore:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        t_step = time.perf_counter()
         if self.kv_worker is not None:  # transfers that ended since the last step
             self.kv_worker.collect()
             self.scheduler.apply_kv_events(self.kv_worker.take_events())
@@ -362,7 +372,10 @@ class EngineCore:
         t0 = time.perf_counter()
         results = self.runner.execute(sched.step) if self.spec is None else self.spec.execute(self.runner, sched)
         if not sched.is_empty:
-            self.scheduler.observe_step(sched, time.perf_counter() - t0)
+            forward_s = time.perf_counter() - t0
+            self.scheduler.observe_step(sched, forward_s)
+            self.num_steps += 1
+            self.forward_seconds += forward_s
         changed = self.scheduler.update(sched, results)
         touched: dict[str, None] = {}
         for req in changed:
@@ -400,6 +413,8 @@ class EngineCore:
                 del self.parents[pid]
                 for req in parent.children:
                     self.child_to_parent.pop(req.request_id, None)
+        if not sched.is_empty:
+            self.step_seconds += time.perf_counter() - t_step
         return outputs
 
     def _decoded_logprobs(self, lps: list) -> list:
@@ -484,7 +499,8 @@ class EngineCore:
             num_blocks_used=mem.num_blocks_used, num_blocks_shared=mem.num_blocks_shared,
             num_unfilled_slots=mem.num_unfilled_slots, kv_pool_tokens=mem.num_blocks_total * spec.block_size,
             kv_pool_bytes=mem.num_blocks_total * spec.bytes_per_block, kv_cache_dtype=str(spec.dtype).removeprefix("torch."),
-            kv_transfer=dataclasses.asdict(self.kv_connector.stats) if self.kv_connector is not None else {})
+            kv_transfer=dataclasses.asdict(self.kv_connector.stats) if self.kv_connector is not None else {},
+            num_steps=self.num_steps, step_seconds=self.step_seconds, forward_seconds=self.forward_seconds)
 
     def close(self) -> None:
         """Stop the processes this engine started (tensor-parallel ranks, the KV transport's threads)."""
