@@ -17,7 +17,7 @@ Worked example: a = 8 ms, b = 1 ms, c = 0.5 ms, e = 0, 16 decodes, target 40 ms 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 
@@ -80,44 +80,65 @@ RIDGE = 1e-3
 
 class StepCostModel:
     """The fit of `t = a + b d + c p + e k` over recent steps; `cost` is None until a few steps with prompt
-    chunks of different sizes have been seen."""
+    chunks of different sizes have been seen.
+
+    The window's sums of products (x x^T and x t for x = (1, d, p, k)) are kept up to date as steps enter and
+    leave it, so observing a step and refitting cost O(1), not a pass over the window: the model runs on every
+    engine step of a server."""
 
     MIN_SAMPLES = 8
 
     def __init__(self, window: int = 256) -> None:
-        self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self.window = window
+        self.samples: deque[tuple[float, float, float, float]] = deque()
         self.cost: StepCost | None = None
         self._since_fit = 0
+        self._xx = [[0.0] * 4 for _ in range(4)]
+        self._xt = [0.0] * 4
+        self._prefill_sizes: Counter[float] = Counter()
+
+    def _add(self, sample: tuple[float, float, float, float], sign: float) -> None:
+        d, p, k, t = sample
+        x = (1.0, d, p, k)
+        for i in range(4):
+            self._xt[i] += sign * x[i] * t
+            row = self._xx[i]
+            for j in range(4):
+                row[j] += sign * x[i] * x[j]
+        self._prefill_sizes[p] += int(sign)
+        if not self._prefill_sizes[p]:
+            del self._prefill_sizes[p]
 
     def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float,
                 kilo_keys: float = 0.0) -> None:
         if num_decode_tokens + num_prefill_tokens == 0:
             return
-        self.samples.append((float(num_decode_tokens), float(num_prefill_tokens), kilo_keys, seconds))
+        sample = (float(num_decode_tokens), float(num_prefill_tokens), kilo_keys, seconds)
+        self.samples.append(sample)
+        self._add(sample, 1.0)
+        if len(self.samples) > self.window:
+            self._add(self.samples.popleft(), -1.0)
         self._since_fit += 1
-        if self._since_fit >= 4 or self.cost is None:  # refit every few steps: cheap, and tracks a drifting host
+        if self._since_fit >= 4 or self.cost is None:  # refit every few steps: tracks a drifting host
             self._since_fit = 0
             self.cost = self.fit()
 
     def fit(self) -> StepCost | None:
-        s = self.samples
-        if len(s) < self.MIN_SAMPLES or sum(1 for _, p, _, _ in s if p > 0) < 3 or len({p for _, p, _, _ in s}) < 2:
+        n = len(self.samples)
+        sizes = self._prefill_sizes
+        if n < self.MIN_SAMPLES or n - sizes.get(0.0, 0) < 3 or len(sizes) < 2:
             return None
         # NOTE: d and k are centred and their slopes get a small ridge. A busy server decodes about the same batch
         # every step, so d hardly varies; centred, the intercept is the time at the usual batch whatever the
         # slope, and the ridge keeps an unidentified slope near 0 instead of swinging on noise. Nothing is
         # clamped: a clamp would break the combination the data do determine.
-        n = len(s)
-        dm = sum(x[0] for x in s) / n
-        km = sum(x[2] for x in s) / n
-        xtx = [[0.0] * 4 for _ in range(4)]
-        xtt = [0.0] * 4
-        for d, p, k, t in s:
-            x = (1.0, d - dm, p, k - km)
-            for i in range(4):
-                xtt[i] += x[i] * t
-                for j in range(4):
-                    xtx[i][j] += x[i] * x[j]
+        # Centring from the raw sums: sum((d - dm) y) = sum(d y) - dm sum(y), and so on.
+        S, St = self._xx, self._xt
+        dm, km = S[0][1] / n, S[0][3] / n
+        shift = (0.0, dm, 0.0, km)
+        xtx = [[S[i][j] - shift[i] * S[0][j] - shift[j] * S[0][i] + shift[i] * shift[j] * n for j in range(4)]
+               for i in range(4)]
+        xtt = [St[i] - shift[i] * St[0] for i in range(4)]
         xtx[1][1] += RIDGE * n
         xtx[3][3] += RIDGE * n
         w = _solve(xtx, xtt)
