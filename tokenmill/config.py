@@ -159,8 +159,13 @@ class SchedulerConfig:
     """Keep a step that runs prompt chunks beside decodes under this many milliseconds: its chunk is sized from
     a step-time model fitted to the steps so far (core/step_cost.py; until it has seen a few steps with prompt
     chunks, chunks are min_prefill_chunk tokens). Unset: only the token budget limits a step."""
+    step_time_factor: float | None = None
+    """Without target_step_ms: keep a step that runs prompt chunks beside decodes under this multiple of the
+    predicted time of the same decodes alone (2.0: a running stream's token takes at most about twice its
+    plain decode step). The target follows the batch: a step with no decodes has no limit but the token
+    budget; without chunked prefill it does nothing. `tokenmill serve` sets 2.0."""
     min_prefill_chunk: int = 16
-    """With target_step_ms: the fewest prompt tokens a step still computes, so a prompt progresses however busy
+    """With target_step_ms or step_time_factor: the fewest prompt tokens a step still computes, so a prompt progresses however busy
     decoding is."""
 
     def __post_init__(self) -> None:
@@ -173,6 +178,9 @@ class SchedulerConfig:
                 raise ValueError(f"target_step_ms must be > 0, got {self.target_step_ms}")
             if not self.enable_chunked_prefill:
                 raise ValueError("target_step_ms sizes prompt chunks: it needs chunked prefill")
+        if self.step_time_factor is not None:
+            if self.step_time_factor <= 1:
+                raise ValueError(f"step_time_factor must be > 1, got {self.step_time_factor}")
         if self.min_prefill_chunk < 1:
             raise ValueError(f"min_prefill_chunk must be >= 1, got {self.min_prefill_chunk}")
 

@@ -84,3 +84,52 @@ def test_config_errors():
         SchedulerConfig(target_step_ms=30, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match="target_step_ms must be > 0"):
         SchedulerConfig(target_step_ms=0)
+    with pytest.raises(ValueError, match="step_time_factor must be > 1"):
+        SchedulerConfig(step_time_factor=1.0)
+
+
+def make_relative(factor=2.0, budget=512, fitted=True):
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64, step_time_factor=factor,
+                                  min_prefill_chunk=16), CacheConfig(block_size=4), 512, 1024)
+    if fitted:
+        feed(s.step_cost)
+    return s
+
+
+def test_a_relative_target_follows_the_decode_batch():
+    s = make_relative(2.0)
+    run_decodes(s, 16)                          # 16 decodes alone: 24 ms by the law; target 48 ms
+    s.add_request(Request("long", list(range(10, 210)), SamplingParams(max_tokens=4), None, 4))
+    cost = s.step_cost.cost
+    expected = cost.prefill_budget(16, 2.0 * cost.predict(16, 0, 0.016 * 4))
+    assert expected in (47, 48)                 # (48 - 8 - 16) / 0.5, up to the fit's last digit
+    chunks = {r.request_id: r.num_new_tokens for r in s.schedule().scheduled}
+    assert chunks["long"] == expected + 1 and sum(chunks.values()) == 16 + expected + 1
+
+
+def test_a_relative_target_with_nothing_decoding_leaves_the_budget():
+    s = make_relative(2.0)
+    s.add_request(Request("long", list(range(10, 210)), SamplingParams(max_tokens=4), None, 4))
+    assert {r.request_id: r.num_new_tokens for r in s.schedule().scheduled}["long"] == 200
+
+
+def test_a_relative_target_before_any_fit_gives_the_minimum_beside_decodes():
+    s = make_relative(2.0, fitted=False)
+    run_decodes(s, 4)
+    s.add_request(Request("long", list(range(10, 210)), SamplingParams(max_tokens=4), None, 4))
+    assert {r.request_id: r.num_new_tokens for r in s.schedule().scheduled}["long"] == 17
+
+
+def test_serve_turns_the_relative_target_on_and_generate_does_not():
+    import argparse
+
+    from tokenmill.entrypoints.engine_args import add_engine_args
+    from tokenmill.entrypoints.openai.cli import SERVE_DEFAULTS
+
+    serve, plain = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_engine_args(serve, defaults=SERVE_DEFAULTS)
+    add_engine_args(plain)
+    assert serve.parse_args([]).step_time_factor == 2.0
+    assert plain.parse_args([]).step_time_factor is None
+    args = plain.parse_args(["--target-step-ms", "120", "--max-model-len", "256"])
+    assert args.target_step_ms == 120.0 and args.max_model_len == 256

@@ -163,23 +163,28 @@ class Scheduler:
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine's measured time for a step it ran (the forward and sampling). Each request's last real
         token and its drafts count as decode tokens, the rest of a prompt chunk as prefill (core/step_cost.py).
-        Without target_step_ms nothing reads the model, so nothing is fitted (no work on the step path)."""
-        if self.config.target_step_ms is None:
+        Without a step-time target nothing reads the model, so nothing is fitted (no work on the step path)."""
+        if self.config.target_step_ms is None and self.config.step_time_factor is None:
             return
         num_prefill = sum(max(0, s.num_new_tokens - s.num_spec_tokens - 1) for s in out.scheduled)
         keys = sum(chunk_kilo_keys(s.start_pos, s.num_new_tokens) for s in out.scheduled)
         self.step_cost.observe(out.num_tokens - num_prefill, num_prefill, seconds, keys)
 
     def _prefill_allowance(self) -> int | None:
-        """Prompt tokens this step may compute under target_step_ms (None: no limit but the budget)."""
-        target, cost = self.config.target_step_ms, self.step_cost.cost
-        if target is None:
+        """Prompt tokens this step may compute under the step-time target (None: no limit but the budget).
+        The target is target_step_ms, else step_time_factor x the predicted time of this step's decodes alone."""
+        target, factor, cost = self.config.target_step_ms, self.config.step_time_factor, self.step_cost.cost
+        if target is None and (factor is None or not self.config.enable_chunked_prefill):
             return None
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        if target is None and not decodes:
+            return None  # a relative target with nothing decoding: no stream waits on this step
         if cost is None:  # not measured yet: the smallest chunks, which are safe and teach the model quickly
             return self.config.min_prefill_chunk
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
         num_decodes = sum(1 + len(r.spec_token_ids) for r in decodes)
         decode_keys = sum(chunk_kilo_keys(r.num_computed_tokens, 1 + len(r.spec_token_ids)) for r in decodes)
+        if target is None:
+            target = factor * cost.predict(num_decodes, 0, decode_keys) * 1000.0
         # the next chunk starts where the first prompt in progress (running, else waiting) stands
         chunking = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         start = chunking[0].num_computed_tokens if chunking else 0

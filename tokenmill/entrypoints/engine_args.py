@@ -23,7 +23,17 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+def _flag_type(f) -> type:
+    """int, float or str, from the field's annotation ("float | None" -> float)."""
+    names = {n.strip() for n in str(f.type).split("|")} - {"None"}
+    return {"int": int, "float": float}.get(names.pop(), str) if len(names) == 1 else str
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False,
+                    defaults: dict[str, object] | None = None) -> None:
+    """The config fields as flags. `defaults` overrides a field's default for this command (`tokenmill serve`
+    turns the relative step-time target on; the library default stays off, so offline runs are unchanged)."""
+    defaults = defaults or {}
     g = parser.add_argument_group("engine")
     for cls in (ModelConfig, CacheConfig, SchedulerConfig):
         docs = _field_docs(cls)
@@ -32,14 +42,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                 continue
             flag = "--" + f.name.replace("_", "-")
             default = f.default if f.default is not MISSING else None
+            default = defaults.get(f.name, default)
             help_ = docs.get(f.name, "")
             if isinstance(default, bool):
                 g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
                 continue
-            kind = {int: int, float: float}.get(type(default), str)
-            if f.name in ("max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks_override"):
-                kind = int
-            g.add_argument(flag, dest=f.name, type=kind, default=default, help=f"{help_} (default: {default})")
+            g.add_argument(flag, dest=f.name, type=_flag_type(f), default=default, help=f"{help_} (default: {default})")
     g.add_argument("--speculative-config", dest="speculative_config", type=json.loads, default=None,
                    help="JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     kv_docs = _field_docs(KVTransferConfig)

@@ -36,7 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--body-timeout", type=float, default=60.0,
                    help="Close a connection whose request body has not all arrived this many seconds after its "
                         "headers (default: 60)")
-    add_engine_args(parser)
+    add_engine_args(parser, defaults=SERVE_DEFAULTS)
+
+
+SERVE_DEFAULTS = {"step_time_factor": 2.0}
+"""Engine defaults of `tokenmill serve` that differ from the library's: a server keeps its running streams'
+inter-token latency within ~2x a plain decode step while prompts arrive (docs/step_time_target.md)."""
 
 
 def run(args: argparse.Namespace) -> int:
