@@ -20,7 +20,7 @@ fp32 activations it is 10-40x slower than a dense fp32 matmul, so fp32 always de
 Int4 buffers (one copy serves both paths), in one of three layouts (`method.layout`):
 
     qweight           [N, K / 2] uint8   "k64": byte (n, 32c + j) = code[n, 64c + j] | code[n, 64c + 32 + j] << 4;
-                                         "tinygemm" (torch's CPU layout): per block of 64 output rows, a
+                                         "tinygemm" (torch's CPU layout): per block of 64 output rows (32 on AVX2 CPUs), a
                                          [K, 32] byte grid, byte (k, j) = code[j, k] | code[j + 32, k] << 4;
                                          "plain" (anything else, CUDA): byte (n, k) = code[n, 2k] | code[n, 2k+1] << 4
     scales_and_zeros  [G, N, 2]          ([N, G, 2] for "k64")  w = (code - 8) * scale + zero  (tinygemm's affine form)
@@ -33,6 +33,8 @@ Int8 buffers:
     offsets  [N, G] | None               None for a symmetric grid (zero = 128)
 """
 from __future__ import annotations
+
+import functools
 
 from dataclasses import dataclass, fields
 
@@ -71,10 +73,13 @@ DEFAULT_PLAN = KernelPlan()
 
 # ------------------------------------------------------------------------------------ int4
 
-def tinygemm_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Inverse of `_convert_weight_to_int4pack_for_cpu` (torch 2.13 layout): [N, K/2] u8 -> [N, K] codes."""
-    blocks = packed.reshape(n // 64, k, 32)
-    both = torch.cat([blocks & 15, blocks >> 4], dim=-1)                     # [N/64, K, 64]
+def tinygemm_unpack(packed: torch.Tensor, n: int, k: int, block_n: int | None = None) -> torch.Tensor:
+    """Inverse of `_convert_weight_to_int4pack_for_cpu` (torch 2.13 layout): [N, K/2] u8 -> [N, K] codes.
+    torch packs blocks of block_n outputs, which depends on the CPU it runs on (64 with AVX-512, 32 with AVX2:
+    `tinygemm_block_n()` finds it)."""
+    block_n = block_n or tinygemm_block_n() or 64
+    blocks = packed.reshape(n // block_n, k, block_n // 2)
+    both = torch.cat([blocks & 15, blocks >> 4], dim=-1)                     # [N/block_n, K, block_n]
     return both.permute(0, 2, 1).reshape(n, k)
 
 
@@ -86,20 +91,26 @@ def _plain_unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
-_TINYGEMM_OK: bool | None = None
+@functools.cache
+def tinygemm_block_n() -> int | None:
+    """The output block size of this torch build's int4 CPU layout on this CPU (a probe packed and read back),
+    or None when no block size `tinygemm_unpack` knows reads it."""
+    try:
+        probe = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 2)
+    except (RuntimeError, AttributeError):
+        return None
+    if packed.shape != (128, 32):
+        return None
+    for block_n in (64, 32):
+        if torch.equal(tinygemm_unpack(packed, 128, 64, block_n).int(), probe):
+            return block_n
+    return None
 
 
 def tinygemm_layout_ok() -> bool:
-    """Self-check that this torch build's int4 CPU layout is the one `tinygemm_unpack` reads."""
-    global _TINYGEMM_OK
-    if _TINYGEMM_OK is None:
-        try:
-            probe = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 2)
-            _TINYGEMM_OK = packed.shape == (128, 32) and torch.equal(tinygemm_unpack(packed, 128, 64).int(), probe)
-        except (RuntimeError, AttributeError):
-            _TINYGEMM_OK = False
-    return _TINYGEMM_OK
+    """Self-check that this torch build's int4 CPU layout is one `tinygemm_unpack` reads."""
+    return tinygemm_block_n() is not None
 
 
 def _column_perm(qw: QuantizedWeight) -> torch.Tensor | None:
@@ -365,9 +376,10 @@ def dequantize_rows(layer, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     r = rows.numel()
     if isinstance(method, Int4WeightOnlyMethod):
         if method.is_tinygemm:  # see the layout in the module docstring
-            j = rows % 64
-            byte = layer.qweight.view(n // 64, k, 32)[rows // 64, :, j % 32]            # [R, K]
-            codes = (byte >> (4 * (j // 32)).to(torch.uint8)[:, None]) & 15
+            bn = tinygemm_block_n() or 64          # outputs per block: 64 on AVX-512 CPUs, 32 on AVX2
+            j = rows % bn
+            byte = layer.qweight.view(n // bn, k, bn // 2)[rows // bn, :, j % (bn // 2)]    # [R, K]
+            codes = (byte >> (4 * (j // (bn // 2))).to(torch.uint8)[:, None]) & 15
         elif method.layout == "k64":
             codes = cpu_int4.unpack(layer.qweight[rows])
         else:
