@@ -13,7 +13,6 @@ Two ways to run it on a small machine, both reported (`VLLMBinding`):
 from __future__ import annotations
 
 import http.client
-import json
 import os
 import subprocess
 import tempfile
@@ -124,13 +123,6 @@ class VLLMServer:
     def log_lines(self, needle: str) -> list[str]:
         """Lines of the server's log containing `needle` (e.g. what it says about threads)."""
         return [line for line in self._log_tail(1 << 22).splitlines() if needle in line]
-
-    def chat_usage(self, messages: list[dict], max_tokens: int = 1) -> dict:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        conn.request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
-                     body=json.dumps({"model": Path(self.config.model_dir).name, "messages": messages,
-                                      "max_tokens": max_tokens, "temperature": 0}))
-        return json.loads(conn.getresponse().read())["usage"]
 
     def stop(self) -> None:
         """SIGTERM to its process group (the API server and its engine-core and worker processes)."""
