@@ -129,6 +129,8 @@ def main() -> int:
     p.add_argument("--skip-tokenmill", action="store_true")
     p.add_argument("--result-dir", default="bench_out/vs_vllm")
     args = p.parse_args()
+    if args.single_requests < 1:
+        p.error("--single-requests must be >= 1 (the single-stream rows and the HTTP/offline ratio need one)")
     out = Path(args.result_dir)
     tok = load_tokenizer("smollm2-135m")
     load = load_sharegpt(None, tok, args.num_prompts, seed=0, max_output_len=args.max_output_len)
