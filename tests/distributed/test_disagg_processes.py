@@ -171,6 +171,7 @@ def test_transfer_timeout_recomputes_and_leaks_nothing(cluster):
     content = fresh(3)
     want = chat(cluster.prefill.url, content)
     params = _hold(cluster, content)
+    held_at = time.monotonic()
     cluster.prefill.proc.send_signal(signal.SIGSTOP)             # frozen: the pull can only time out
     try:
         before = metrics(cluster.decode.url)
@@ -178,6 +179,9 @@ def test_transfer_timeout_recomputes_and_leaks_nothing(cluster):
         after = metrics(cluster.decode.url)
         assert after["tokenmill:kv_transfer_loads_failed_total"] - \
             before.get("tokenmill:kv_transfer_loads_failed_total", 0) == 1
+        # Thawed before its deadline, the worker would rightly serve the late pull (no expiry to count): stay
+        # frozen past it. Thawed after, the late pull is refused and the hold expires.
+        time.sleep(max(0.0, held_at + HOLD_S + 0.5 - time.monotonic()))
     finally:
         cluster.prefill.proc.send_signal(signal.SIGCONT)
     pool_whole(cluster.decode.url)

@@ -151,6 +151,28 @@ def test_expired_hold_means_local_recompute(tiny_llama):
     idle_and_whole(prefill, decode)
 
 
+def test_a_pull_that_arrives_after_the_deadline_is_refused(tiny_llama):
+    """A prefill worker that stalls (no step) past a hold's deadline and then finds a pull waiting refuses it: the
+    hold has expired even though the scheduler has not released it yet."""
+    hub = InProcessHub()
+    prefill = engine(tiny_llama, "prefill", hub.endpoint(1), hold=0.2)
+    decode = engine(tiny_llama, "decode", hub.endpoint(2))
+    p = prompts(1, seed=7)[0]
+    prefill.add_request("r0", p, GREEDY.clone(max_tokens=1), kv_transfer=HoldForDecode())
+    held = drain(prefill, until=lambda o: "r0" in o)["r0"].kv_transfer_params
+    prefill.step()                                       # the hold reaches the worker half
+    import time
+    time.sleep(0.3)                                      # then the prefill worker stalls past the deadline
+    decode.add_request("r0", p, GREEDY, kv_transfer=PullFromPrefill.from_params(held))
+    decode.step()                                        # the pull is on its way
+    got = drain(prefill, decode)["r0"].outputs[0].token_ids
+    assert got == colocated(tiny_llama, [p])["r0"]
+    assert prefill.stats().kv_transfer["num_sends"] == 0
+    assert prefill.stats().kv_transfer["num_holds_expired"] == 1
+    assert decode.stats().kv_transfer["num_loads_failed"] == 1
+    idle_and_whole(prefill, decode)
+
+
 def test_unreachable_prefill_worker_means_local_recompute(tiny_llama):
     hub = InProcessHub()
     decode = engine(tiny_llama, "decode", hub.endpoint(2))

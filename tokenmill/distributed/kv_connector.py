@@ -96,6 +96,8 @@ class KVHold:
 
     transfer_id: str
     block_ids: list[int]
+    deadline: float
+    """time.monotonic() after which a pull is refused, even before the scheduler's next step releases the hold."""
 
 
 @dataclass(frozen=True)
@@ -186,8 +188,9 @@ class KVConnectorScheduler:
         self.stats.num_blocks_skipped += num_skipped_blocks
 
     def add_hold(self, transfer_id: str, block_ids: list[int]) -> None:
-        self.held[transfer_id] = time.monotonic() + self.hold_timeout_s
-        self.pending.holds.append(KVHold(transfer_id, block_ids))
+        deadline = time.monotonic() + self.hold_timeout_s
+        self.held[transfer_id] = deadline
+        self.pending.holds.append(KVHold(transfer_id, block_ids, deadline))
         self.stats.num_holds += 1
 
     def cancel_load(self, request_id: str) -> None:

@@ -34,7 +34,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from tokenmill.distributed.kv_connector import ConnectorEvents, ConnectorStats, ConnectorStep, KVLoad, PullFromPrefill
+from tokenmill.distributed.kv_connector import (ConnectorEvents, ConnectorStats, ConnectorStep, KVHold, KVLoad,
+                                               PullFromPrefill)
 
 logger = logging.getLogger("tokenmill.kv_transfer")
 
@@ -119,8 +120,8 @@ class KVConnectorWorker:
         self.transport = transport
         self.timeout_s = timeout_s
         self.stats = stats
-        self.held: dict[str, list[int]] = {}
-        """Transfer id -> block ids it may serve."""
+        self.held: dict[str, KVHold] = {}
+        """Transfer id -> the blocks it may serve, until its deadline."""
         self.loads: dict[str, tuple[KVLoad, torch.Tensor, float]] = {}
         """Request id -> (the load, its buffer, start time) while its pull runs."""
         self.sends_started: dict[str, float] = {}
@@ -140,7 +141,7 @@ class KVConnectorWorker:
         for rid in step.cancelled:
             self.loads.pop(rid, None)
         for h in step.holds:  # before releases: a hold taken and expired since the last step is in both
-            self.held[h.transfer_id] = h.block_ids
+            self.held[h.transfer_id] = h
         for tid in step.releases:
             self.held.pop(tid, None)
         self.collect()
@@ -187,10 +188,11 @@ class KVConnectorWorker:
             self.events.sends_done.append(s.transfer_id)
 
     def _answer(self, p: PullRequest) -> None:
-        blocks = self.held.get(p.transfer_id)
-        if blocks is None:
+        hold = self.held.get(p.transfer_id)
+        if hold is None or time.monotonic() > hold.deadline:  # a pull that came late (this process was stalled)
             self.transport.answer(p, None, f"transfer {p.transfer_id!r} is not held here (expired or unknown)")
             return
+        blocks = hold.block_ids
         if p.first_block + p.num_blocks > len(blocks) or p.first_block < 0:
             self.transport.answer(p, None, f"transfer {p.transfer_id!r} holds {len(blocks)} blocks, pull asked for "
                                            f"{p.first_block}..{p.first_block + p.num_blocks - 1}")
