@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 SERVE_DEFAULTS = {"step_time_factor": 2.0}
 """Engine defaults of `tokenmill serve` that differ from the library's: a server keeps its running streams'
-inter-token latency within ~2x a plain decode step while prompts arrive (docs/step_time_target.md)."""
+inter-token latency within ~2x a plain decode step while prompts arrive (docs/architecture.md, "A step-time target")."""
 
 
 def run(args: argparse.Namespace) -> int:
