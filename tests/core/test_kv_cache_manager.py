@@ -196,3 +196,20 @@ def test_prefix_caching_off_never_hits(caching):
     admit(kv, a)
     n = len(kv.get_computed_blocks(make_request("b", list(range(9)))).blocks)
     assert n == (2 if caching else 0)
+
+
+def test_block_map_names_every_block_and_its_holders():
+    from tokenmill.core.kv_cache_manager import BlockMap
+    kv = make_kv_manager(6)
+    a = make_request("a", list(range(10)))
+    assert admit(kv, a) == [0, 1, 2]
+    finish(kv, a)  # its two full blocks stay cached, the partial one does not
+    assert kv.block_map() == BlockMap("cc....", {})
+    b = make_request("b", list(range(8)) + [50, 51])
+    assert admit(kv, b) == [0, 1, 3]
+    c = make_request("c", list(range(4)) + [60, 61])
+    assert admit(kv, c) == [0, 4]
+    assert kv.block_map() == BlockMap("su.uu.", {"b": [0, 1, 3], "c": [0, 4]})
+    finish(kv, c)
+    kv.hold(b, "t1")  # a finished prefill's blocks kept for a decode worker
+    assert kv.block_map() == BlockMap("hh.h..", {"t1": [0, 1, 3]})

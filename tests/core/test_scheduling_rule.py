@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.scheduler import SamplerResult, Scheduler, SchedulerOutput
+from tokenmill.core.scheduler import SamplerResult, Scheduler, SchedulerOutput, StepTokens
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -46,9 +46,11 @@ def test_budget_left_by_running_decodes_goes_to_a_waiting_prompt_chunk():
     out = step(sched)
     assert summary(out) == [("a", 1, 3, [0]), ("b", 9, 0, [1, 2, 3])]
     assert out.num_tokens == 10
+    assert out.token_split() == StepTokens(num_decode=1, num_prefill=9, num_draft=0)
     assert summary(step(sched)) == [("a", 1, 4, [0, 4]), ("b", 9, 9, [1, 2, 3, 5, 6])]
     out = step(sched)
     assert summary(out) == [("a", 1, 5, [0, 4]), ("b", 2, 18, [1, 2, 3, 5, 6])]
+    assert out.token_split() == StepTokens(num_decode=1, num_prefill=2, num_draft=0)  # b's last chunk
     b = sched.requests["b"]                  # the last chunk reached b's last token: it was sampled
     assert (b.num_computed_tokens, b.output_token_ids) == (20, [7])
     assert out.num_tokens == 3 and not sched.waiting
@@ -132,6 +134,7 @@ def test_draft_tokens_are_cut_to_the_remaining_budget():
     out = sched.schedule()
     assert summary(out) == [("a", 3, 2, [0, 2]), ("b", 2, 2, [1])]
     assert [s.num_spec_tokens for s in out.scheduled] == [2, 1]
+    assert out.token_split() == StepTokens(num_decode=2, num_prefill=0, num_draft=3)
     assert [s.token_ids for s in out.scheduled] == [[7, 110, 111], [7, 210]]
     assert b.spec_token_ids == [210] and [s.is_sampling for s in out.scheduled] == [True, True]
     # a accepts 1 of 2 drafts (+1 bonus); b rejects its draft: rejected slots are rolled back

@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shared-prefix-len", type=int, default=512, help="prefix caching: shared prompt tokens")
     g.add_argument("--quantized-model", default=None, help="quantization: an existing GPTQ/AWQ dir to use instead")
     g.add_argument("--output-json", default=None)
+    g.add_argument("--plot-dir", default="bench_out/ablation", help="where ablation.png goes ('' for none)")
 
 
 def _llm(args, **overrides):
@@ -246,8 +247,60 @@ def print_ablation(res: dict) -> None:
     print(format_table(["technique", "workload", "off -> on", "gain"], rows))
 
 
+def ablation_gains(res: dict) -> list[tuple[str, float]]:
+    """(technique, gain) of each row that ran: the factor in the table's last column."""
+    gains = []
+    if (b := res.get("batching")) and b.get("available", True):
+        gains.append(("paging + continuous batching\n(output tok/s)", b["speedup"]))
+    if (c := res.get("chunked_prefill")) and c.get("available", True):
+        gains.append(("chunked prefill\n(lower max ITL)", c["off"]["itl_max_ms"] / c["on"]["itl_max_ms"]))
+    if (p := res.get("prefix_caching")) and p.get("available", True):
+        gains.append(("prefix caching\n(req/s)", p["speedup"]))
+    if (q := res.get("quantization")) and q.get("available", True):
+        gains += [(f"quantization {k}\n(batch-1 tok/s)", v["speedup"]) for k, v in q.items() if k != "base"]
+    if (s := res.get("speculation")) and s.get("available", True):
+        gains.append(("n-gram speculation\n(batch-1 tok/s)", s["speedup"]))
+    return gains
+
+
+def plot_ablation(res: dict, out_dir: str | None) -> str | None:
+    """ablation.png in out_dir: each technique's gain as a bar (1x = no gain), or None without matplotlib."""
+    gains = ablation_gains(res)
+    if not out_dir or not gains:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    from pathlib import Path
+    path = Path(out_dir) / "ablation.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 0.55 * len(gains) + 1.2))
+    labels, values = [g[0] for g in gains][::-1], [g[1] for g in gains][::-1]
+    bars = ax.barh(labels, values, color=["#3fae6a" if v >= 1 else "#e05050" for v in values])
+    ax.axvline(1.0, color="#555", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("gain, technique on / off (log scale; 1x = none)")
+    for bar, v in zip(bars, values):
+        ax.text(bar.get_width() * 1.03, bar.get_y() + bar.get_height() / 2, f"{v:.2f}x", va="center", fontsize=8)
+    cfg = res.get("config", {})
+    ax.set_title(f"tokenmill bench ablation: {cfg.get('model')}, {cfg.get('dtype')}, {cfg.get('threads')} threads",
+                 fontsize=9)
+    ax.set_xlim(min(0.8, min(values) * 0.8), max(values) * 1.6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
 def run(args: argparse.Namespace) -> int:
     res = run_ablation(args)
     print_ablation(res)
+    png = plot_ablation(res, args.plot_dir)
+    if png:
+        print(f"plot: {png}")
     write_json(args.output_json, res)
     return 0

@@ -65,6 +65,25 @@ class KVMemoryUsage:
         return self.num_allocated_slots - self.num_filled_slots
 
 
+BLOCK_FREE, BLOCK_CACHED, BLOCK_USED, BLOCK_SHARED, BLOCK_HELD = ".", "c", "u", "s", "h"
+"""BlockMap.states letters: free (never used or evicted), cached-but-free (unreferenced, still a prefix-cache
+entry), used by one request, shared by several (prefix hits, n > 1 samples, beams), held for a decode worker."""
+
+
+@dataclass(frozen=True)
+class BlockMap:
+    """Every block of the pool at one moment, for a picture of it (the dashboard's grid).
+
+        pool of 6, A holds [0 1], B hit A's first block and holds [0 2], block 4 was freed but is cached:
+        states = "sucu.."   owners = {"A": [0, 1], "B": [0, 2]}
+    """
+
+    states: str
+    """One letter per block id (BLOCK_FREE, BLOCK_CACHED, BLOCK_USED, BLOCK_SHARED, BLOCK_HELD)."""
+    owners: dict[str, list[int]]
+    """Request id -> its block table (block ids in position order); held transfers under their transfer id."""
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
@@ -236,6 +255,22 @@ class KVCacheManager:
             num_blocks_free=pool.num_free_blocks, num_blocks_cached_free=pool.num_cached_free_blocks,
             num_blocks_shared=num_shared,
             num_allocated_slots=len(fill) * bs, num_filled_slots=sum(fill.values()))
+
+    def block_map(self) -> BlockMap:
+        """The state of every block and who holds it: O(pool + allocated blocks), for a few looks a second."""
+        states = []
+        for b in self.pool.blocks:
+            if b.ref_cnt == 0:
+                states.append(BLOCK_FREE if b.block_hash is None else BLOCK_CACHED)
+            else:
+                states.append(BLOCK_USED if b.ref_cnt == 1 else BLOCK_SHARED)
+        for blocks in self.held.values():
+            for b in blocks:
+                if b.ref_cnt == 1:
+                    states[b.block_id] = BLOCK_HELD
+        owners = {rid: [b.block_id for b in blocks] for rid, blocks in self.req_blocks.items()}
+        owners.update({tid: [b.block_id for b in blocks] for tid, blocks in self.held.items()})
+        return BlockMap("".join(states), owners)
 
     def check_integrity(self) -> None:
         refs: dict[int, int] = {}

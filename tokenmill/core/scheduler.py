@@ -52,6 +52,18 @@ class ScheduledRequest:
         return toks[self.start_pos:self.start_pos + self.num_new_tokens]
 
 
+@dataclass(frozen=True)
+class StepTokens:
+    """A step's token budget, split by what the tokens are for."""
+
+    num_decode: int
+    """Requests' last real tokens, one per stream that samples this step."""
+    num_prefill: int
+    """Prompt (or recomputed) tokens in chunks: a chunk that ends the prompt counts whole here."""
+    num_draft: int
+    """Speculative draft tokens verified this step."""
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -76,6 +88,19 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def token_split(self) -> StepTokens:
+        """E.g. two decodes with 3 drafts each, a 40-token chunk mid-prompt and the last 7 of another prompt:
+        StepTokens(num_decode=2, num_prefill=47, num_draft=6)."""
+        decode = prefill = draft = 0
+        for s in self.scheduled:
+            real = s.num_new_tokens - s.num_spec_tokens
+            draft += s.num_spec_tokens
+            if real == 1 and s.start_pos >= s.request.num_prompt_tokens:  # NOTE: constant fields only: valid after update()
+                decode += 1
+            else:
+                prefill += real
+        return StepTokens(decode, prefill, draft)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,8 @@ import torch
 from tokenmill.attention.backend import TorchPagedAttention
 
 from tokenmill.config import EngineConfig, ModelArchConfig
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.kv_cache_manager import BlockMap
+from tokenmill.core.scheduler import Scheduler, StepTokens
 from tokenmill.distributed.kv_connector import HoldForDecode, KVConnectorScheduler, KVTransferRequest, PullFromPrefill
 
 if TYPE_CHECKING:
@@ -78,6 +80,53 @@ class EngineStats:
     """Wall seconds inside those steps (scheduling, the forward, sampling, detokenizing, outputs)."""
     forward_seconds: float = 0.0
     """Of step_seconds, the model runner's part (inputs, the forward, the LM head, sampling)."""
+
+
+STEP_LOG_LEN = 512
+"""Steps EngineCore.recent_steps remembers (the dashboard reads them a few times a second)."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step that ran the model, as the dashboard's step chart draws it."""
+
+    index: int
+    """EngineStats.num_steps after this step (1 for the first)."""
+    time: float
+    """Wall clock (time.time()) when its forward ended."""
+    tokens: StepTokens
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    """Requests preempted while scheduling this step."""
+    forward_ms: float
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """A request in the scheduler, for a person looking at the engine."""
+
+    request_id: str
+    status: str
+    """RequestStatus name: WAITING, RUNNING, PREEMPTED, WAITING_FOR_REMOTE_KV."""
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens found in the prefix cache when it was admitted."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Everything the dashboard draws, taken between two steps so the parts agree."""
+
+    stats: EngineStats
+    blocks: BlockMap
+    steps: list[StepRecord]
+    """Remembered steps with index > the caller's since_step, oldest first."""
+    requests: list[RequestView]
+    max_num_batched_tokens: int
+    max_num_seqs: int
 
 
 @dataclass
@@ -199,6 +248,7 @@ class EngineCore:
         self.num_steps = 0
         self.step_seconds = 0.0
         self.forward_seconds = 0.0
+        self.recent_steps: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else (self.arch.eos_token_ids or (None,))[0]
         logger.info("loaded %s in %.1fs: %d KV blocks of %d tokens (%.1f MiB)", loaded.path.name, time.time() - t0,
                     num_blocks, cc.block_size, num_blocks * self.kv_spec.bytes_per_block / 2**20)
@@ -376,6 +426,9 @@ class EngineCore:
             self.scheduler.observe_step(sched, forward_s)
             self.num_steps += 1
             self.forward_seconds += forward_s
+            self.recent_steps.append(StepRecord(self.num_steps, time.time(), sched.token_split(),
+                                                len(self.scheduler.running), len(self.scheduler.waiting),
+                                                len(sched.preempted_ids), forward_s * 1000.0))
         changed = self.scheduler.update(sched, results)
         touched: dict[str, None] = {}
         for req in changed:
@@ -501,6 +554,17 @@ class EngineCore:
             kv_pool_bytes=mem.num_blocks_total * spec.bytes_per_block, kv_cache_dtype=str(spec.dtype).removeprefix("torch."),
             kv_transfer=dataclasses.asdict(self.kv_connector.stats) if self.kv_connector is not None else {},
             num_steps=self.num_steps, step_seconds=self.step_seconds, forward_seconds=self.forward_seconds)
+
+    def snapshot(self, since_step: int = 0) -> EngineSnapshot:
+        """Stats, the block pool's map, the steps after `since_step` and every live request (the dashboard)."""
+        sched = self.scheduler
+        live = [*sched.running, *sched.waiting, *sched.loading.values()]
+        views = [RequestView(r.request_id, r.status.name, r.num_prompt_tokens, r.num_output_tokens,
+                             r.num_computed_tokens, r.num_cached_tokens) for r in live]
+        steps = [s for s in self.recent_steps if s.index > since_step]
+        sc = self.config.scheduler
+        return EngineSnapshot(self.stats(), sched.kv.block_map(), steps, views, sc.max_num_batched_tokens,
+                              sc.max_num_seqs)
 
     def close(self) -> None:
         """Stop the processes this engine started (tensor-parallel ranks, the KV transport's threads)."""

@@ -6,7 +6,8 @@
 
 Endpoints: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
 /v1/models/{id}, /health, /metrics, /version, /debug/kv_cache (free blocks and the KV pool's
-integrity check, for tests and operators), /kv/plan (prompt length and local prefix hit, for the router).
+integrity check, for tests and operators), /kv/plan (prompt length and local prefix hit, for the router),
+/dashboard and /dashboard/stream (the live page and its SSE feed: see dashboard.py).
 
 Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections and lets in-flight requests
 finish for up to `shutdown_timeout` seconds, then cancels them (which aborts them in the
@@ -25,13 +26,15 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass
+from http.cookies import SimpleCookie
+from urllib.parse import parse_qs
 from typing import Any, AsyncIterator, Callable, Iterator
 
 import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -40,6 +43,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import tokenmill
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
+from tokenmill.entrypoints.openai.dashboard import COOKIE_NAME, DashboardFeed, dashboard_cookie, page_html
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                    CompletionRequest, CompletionResponse, DetokenizeRequest,
                                                    DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
@@ -51,6 +55,7 @@ logger = logging.getLogger("tokenmill.server")
 
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/debug/", "/kv/")
 _NEEDS_ENGINE_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/debug/", "/health", "/kv/")
+_DASHBOARD_PREFIX = "/dashboard"
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
@@ -68,6 +73,8 @@ class ServerSettings:
     api_key: str | None = None
     log_stats_interval_s: float | None = 10.0
     """None disables the periodic stats log line."""
+    dashboard_interval_s: float = 0.5
+    """Seconds between two updates of the dashboard's live feed (only while a page is open)."""
 
 
 def _error_response(status: int, message: str, type: str, param: str | None = None,
@@ -89,11 +96,13 @@ class GateMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
-        if self.api_key is not None and path.startswith(_PROTECTED_PREFIXES):
-            headers = dict(scope.get("headers") or [])
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        if self.api_key is not None and path.startswith(_DASHBOARD_PREFIX):
+            resp = self._dashboard_gate(scope, path)
+            if resp is not None:
+                await resp(scope, receive, send)
+                return
+        elif self.api_key is not None and path.startswith(_PROTECTED_PREFIXES):
+            if not self._has_bearer(scope):
                 resp = _error_response(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
                                        "invalid_request_error", code="invalid_api_key")
                 await resp(scope, receive, send)
@@ -110,6 +119,34 @@ class GateMiddleware:
             await resp(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def _has_bearer(self, scope: Scope) -> bool:
+        assert self.api_key is not None
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = auth.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    def _dashboard_gate(self, scope: Scope, path: str) -> Response | None:
+        """None lets the request through: a Bearer header or the dashboard cookie. `?api_key=<key>` on the
+        page trades the key for the cookie (303 back to the bare page, so the key leaves the address bar)."""
+        assert self.api_key is not None
+        if self._has_bearer(scope):
+            return None
+        expected = dashboard_cookie(self.api_key)
+        cookies = SimpleCookie()
+        with contextlib.suppress(Exception):
+            cookies.load(dict(scope.get("headers") or []).get(b"cookie", b"").decode("latin-1"))
+        morsel = cookies.get(COOKIE_NAME)
+        if morsel is not None and hmac.compare_digest(morsel.value.encode(), expected.encode()):
+            return None
+        offered = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])[0]
+        if offered and hmac.compare_digest(offered.encode(), self.api_key.encode()):
+            resp = RedirectResponse(path, status_code=303)
+            resp.set_cookie(COOKIE_NAME, expected, httponly=True, samesite="strict", path=_DASHBOARD_PREFIX)
+            return resp
+        return _error_response(401, "Incorrect or missing API key: open /dashboard?api_key=<key> once (it sets a "
+                               "cookie), or send 'Authorization: Bearer <key>'.", "invalid_request_error",
+                               code="invalid_api_key")
 
 
 _UNION_HINTS = {
@@ -186,6 +223,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
     serving = OpenAIServing(engine, settings.served_model_names, settings.model_root)
     metrics = metrics or engine.metrics or EngineMetrics(settings.served_model_names[0], engine.stats)
     engine.metrics = metrics  # NOTE: the engine observes request latencies into the same registry
+    feed = DashboardFeed(engine, metrics, settings.served_model_names[0], settings.dashboard_interval_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -199,6 +237,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
         finally:
             if log_task is not None:
                 log_task.cancel()
+            await feed.close()
             if manage_engine:
                 await engine.shutdown()
 
@@ -206,6 +245,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
     app.state.engine = engine
     app.state.serving = serving
     app.state.metrics = metrics
+    app.state.dashboard = feed
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -304,6 +344,20 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
         result = await engine.run_on_engine(probe)
         result["num_open_streams"] = engine.num_open_streams
         return result
+
+    @app.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(page_html(), headers={"Cache-Control": "no-cache"})
+
+    @app.get("/dashboard/stream", include_in_schema=False)
+    async def dashboard_stream() -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            yield "retry: 2000\n\n"
+            async for text in feed.subscribe():
+                yield f"data: {text}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     app.add_middleware(GateMiddleware, engine=engine, api_key=settings.api_key)
     return app
