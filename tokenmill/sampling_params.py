@@ -11,6 +11,38 @@ _GREEDY_EPS = 1e-5
 OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output (vLLM's `structured_outputs` fields): exactly one of them is set."""
+
+    json: dict | str | None = None
+    """A JSON schema (an object or its text): the output is one JSON value that validates against it."""
+    json_object: bool = False
+    """The output is one JSON object (any keys)."""
+    regex: str | None = None
+    """The output matches this regular expression (whole output)."""
+    choice: tuple[str, ...] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A context-free grammar in Lark syntax (llguidance's dialect) or GBNF (llama.cpp's)."""
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise InvalidRequest("structured_outputs: set exactly one of json, json_object, regex, choice, grammar"
+                                 + (f" (got {', '.join(kinds)})" if kinds else ""), param="structured_outputs")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequest("structured_outputs.choice must be a non-empty list of non-empty strings",
+                                 param="structured_outputs.choice")
+
+    def kinds(self) -> list[str]:
+        return [k for k, v in (("json", self.json is not None), ("json_object", self.json_object),
+                               ("regex", self.regex is not None), ("choice", self.choice is not None),
+                               ("grammar", self.grammar is not None)) if v]
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. Validated on construction; errors name the field."""
@@ -49,6 +81,8 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the text."""
+    structured_outputs: StructuredOutputs | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar (tokenmill.structured)."""
     output_kind: str = "cumulative"
     """What each RequestOutput holds: "cumulative" (everything so far), "delta" (only what is new since the
     last output: streaming readers; see RequestOutput.merge), or "final" (one output, when finished)."""

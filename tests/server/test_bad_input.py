@@ -55,8 +55,10 @@ CASES = [
     ("unsupported-best-of", "POST", CMPL, cmpl(best_of=3), 400, "best_of"),
     ("unsupported-echo-logprobs", "POST", CMPL, cmpl(echo=True, logprobs=1), 400, "logprobs"),
     ("unsupported-tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    ("unsupported-response-format", "POST", CHAT, chat(response_format={"type": "json_object"}), 400,
-     "response_format"),
+    ("unknown-response-format", "POST", CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type"),
+    ("json-schema-not-json", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}), 400,
+     "structured_outputs.json"),
     ("unsupported-image", "POST", CHAT,
      chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
      "messages.content"),

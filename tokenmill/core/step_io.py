@@ -79,6 +79,10 @@ class StepInput:
     block_copies: list[BlockCopy] = field(default_factory=list)
     scheduled: list[ScheduledChunk] = field(default_factory=list)
     forked: list[ScheduledChunk] = field(default_factory=list)
+    token_masks: dict[str, bytes] = field(default_factory=dict)
+    """Structured outputs: per request id under a grammar, its allowed-token bitmask rows (int32 words,
+    tokenmill.structured.grammar's layout), one per logits row it samples: the next token, then after each
+    draft's path. Requests without a grammar are absent."""
 
     @property
     def num_tokens(self) -> int:

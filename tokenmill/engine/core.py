@@ -33,6 +33,7 @@ from tokenmill.models.loader import load_model
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.manager import StructuredOutputManager
 from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -80,6 +81,10 @@ class EngineStats:
     """Wall seconds inside those steps (scheduling, the forward, sampling, detokenizing, outputs)."""
     forward_seconds: float = 0.0
     """Of step_seconds, the model runner's part (inputs, the forward, the LM head, sampling)."""
+    num_grammar_masks: int = 0
+    """Structured outputs: allowed-token masks computed (one per sampled position under a grammar, drafts too)."""
+    num_grammar_violations: int = 0
+    """Tokens kept that their grammar did not allow: 0 unless a mask failed to apply (a bug)."""
 
 
 STEP_LOG_LEN = 512
@@ -250,6 +255,10 @@ class EngineCore:
         self.forward_seconds = 0.0
         self.recent_steps: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else (self.arch.eos_token_ids or (None,))[0]
+        self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size,
+                                                  [self.eos_token_id] if self.eos_token_id is not None else []) \
+            if self.tokenizer is not None else None
+        """Grammar matchers of requests with structured_outputs (tokenmill.structured); None without a tokenizer."""
         logger.info("loaded %s in %.1fs: %d KV blocks of %d tokens (%.1f MiB)", loaded.path.name, time.time() - t0,
                     num_blocks, cc.block_size, num_blocks * self.kv_spec.bytes_per_block / 2**20)
 
@@ -294,6 +303,12 @@ class EngineCore:
                 raise InvalidRequest("cache_salt is not valid Unicode text (a lone surrogate?)", "cache_salt") from None
         if kv_transfer is not None:
             self._check_kv_transfer(kv_transfer, n_prompt, params)
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise InvalidRequest("structured_outputs need the model's tokenizer, and this model has none",
+                                     "structured_outputs")
+            grammar = self.structured.compile(params.structured_outputs)
         arrival = arrival_time if arrival_time is not None else time.time()
         children, detoks = [], []
         for i in range(params.n):
@@ -309,6 +324,8 @@ class EngineCore:
             self.child_to_parent[cid] = request_id
         self.parents[request_id] = _Parent(request_id, prompt, list(prompt_token_ids), children, detoks, arrival,
                                            [_Emitted() for _ in children])
+        if grammar is not None:
+            self.structured.add([c.request_id for c in children], grammar)
         # Samples 2..n fork from the first once its prompt is computed (shared blocks, CoW).
         self.scheduler.add_request(children[0], forks=children[1:])
         self.num_prompt_tokens += n_prompt * params.n
@@ -419,6 +436,11 @@ class EngineCore:
             self.kv_worker.start_step(sched.kv)
             if sched.is_empty and not sched.finished_ids:  # only transfers in flight: wait for one, do not spin
                 self.kv_worker.wait(0.005)
+        if self.structured is not None and self.structured.matchers:
+            self.structured.forget(sched.finished_ids)
+            masks = self.structured.step_masks(sched)
+            if masks:
+                sched.step = dataclasses.replace(sched.step, token_masks=masks)
         t0 = time.perf_counter()
         results = self.runner.execute(sched.step) if self.spec is None else self.spec.execute(self.runner, sched)
         if not sched.is_empty:
@@ -430,6 +452,9 @@ class EngineCore:
                                                 len(self.scheduler.running), len(self.scheduler.waiting),
                                                 len(sched.preempted_ids), forward_s * 1000.0))
         changed = self.scheduler.update(sched, results)
+        if self.structured is not None and self.structured.matchers:
+            for rid in self.structured.consume(changed):  # a complete grammar ends its sample, as EOS would
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
         touched: dict[str, None] = {}
         for req in changed:
             pid = self.child_to_parent.get(req.request_id)
@@ -553,7 +578,9 @@ class EngineCore:
             num_unfilled_slots=mem.num_unfilled_slots, kv_pool_tokens=mem.num_blocks_total * spec.block_size,
             kv_pool_bytes=mem.num_blocks_total * spec.bytes_per_block, kv_cache_dtype=str(spec.dtype).removeprefix("torch."),
             kv_transfer=dataclasses.asdict(self.kv_connector.stats) if self.kv_connector is not None else {},
-            num_steps=self.num_steps, step_seconds=self.step_seconds, forward_seconds=self.forward_seconds)
+            num_steps=self.num_steps, step_seconds=self.step_seconds, forward_seconds=self.forward_seconds,
+            num_grammar_masks=self.structured.num_masks if self.structured else 0,
+            num_grammar_violations=self.structured.num_rejected_tokens if self.structured else 0)
 
     def snapshot(self, since_step: int = 0) -> EngineSnapshot:
         """Stats, the block pool's map, the steps after `since_step` and every live request (the dashboard)."""

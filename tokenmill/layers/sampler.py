@@ -3,7 +3,8 @@
 Order of operations per row (the rejection sampler reuses `process_logits` so draft and target
 distributions get identical treatment):
   1. penalties: repetition (prompt + output), presence and frequency (output);
-  2. min_tokens: EOS and stop_token_ids masked until enough tokens were generated;
+  2. min_tokens: EOS and stop_token_ids masked until enough tokens were generated; a grammar's banned
+     tokens masked (structured outputs);
   3. logprobs are taken here (after penalties, before temperature), as vLLM returns them;
   4. temperature, then top-k, top-p and min-p masks (masked logits = -inf);
   5. greedy rows take the argmax; random rows use the exponential race
@@ -29,6 +30,20 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
+def unpack_token_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [R, ceil(V / 32)] -> bool [R, V], True = allowed: token t is bit t % 32 of word t // 32.
+    E.g. V = 40, words [[0b101, 0b10]] -> tokens 0, 2 and 33 allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+
+
+def masks_from_bytes(data: bytes, num_words: int, vocab_size: int) -> torch.Tensor:
+    """A request's bitmask rows as sent in StepInput.token_masks -> bool [rows, V]."""
+    words = torch.frombuffer(bytearray(data), dtype=torch.int32).reshape(-1, num_words)
+    return unpack_token_bitmask(words, vocab_size)
+
+
 @dataclass
 class SamplingMetadata:
     temperature: torch.Tensor        # [N] float32; 0 for greedy rows
@@ -44,6 +59,10 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]
     all_greedy: bool
     max_num_logprobs: int | None
+    allowed: torch.Tensor | None = None     # [N, V] bool, False = banned by the row's grammar (None: no grammar)
+    allowed_per_position: list[torch.Tensor | None] | None = None
+    """Per request, [1 + k, V] bool: its grammar's allowed tokens at the next position and after each of its
+    k drafts (paths, for a tree); what the verifier's rows get (spec_decode.rejection_sampler.expand_rows)."""
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -58,6 +77,8 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
         logits = logits - meta.presence_penalty[:, None] * (meta.output_counts > 0).float()
     if meta.min_tokens_mask is not None:
         logits = logits.masked_fill(meta.min_tokens_mask, float("-inf"))
+    if meta.allowed is not None:  # structured outputs: before logprobs, temperature, top-k/p (docs/structured_outputs.md)
+        logits = logits.masked_fill(~meta.allowed, float("-inf"))
     return logits
 
 

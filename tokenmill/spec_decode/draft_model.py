@@ -100,7 +100,8 @@ def take_rows(meta: SamplingMetadata, idx: list[int]) -> SamplingMetadata:
         min_p=pick(meta.min_p), presence_penalty=pick(meta.presence_penalty),
         frequency_penalty=pick(meta.frequency_penalty), repetition_penalty=pick(meta.repetition_penalty),
         output_counts=pick(meta.output_counts), prompt_mask=pick(meta.prompt_mask),
-        min_tokens_mask=pick(meta.min_tokens_mask), generators=[meta.generators[i] for i in idx])
+        min_tokens_mask=pick(meta.min_tokens_mask), generators=[meta.generators[i] for i in idx],
+        allowed=pick(meta.allowed), allowed_per_position=None)
 
 
 def advance(meta: SamplingMetadata, tokens: torch.Tensor, num_generated: list[int], min_tokens: list[int]) -> None:

@@ -176,7 +176,18 @@ def expand_rows(meta: SamplingMetadata, prefixes: list[list[list[int]]], num_out
                     ban[row] = False
                 row += 1
     gens = [g for rows, g in zip(prefixes, meta.generators) for _ in rows]
-    return replace(meta, temperature=rep(meta.temperature), top_k=rep(meta.top_k), top_p=rep(meta.top_p),
+    allowed = None
+    if meta.allowed_per_position is not None:  # a grammar's mask per position: row j after prefixes[i][j]
+        V = next(a.shape[-1] for a in meta.allowed_per_position if a is not None)
+        parts = []
+        for rows, a in zip(prefixes, meta.allowed_per_position):
+            if a is None:
+                parts.append(torch.ones(len(rows), V, dtype=torch.bool, device=reps.device))
+            else:
+                assert a.shape[0] == len(rows), f"{a.shape[0]} grammar rows for {len(rows)} positions"
+                parts.append(a)
+        allowed = torch.cat(parts)
+    return replace(meta, allowed=allowed, allowed_per_position=None, temperature=rep(meta.temperature), top_k=rep(meta.top_k), top_p=rep(meta.top_p),
                    min_p=rep(meta.min_p), presence_penalty=rep(meta.presence_penalty),
                    frequency_penalty=rep(meta.frequency_penalty), repetition_penalty=rep(meta.repetition_penalty),
                    output_counts=counts, prompt_mask=rep(meta.prompt_mask), min_tokens_mask=ban, generators=gens)

@@ -18,6 +18,8 @@ The runner never sees a scheduler `Request`: it keeps a `RequestState` row per r
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -28,7 +30,7 @@ from tokenmill.attention.metadata import AttentionMetadata, forward_context, tre
 from tokenmill.config import ModelArchConfig
 from tokenmill.core.step_io import (NewRequestData, SamplerResult, SamplingRow, ScheduledChunk, StepInput,
                                     StepTokens)
-from tokenmill.layers.sampler import Sampler, SamplingMetadata
+from tokenmill.layers.sampler import Sampler, SamplingMetadata, masks_from_bytes
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import cpu_decode
 from tokenmill.worker.kv_cache_ops import add_forked_samples, compact_accepted_path, copy_blocks
@@ -218,7 +220,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
         rows = [self.requests[s.request_id] for s in sampling]
         smeta = self.sampling_metadata(rows)
-        if self.verifier is not None and any(s.num_spec_tokens for s in sampling):
+        verify = self.verifier is not None and any(s.num_spec_tokens for s in sampling)
+        if step.token_masks:
+            smeta = self.with_grammar_masks(smeta, rows, step.token_masks, per_position=verify)
+        if verify:
             results = self.verifier(logits, sampling, rows, smeta, self.sampler.global_gen)
             for s in sampling:  # a verified tree: its accepted path's K/V into consecutive slots
                 res = results.get(s.request_id)
@@ -233,6 +238,22 @@ class ModelRunner:
         toks = out.token_ids.tolist()
         return {r.request_id: SamplerResult([toks[i]], None if out.logprobs is None or out.logprobs[i] is None
                                             else [out.logprobs[i]]) for i, r in enumerate(rows)}
+
+    def with_grammar_masks(self, meta: SamplingMetadata, rows: Sequence[SamplingRow], masks: dict[str, bytes],
+                           per_position: bool) -> SamplingMetadata:
+        """Structured outputs: each row's allowed tokens (StepInput.token_masks) on the metadata; with drafts,
+        one mask per verified position (the verifier expands them with its rows)."""
+        V = self.vocab_size
+        words = (V + 31) // 32
+        unpacked = [masks_from_bytes(masks[r.request_id], words, V).to(self.device) if r.request_id in masks
+                    else None for r in rows]
+        if per_position:
+            return dataclasses.replace(meta, allowed_per_position=unpacked)
+        allowed = torch.ones(len(rows), V, dtype=torch.bool, device=self.device)
+        for i, m in enumerate(unpacked):
+            if m is not None:
+                allowed[i] = m[0]
+        return dataclasses.replace(meta, allowed=allowed)
 
     def prepare_inputs(self, batch: list[StepTokens]) -> StepInputs:
         """The tensors of one forward pass over `batch` (decodes first, as `execute` orders them)."""

@@ -12,6 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tokenmill.errors import InvalidRequest
+from tokenmill.sampling_params import StructuredOutputs
+
 # Seeds go to torch.Generator.manual_seed, which accepts [-2**63, 2**64).
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 # Ids and counts beyond this are nonsense for any model; bounding them keeps torch from overflowing.
@@ -79,8 +82,6 @@ UNSUPPORTED_CHAT: dict[str, tuple[Any, str]] = {
     "parallel_tool_calls": (lambda v: v is None, "parallel_tool_calls is not supported by tokenmill"),
     "functions": (_empty, "functions (function calling) are not supported by tokenmill"),
     "function_call": (lambda v: v in (None, "none"), "function_call is not supported by tokenmill"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "response_format other than {'type': 'text'} is not supported by tokenmill"),
     "audio": (lambda v: v is None, "audio output is not supported by tokenmill"),
     "modalities": (lambda v: v is None or v == ["text"], "modalities other than ['text'] are not supported"),
     "prediction": (lambda v: v is None, "prediction (predicted outputs) is not supported by tokenmill"),
@@ -94,6 +95,32 @@ class StreamOptions(OpenAIBaseModel):
     """Send one more chunk before [DONE] with the usage of the whole request (choices empty)."""
     continuous_usage_stats: bool | None = False
     """vLLM extra; tokenmill does not implement it (400 when true)."""
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    """OpenAI's response_format.json_schema."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(OpenAIBaseModel):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 class SamplingFields(OpenAIBaseModel):
@@ -122,6 +149,14 @@ class SamplingFields(OpenAIBaseModel):
     cache_salt: str | None = Field(
         None, description="Prefix-cache blocks are shared only between requests with the same salt; "
         "give each tenant its own (random, unguessable) salt so one cannot probe another's prompts.")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = Field(
+        None, description="vLLM's extra: constrain the output to a JSON schema (json), any JSON object (json_object), "
+        "a regex, one of a list of strings (choice) or a Lark/GBNF grammar.")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older name of structured_outputs.json")
+    guided_regex: str | None = Field(None, description="vLLM's older name of structured_outputs.regex")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older name of structured_outputs.choice")
+    guided_grammar: str | None = Field(None, description="vLLM's older name of structured_outputs.grammar")
     kv_transfer_params: dict[str, Any] | None = Field(
         None, description="Disaggregation (vLLM's field): {\"do_remote_decode\": true} on a prefill worker holds the "
         "prompt's K/V and returns where they wait; {\"do_remote_prefill\": true, ...those params} on a decode worker "
@@ -135,6 +170,41 @@ class SamplingFields(OpenAIBaseModel):
         if self.cache_salt is not None and not _is_utf8(self.cache_salt):
             # NOTE: the engine hashes the salt's UTF-8 bytes; a lone surrogate would fail in the engine thread
             raise UnsupportedParameterError("cache_salt", "cache_salt must be valid Unicode (no lone surrogates)")
+        return self
+
+    def structured(self) -> StructuredOutputs | None:
+        """The one output constraint the request sets, from whichever field carries it (400 if several do)."""
+        found: list[tuple[str, StructuredOutputs]] = []
+
+        def add(param: str, **kw: Any) -> None:
+            try:
+                found.append((param, StructuredOutputs(**kw)))
+            except InvalidRequest as e:
+                raise UnsupportedParameterError(param, e.message) from None
+
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            add("response_format", json_object=True)
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise UnsupportedParameterError("response_format.json_schema",
+                                                "response_format of type json_schema needs json_schema.schema")
+            add("response_format", json=rf.json_schema.schema_)
+        so = self.structured_outputs
+        if so is not None:
+            add("structured_outputs", json=so.json_, json_object=bool(so.json_object), regex=so.regex,
+                choice=so.choice, grammar=so.grammar)
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                add(name, **{key: getattr(self, name)})
+        if len(found) > 1:
+            raise UnsupportedParameterError(found[1][0], f"give one output constraint; got {', '.join(p for p, _ in found)}")
+        return found[0][1] if found else None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "SamplingFields":
+        self.structured()
         return self
 
     @model_validator(mode="after")

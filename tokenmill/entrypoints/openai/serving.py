@@ -228,6 +228,7 @@ class OpenAIServing:
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=req.structured(),
                 # streams are built from deltas (O(new) per step); other replies need the final output only
                 output_kind="delta" if req.stream else "final",
             )

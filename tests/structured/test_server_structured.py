@@ -1,0 +1,154 @@
+"""Structured outputs through the real server with the `openai` client: 50 generated JSON schemas (nesting,
+enums, arrays, numbers) answered by a tiny random model, every reply parsed and validated with jsonschema,
+streaming and not, with n-gram speculation on and off; vLLM's extra fields; bad constraints are 400s."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY, metric_values, start_server
+
+ARGS = ("--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
+        "--kv-cache-memory-bytes", str(64 << 20))
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+
+
+def make_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A random schema whose every instance is short: bounded strings, arrays and integers."""
+    kinds = ["string", "integer", "number", "boolean", "enum", "array"] + (["object"] * 2 if depth < 2 else [])
+    kind = rng.choice(kinds)
+    if kind == "string":
+        return {"type": "string", "maxLength": rng.randint(1, 10)}
+    if kind == "integer":
+        lo = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 500)}
+    if kind == "number":
+        return {"type": "number", "minimum": 0, "maximum": 1000}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", "cyan", "amber", 1, 2, None, True], rng.randint(1, 4))}
+    if kind == "array":
+        return {"type": "array", "items": make_schema(rng, depth + 1), "minItems": rng.randint(0, 1),
+                "maxItems": rng.randint(1, 3)}
+    props = {f"k{i}_{rng.randint(0, 99)}": make_schema(rng, depth + 1) for i in range(rng.randint(1, 4))}
+    return {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
+
+
+def schemas(n: int = 50) -> list[dict]:
+    rng = random.Random(2026)
+    return [{"type": "object", "properties": {"answer": make_schema(rng), "id": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 9999}},
+             "required": ["answer", "id"], "additionalProperties": False} for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tiny_llama):
+    tmp = tmp_path_factory.mktemp("structured")
+    plain = start_server(tmp, *ARGS, "--model", str(tiny_llama))
+    spec = start_server(tmp, *ARGS, "--model", str(tiny_llama), "--speculative-config", SPEC)
+    real = start_server(tmp, *ARGS)  # the default 135M model: an instruct model closes its JSON objects
+    yield {"plain": plain, "spec": spec, "real": real}
+    for srv in (plain, spec, real):
+        srv.stop()
+
+
+async def answer(client: openai.AsyncOpenAI, schema: dict, i: int, stream: bool) -> tuple[str, str]:
+    kw = dict(model=client.model, max_tokens=300, temperature=1.0, seed=i,
+              messages=[{"role": "user", "content": f"Fill in record {i}."}],
+              response_format={"type": "json_schema", "json_schema": {"name": f"r{i}", "schema": schema,
+                                                                       "strict": True}})
+    if not stream:
+        r = await client.chat.completions.create(**kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, reason = [], None
+    async for chunk in await client.chat.completions.create(**kw, stream=True):
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            reason = chunk.choices[0].finish_reason or reason
+    return "".join(text), reason
+
+
+async def run_all(url: str, cases: list[tuple[int, dict, bool]]) -> list[tuple[str, str]]:
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0) as client:
+        client.model = (await client.models.list()).data[0].id
+        return await asyncio.gather(*(answer(client, s, i, stream) for i, s, stream in cases))
+
+
+@pytest.mark.parametrize("which", ["plain", "spec"])
+def test_fifty_schemas_validate_streaming_and_not(servers, which):
+    all_schemas = schemas()
+    picked = list(enumerate(all_schemas)) if which == "plain" else list(enumerate(all_schemas))[::5]
+    cases = [(i, s, i % 2 == 0) for i, s in picked]
+    results = asyncio.run(run_all(servers[which].url, cases))
+    for (i, schema, stream), (text, reason) in zip(cases, results):
+        assert reason == "stop", f"schema {i} (stream={stream}): {reason}: {text!r}"
+        jsonschema.validate(json.loads(text), schema)
+    if which == "spec":  # speculation ran on these requests
+        m = metric_values(httpx.get(servers[which].url + "/metrics").text)
+        assert m["tokenmill:spec_decode_num_draft_tokens_total"] > 0
+
+
+def test_vllm_extra_fields_and_json_object(servers):
+    client = openai.OpenAI(base_url=f"{servers['plain'].url}/v1", api_key=API_KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    msgs = [{"role": "user", "content": "pick"}]
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=10,
+                                       extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert r.choices[0].message.content in ("alpha", "beta")
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=10, extra_body={"guided_regex": r"\d{4}"})
+    assert len(r.choices[0].message.content) == 4 and r.choices[0].message.content.isdigit()
+    r = client.completions.create(model=model, prompt="x", max_tokens=200, temperature=1.0, seed=1,
+                                  extra_body={"guided_json": {"type": "object", "properties": {
+                                      "a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}})
+    assert isinstance(json.loads(r.choices[0].text)["a"], bool)
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=1.0, seed=2,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "length"  # cut short, as OpenAI does
+
+
+def test_json_object_with_the_real_model(servers):
+    client = openai.OpenAI(base_url=f"{servers['real'].url}/v1", api_key=API_KEY, max_retries=0)
+    msgs = [{"role": "user", "content": "Give the capital and population of France as a JSON object."}]
+    for stream in (False, True):
+        kw = dict(model="smollm2-135m", messages=msgs, max_tokens=200, temperature=0,
+                  response_format={"type": "json_object"})
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                           if c.choices)
+        else:
+            r = client.chat.completions.create(**kw)
+            assert r.choices[0].finish_reason == "stop"
+            text = r.choices[0].message.content
+        assert isinstance(json.loads(text), dict), text
+    free = client.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=60, temperature=0)
+    with pytest.raises(ValueError):  # unconstrained, the same model answers in prose
+        json.loads(free.choices[0].message.content)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}}, "structured_outputs.json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+])
+def test_bad_constraints_are_400s_naming_the_problem(servers, body, param):
+    client = openai.OpenAI(base_url=f"{servers['plain'].url}/v1", api_key=API_KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                       extra_body=body)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == param, err
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    assert r.choices[0].message.content is not None  # the server goes on serving
