@@ -69,7 +69,13 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.hf.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_renders_tools(self) -> bool:
+        """The chat template has a tool format of its own (it reads a `tools` variable): Qwen2.5/3, Llama 3.x."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; use a completion (prompt) instead")
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -80,7 +86,7 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens)
 
 
 def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:

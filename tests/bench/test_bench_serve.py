@@ -128,9 +128,13 @@ def test_sweep_table_json_and_plots(stub_server, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     url, _ = stub_server
     args = argparse.Namespace(goodput=["ttft:1000"], metric_percentiles="50,99", endpoint="completions",
-                              ignore_eos=False, arrival="poisson", seed=0, api_key=None)
+                              ignore_eos=False, arrival="poisson", seed=0, api_key=None, share_prefix_cache=False)
+    url, state = stub_server
+    state["bodies"].clear()
     runs = serve.run_sweep(url, "stub-model", _requests(4), [50.0, math.inf], [None, 2], args)
     assert len(runs) == 4 and all(r["metrics"]["completed"] == 4 for r in runs)
+    salts = [b.get("cache_salt") for b in state["bodies"][1:]]  # after the warm-up request: 4 per point
+    assert len(set(salts)) == 4 and all(salts) and salts[:4] == [salts[0]] * 4  # one salt per sweep point
     serve.print_runs(runs, {"ttft": 1000})
     assert "goodput" in capsys.readouterr().out
     paths = serve.write_plots(runs, tmp_path)

@@ -54,7 +54,9 @@ CASES = [
     ("unsupported-suffix", "POST", CMPL, cmpl(suffix="end"), 400, "suffix"),
     ("unsupported-best-of", "POST", CMPL, cmpl(best_of=3), 400, "best_of"),
     ("unsupported-echo-logprobs", "POST", CMPL, cmpl(echo=True, logprobs=1), 400, "logprobs"),
-    ("unsupported-tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("tool-of-unknown-type", "POST", CHAT, chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), 400,
+     "tools.0.type"),
+    ("tool-choice-without-tools", "POST", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
     ("unknown-response-format", "POST", CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type"),
     ("json-schema-not-json", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}), 400,

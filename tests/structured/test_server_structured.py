@@ -152,3 +152,76 @@ def test_bad_constraints_are_400s_naming_the_problem(servers, body, param):
     assert e.value.status_code == 400 and err["param"] == param, err
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=3)
     assert r.choices[0].message.content is not None  # the server goes on serving
+
+
+# --- tool calling (the default model's ChatML has no tool format: tools in the system prompt, Hermes tags) ----
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def test_tool_call_round_trip_with_the_openai_client(servers):
+    client = openai.OpenAI(base_url=f"{servers['real'].url}/v1", api_key=API_KEY, max_retries=0)
+    r = client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=[WEATHER, ADD],
+                                       tool_choice="required", max_tokens=120, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        schema = {"get_weather": WEATHER, "add": ADD}[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+        assert call.id.startswith("call_") and call.type == "function"
+    call = choice.message.tool_calls[0]
+    # the client runs the tool and sends the result back; the model answers in prose (tool_choice auto)
+    follow = ASK + [choice.message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18})}]
+    r2 = client.chat.completions.create(model="smollm2-135m", messages=follow, tools=[WEATHER, ADD],
+                                        max_tokens=60, temperature=0)
+    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r2.choices[0].message.content or r2.choices[0].message.tool_calls
+
+
+def test_named_tool_choice_streams_tool_call_deltas(servers):
+    client = openai.OpenAI(base_url=f"{servers['real'].url}/v1", api_key=API_KEY, max_retries=0)
+    stream = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Add 19 and 23."}], tools=[WEATHER, ADD],
+        tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=80, temperature=0, stream=True)
+    calls: dict[int, dict] = {}
+    reasons = []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        for tc in d.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"name": "", "arguments": "", "id": None})
+            entry["id"] = entry["id"] or tc.id
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+        if chunk.choices[0].finish_reason:
+            reasons.append(chunk.choices[0].finish_reason)
+    assert reasons == ["tool_calls"] and list(calls) == [0]   # named choice: one call, of that function
+    assert calls[0]["name"] == "add" and calls[0]["id"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), ADD["function"]["parameters"])
+
+
+def test_tool_choice_none_and_bad_tool_requests(servers):
+    client = openai.OpenAI(base_url=f"{servers['real'].url}/v1", api_key=API_KEY, max_retries=0)
+    r = client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=30, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+    for kw, param in ((dict(tool_choice="required"), "tool_choice"),
+                      (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+                       "tool_choice"),
+                      (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+                       "tool_choice"),
+                      (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools.0.function.name")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=5, **kw)
+        assert e.value.body["param"] == param, e.value.body

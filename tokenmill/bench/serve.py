@@ -129,7 +129,8 @@ async def arrivals(requests: list[SampleRequest], rate: float, pattern: str, see
 
 async def run_load(base_url: str, model: str, requests: list[SampleRequest], rate: float, pattern: str,
                    max_concurrency: int | None, chat: bool = False, ignore_eos: bool = False, seed: int = 0,
-                   api_key: str | None = None, timeout: float = 600.0) -> tuple[list[RequestResult], float]:
+                   api_key: str | None = None, timeout: float = 600.0,
+                   extra_body: dict | None = None) -> tuple[list[RequestResult], float]:
     import httpx
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -138,9 +139,9 @@ async def run_load(base_url: str, model: str, requests: list[SampleRequest], rat
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
         async def one(r: SampleRequest) -> RequestResult:
             if sem is None:
-                return await send_request(client, url, model, r, chat, ignore_eos, headers=headers)
+                return await send_request(client, url, model, r, chat, ignore_eos, extra_body, headers)
             async with sem:
-                return await send_request(client, url, model, r, chat, ignore_eos, headers=headers)
+                return await send_request(client, url, model, r, chat, ignore_eos, extra_body, headers)
 
         t0 = time.perf_counter()
         tasks = []
@@ -329,6 +330,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metric-percentiles", default="99", help="Percentiles to report (comma list)")
     g.add_argument("--result-dir", default="bench_out/serve", help="JSON and PNG plots go here")
     g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--share-prefix-cache", action="store_true",
+                   help="Let sweep points share prefix-cache blocks (by default each sends its own cache_salt, so "
+                        "no point finds an earlier point's prompts cached)")
 
 
 def load_tokenizer(model: str):
@@ -350,8 +354,12 @@ def run_sweep(base_url: str, model: str, requests: list[SampleRequest], rates: l
     runs = []
     for cap in caps:
         for rate in rates:
+            # NOTE: every point sends the same prompts; without its own cache_salt (vLLM's field too) each point
+            # after the first would find them all in the prefix cache and skip their prefill (seen: 23.9 out
+            # tok/s for a cold first point vs 111 for the same load later)
+            extra = None if args.share_prefix_cache else {"cache_salt": f"sweep-{len(runs)}-{time.time_ns()}"}
             results, duration = asyncio.run(run_load(base_url, model, requests, rate, args.arrival, cap, chat,
-                                                     args.ignore_eos, args.seed, args.api_key))
+                                                     args.ignore_eos, args.seed, args.api_key, extra_body=extra))
             m = calculate_metrics(results, duration, slos, pcts)
             runs.append({"request_rate": rate, "max_concurrency": cap, "num_prompts": len(requests), "metrics": m,
                          "per_request": [{k: v for k, v in asdict(r).items() if k != "generated_text"}

@@ -77,9 +77,6 @@ UNSUPPORTED_COMPLETION: dict[str, tuple[Any, str]] = {
 
 UNSUPPORTED_CHAT: dict[str, tuple[Any, str]] = {
     **_COMMON_UNSUPPORTED,
-    "tools": (_empty, "tools (function calling) are not supported by tokenmill"),
-    "tool_choice": (lambda v: v in (None, "none"), "tool_choice is not supported by tokenmill"),
-    "parallel_tool_calls": (lambda v: v is None, "parallel_tool_calls is not supported by tokenmill"),
     "functions": (_empty, "functions (function calling) are not supported by tokenmill"),
     "function_call": (lambda v: v in (None, "none"), "function_call is not supported by tokenmill"),
     "audio": (lambda v: v is None, "audio output is not supported by tokenmill"),
@@ -258,9 +255,16 @@ class ChatMessage(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "ChatMessage":
         extra = self.model_extra or {}
-        for key in ("tool_calls", "function_call", "audio"):
+        for key in ("function_call", "audio"):
             if extra.get(key):
                 raise UnsupportedParameterError(f"messages.{key}", f"{key} in messages are not supported by tokenmill")
+        calls = extra.get("tool_calls")
+        if calls:
+            if self.role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise UnsupportedParameterError("messages.tool_calls", "tool_calls belong to assistant messages: "
+                                                "a list of {id, type: function, function: {name, arguments}}")
         if self.content is None and self.role != "assistant":
             raise UnsupportedParameterError("messages.content", f"a {self.role} message needs content")
         if isinstance(self.content, list):
@@ -281,10 +285,37 @@ class ChatMessage(BaseModel):
         return "".join(part["text"] for part in self.content)
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object."""
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: "auto" when tools are given, else "none" (OpenAI's rule)."""
+    parallel_tool_calls: bool | None = None
+    """Several calls in one reply (default true)."""
     max_tokens: int | None = Field(None, ge=1, le=_MAX_INT, description="Deprecated by OpenAI; "
                                    "max_completion_tokens wins when both are set.")
     max_completion_tokens: int | None = Field(None, ge=1, le=_MAX_INT)
@@ -302,7 +333,23 @@ class ChatCompletionRequest(SamplingFields):
     def _check(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameterError("top_logprobs", "top_logprobs needs logprobs set to true")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto"):
+            if not self.tools:
+                raise UnsupportedParameterError("tool_choice", "tool_choice other than none/auto needs tools")
+            if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+                raise UnsupportedParameterError("tool_choice", f"tool_choice names {choice.function.name!r}, which "
+                                                "is not among the tools")
+            if self.structured() is not None:
+                raise UnsupportedParameterError("tool_choice", "tool_choice required or a named function already "
+                                                "constrains the output: drop response_format / structured_outputs")
         return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -410,6 +457,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -29,8 +29,10 @@ from tokenmill.entrypoints.openai.protocol import (ChatChoice, ChatCompletionReq
                                                    CompletionRequest, CompletionResponse, DetokenizeRequest,
                                                    ModelCard, ModelList, PromptTokensDetails, SamplingFields,
                                                    TokenizeRequest, UsageInfo)
+from tokenmill.entrypoints.openai.tool_calls import (TOOL_CLOSE, TOOL_OPEN, StreamingToolParser, parse_reply,
+                                                     tool_call_grammar, tools_system_prompt)
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -176,10 +178,38 @@ class OpenAIServing:
         self._check_token_ids(ids, "tokens")
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None = None) -> str:
+        tok = self._tokenizer
+        native_tools = tools is not None and tok.template_renders_tools
+        msgs = []
+        for m in messages:
+            role = "system" if m.role == "developer" else m.role
+            calls = (m.model_extra or {}).get("tool_calls")
+            if native_tools:  # the template has a tool format: give it OpenAI's shapes
+                msg: dict[str, Any] = {"role": role, "content": m.text()}
+                if calls:
+                    msg["tool_calls"] = calls
+                if (m.model_extra or {}).get("tool_call_id"):
+                    msg["tool_call_id"] = m.model_extra["tool_call_id"]
+                msgs.append(msg)
+            elif calls:  # Hermes format, as the model was asked to write it (tool_calls.py)
+                blocks = "".join(f"{TOOL_OPEN}\n" + json.dumps({"name": c["function"]["name"], "arguments": _arguments(
+                    c["function"].get("arguments"))}, ensure_ascii=False) + f"\n{TOOL_CLOSE}\n" for c in calls)
+                msgs.append({"role": role, "content": (m.text() + "\n" if m.text() else "") + blocks.rstrip("\n")})
+            elif role == "tool":
+                msgs.append({"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"})
+            else:
+                msgs.append({"role": role, "content": m.text()})
+        if tools is not None and not native_tools:
+            block = tools_system_prompt(tools)
+            if msgs and msgs[0]["role"] == "system":
+                msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + block}
+            else:
+                msgs.insert(0, {"role": "system", "content": block})
         try:
-            return self._tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+            return tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                           tools=tools if native_tools else None)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise OpenAIError(f"messages could not be rendered with the chat template: {e}",
                               param="messages") from e
@@ -204,7 +234,9 @@ class OpenAIServing:
                 f"the completion). Please reduce the length of the {what} or of max_tokens.",
                 param=what if prompt_len >= max_len else "max_tokens", code="context_length_exceeded")
 
-    def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                         structured: StructuredOutputs | None = None) -> SamplingParams:
+        """structured: a constraint of the server's own (tool calls) in place of the request's."""
         vocab = self.engine.vocab_size or self._tokenizer.vocab_size
         top_k = req.top_k if req.top_k is not None else 0
         if top_k >= vocab:
@@ -228,7 +260,7 @@ class OpenAIServing:
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                structured_outputs=req.structured(),
+                structured_outputs=structured or req.structured(),
                 # streams are built from deltas (O(new) per step); other replies need the final output only
                 output_kind="delta" if req.stream else "final",
             )
@@ -347,12 +379,19 @@ class OpenAIServing:
     async def create_chat_completion(self, req: ChatCompletionRequest) -> tuple[dict[str, Any] | None,
                                                                              SSEStream | None]:
         model = self.resolve_model(req.model)
-        text = self._render_chat(req.messages, req.add_generation_prompt)
+        choice = req.effective_tool_choice
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and choice != "none" else None
+        text = self._render_chat(req.messages, req.add_generation_prompt, tools)
         max_tokens = req.effective_max_tokens
         ids = await self._encode(text, False, max_tokens, "messages")
         self._check_length(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, max_tokens, logprobs)
+        constraint = None
+        if tools is not None and choice != "auto":  # "required" or a named function: calls by grammar
+            funcs = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice.function.name]
+            parallel = req.parallel_tool_calls is not False and choice == "required"
+            constraint = StructuredOutputs(grammar=tool_call_grammar(funcs, parallel))
+        params = self._sampling_params(req, max_tokens, logprobs, constraint)
         streams = await self._start([_Prompt(ids, text)], params, "chatcmpl", req.cache_salt, req.kv_transfer_params)
         request_id = f"chatcmpl-{streams[0].request_id.split('-', 1)[1]}"
         created = int(time.time())
@@ -360,12 +399,21 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return None, SSEStream(
-                self._stream_chat(req, model, request_id, created, streams[0], include_usage, top_n), streams)
+                self._stream_chat(req, model, request_id, created, streams[0], include_usage, top_n,
+                                  tools is not None), streams)
         out = (await _collect(streams)).outputs[0]
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=ChatLogprobs(content=self._chat_logprobs(c, 0, len(c.token_ids), top_n))
-                              if req.logprobs else None,
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, reason = ChatResponseMessage(content=c.text), c.finish_reason
+            if tools is not None:
+                parsed = parse_reply(c.text)
+                calls = parsed.calls if req.parallel_tool_calls is not False else parsed.calls[:1]
+                if calls:
+                    message = ChatResponseMessage(content=parsed.content, tool_calls=[k.to_dict() for k in calls])
+                    reason = "tool_calls" if reason == "stop" else reason
+            choices.append(ChatChoice(index=c.index, message=message,
+                                      logprobs=ChatLogprobs(content=self._chat_logprobs(c, 0, len(c.token_ids), top_n))
+                                      if req.logprobs else None, finish_reason=reason, stop_reason=c.stop_reason))
         usage = _Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
         return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage.info(),
                                       kv_transfer_params=out.kv_transfer_params).model_dump(), None
@@ -388,14 +436,32 @@ class OpenAIServing:
         return content
 
     def _stream_chat(self, req: ChatCompletionRequest, model: str, request_id: str, created: int,
-                           stream: RequestStream, include_usage: bool, top_n: int) -> AsyncIterator[str]:
+                           stream: RequestStream, include_usage: bool, top_n: int,
+                           with_tools: bool = False) -> AsyncIterator[str]:
         head = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for k in range(req.n)]
+        parsers = [StreamingToolParser() for _ in range(req.n)] if with_tools else None
+        one_call = req.parallel_tool_calls is False
 
         def choice(idx: int, c: CompletionOutput, st: _ChoiceState) -> dict[str, Any]:
             lps = {"content": self._chat_logprobs(c, 0, len(c.token_ids), top_n)} if req.logprobs else None
-            out = {"index": idx, "delta": {"content": c.text} if c.text else {}, "logprobs": lps,
-                   "finish_reason": c.finish_reason}
+            delta: dict[str, Any] = {"content": c.text} if c.text else {}
+            reason = c.finish_reason
+            if parsers is not None:  # prose streams as content; each call arrives whole once its block closes
+                p = parsers[idx]
+                first = p.num_calls
+                prose, calls = p.feed(c.text)
+                if c.finish_reason is not None:
+                    prose += p.flush()
+                if one_call:
+                    calls = calls[:max(0, 1 - first)]
+                    p.num_calls = min(p.num_calls, 1)
+                delta = {"content": prose} if prose else {}
+                if calls:
+                    delta["tool_calls"] = [k.to_dict(index=first + j) for j, k in enumerate(calls)]
+                if reason == "stop" and p.num_calls:
+                    reason = "tool_calls"
+            out = {"index": idx, "delta": delta, "logprobs": lps, "finish_reason": reason}
             if c.finish_reason is not None:
                 out["stop_reason"] = c.stop_reason
             return out
@@ -489,6 +555,16 @@ def _kv_transfer(params: dict[str, Any] | None, num_prompts: int) -> KVTransferR
             raise OpenAIError(str(e), param="kv_transfer_params") from None
     raise OpenAIError("kv_transfer_params needs do_remote_decode or do_remote_prefill set to true",
                       param="kv_transfer_params")
+
+
+def _arguments(value: Any) -> Any:
+    """A tool call's arguments as the model wrote them: OpenAI sends JSON text, some clients an object."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value if value is not None else {}
 
 
 def _lp(x: float | None) -> float | None:
