@@ -43,6 +43,14 @@ def write_tiny_checkpoint(path: Path, arch: str, tokenizer, seed: int = 0, **ove
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**common)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":  # QK-norm, no biases, head_dim not hidden / heads
+        cfg = transformers.Qwen3Config(**{"head_dim": 24, **common})
+        model = transformers.Qwen3ForCausalLM(cfg)
+    elif arch == "llama3":  # Llama 3.1's rope scaling, stretched so it bites within 512 positions
+        cfg = transformers.LlamaConfig(**{**common, "rope_theta": 500000.0, "rope_scaling": {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}})
+        model = transformers.LlamaForCausalLM(cfg)
     else:
         raise ValueError(arch)
     with torch.no_grad():  # larger weights than the default init so logits are far from uniform
@@ -67,6 +75,16 @@ def tiny_llama(tmp_path_factory, gguf_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory, gguf_tokenizer) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", gguf_tokenizer, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory, gguf_tokenizer) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", gguf_tokenizer, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3(tmp_path_factory, gguf_tokenizer) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama3"), "llama3", gguf_tokenizer, seed=3)
 
 
 def supported_isas() -> list[str]:

@@ -118,24 +118,48 @@ def test_tiny_models_match_hf(request, arch_fixture):
     path = request.getfixturevalue(arch_fixture)
     ours = load_model(str(path), dtype=torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    ids = [ours.tokenizer.encode(p) for p in PROMPTS[:5]]
+    assert_matches_hf(ours, hf, path, PROMPTS[:5], 24, arch_fixture)
+
+
+def assert_matches_hf(ours, hf, path, prompts: list[str], max_tokens: int, what: str):
+    """Logits within 1e-3 of HF's, whole prompts and 3-token chunks; greedy tokens identical. Returns the LLM."""
+    ids = [ours.tokenizer.encode(p) for p in prompts]
     for chunk in (1000, 3):
         got = paged_logits(ours, ids, chunk=chunk)
         for g, i in zip(got, ids):
             diff = (g - hf_logits(hf, i)).abs().max().item()
-            assert diff <= 1e-3, f"{arch_fixture} chunk={chunk}: max abs diff {diff}"
-    # greedy generation, token-identical
+            assert diff <= 1e-3, f"{what} chunk={chunk}: max abs diff {diff}"
     from tokenmill import LLM
     llm = LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=16 << 20)
-    outs = llm.generate(PROMPTS[:5], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     for i, out in zip(ids, outs):
         with torch.no_grad():
-            ref = hf_greedy(hf, i, 24)
+            ref = hf_greedy(hf, i, max_tokens)
         assert out.outputs[0].token_ids == ref
     llm.check_integrity()
+    return llm
 
 
 def test_qwen2_has_biases(tiny_qwen2):
     ours = load_model(str(tiny_qwen2))
     assert ours.config.attention_bias
     assert ours.model.model.layers[0].self_attn.qkv_proj.bias is not None
+
+
+@pytest.mark.parametrize("arch_fixture", ["tiny_qwen3", "tiny_llama3"])
+def test_qwen3_and_llama3_checkpoints_match_hf(request, arch_fixture):
+    """Qwen3 (QK-norm, no biases, head_dim 24 != 64 / 4) and Llama 3 (rope scaling "llama3"): logits of 8
+    prompts within 1e-3 of transformers' in float32, whole and in 3-token chunks; 64 greedy tokens identical."""
+    transformers = pytest.importorskip("transformers")
+    path = request.getfixturevalue(arch_fixture)
+    ours = load_model(str(path), dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    if arch_fixture == "tiny_qwen3":
+        attn = ours.model.model.layers[0].self_attn
+        assert attn.head_dim == 24 and attn.qkv_proj.bias is None and attn.q_norm.weight.shape == (24,)
+    else:
+        # transformers 5 writes theta and scaling as "rope_parameters": both must arrive
+        assert ours.config.rope_scaling["rope_type"] == "llama3" and ours.config.rope_theta == 500000.0
+    llm = assert_matches_hf(ours, hf, path, PROMPTS, 64, arch_fixture)
+    if arch_fixture == "tiny_qwen3":  # no C++ loop for QK-norm layers: declared, so none is built
+        assert llm.engine.runner.decode_loop is None

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, SmolLM, Mistral-style, Qwen2 with q/k/v biases).
+"""The Llama family (Llama 2/3, SmolLM, Mistral-style, Qwen2 with q/k/v biases; Qwen3 adds QK-norm: qwen3.py).
 
 Declarative: layers only. Batching lives in the runner; attention reads the per-step metadata
 from the forward context and its layer's slice of the paged KV cache.
@@ -67,11 +67,14 @@ class LlamaDecoderLayer(nn.Module):
     order with the kernels each linear's method names (tests/worker/test_cpu_decode.py checks that
     both give the same tokens)."""
 
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    """The attention module a family's layer uses (Qwen3: QK-norm, models/qwen3.py)."""
+
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding,
                  backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, backend, dtype)
+        self.self_attn = self.attention_cls(cfg, layer_idx, rotary, backend, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg, dtype)
 
@@ -86,12 +89,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
         super().__init__()
         self.embed_tokens: nn.Module = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         """A VocabEmbedding, or quant/head.py's QuantizedEmbedding: both serve rows and tied logits."""
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, backend, dtype)
+        self.layers = nn.ModuleList(layer_cls(cfg, i, rotary, backend, dtype)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = rotary  # shared by every layer
@@ -114,11 +118,13 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32,
                  backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, dtype, backend or TorchPagedAttention())
+        self.model = LlamaModel(cfg, dtype, backend or TorchPagedAttention(), self.layer_cls)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:

@@ -272,14 +272,21 @@ class HFDirSource:
             hidden = c["hidden_size"]
             eos = c.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            # NOTE: transformers >= 5 writes RoPE as "rope_parameters" (theta and scaling in one object); older
+            # checkpoints have "rope_theta" and "rope_scaling". Reading only the old keys lost both silently.
+            rope = c.get("rope_parameters") or {}
+            theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+            scaling = c.get("rope_scaling")
+            if scaling is None and rope.get("rope_type", "default") != "default":
+                scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
             return ModelArchConfig(
                 architecture=arch, vocab_size=c["vocab_size"], hidden_size=hidden,
                 intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
                 num_attention_heads=n_head, num_key_value_heads=c.get("num_key_value_heads") or n_head,
                 head_dim=c.get("head_dim") or hidden // n_head,
                 max_position_embeddings=c.get("max_position_embeddings", 2048),
-                rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 10000.0),
-                rope_scaling=c.get("rope_scaling"), tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                 attention_bias=bool(c.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 mlp_bias=bool(c.get("mlp_bias", False)), bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
                 quantization_config=c.get("quantization_config"))

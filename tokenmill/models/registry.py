@@ -8,6 +8,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("tokenmill.models.qwen3", "Qwen3ForCausalLM"),
 }
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
