@@ -225,3 +225,50 @@ def test_tool_choice_none_and_bad_tool_requests(servers):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=5, **kw)
         assert e.value.body["param"] == param, e.value.body
+
+
+# A chat template with its own tool format (it reads `tools`, as Qwen2.5/3's and Llama 3.x's do). Written for
+# this test in the Hermes shape; the server must hand it the tools instead of writing its own system block.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nFunctions you can call, one JSON object per line:\n"
+    "{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n"
+    "Answer a call as <tool_call>\n{\"name\": ..., \"arguments\": {...}}\n</tool_call><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}\n<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- if m.tool_calls %}{%- for c in m.tool_calls %}\n<tool_call>\n"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments }}}\n</tool_call>"
+    "{%- endfor %}{%- endif %}<|im_end|>{%- endfor %}"
+    "{%- if add_generation_prompt %}\n<|im_start|>assistant\n{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def tool_template_server(tmp_path_factory, tiny_llama):
+    import shutil
+    path = tmp_path_factory.mktemp("tool_template") / "model"
+    shutil.copytree(tiny_llama, path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TOOL_TEMPLATE}))
+    srv = start_server(tmp_path_factory.mktemp("tool_template_srv"), *ARGS, "--model", str(path))
+    yield srv, path
+    srv.stop()
+
+
+def test_a_template_with_a_tool_format_renders_the_tools_itself(tool_template_server):
+    from tokenmill.models.loader import HFDirSource
+    srv, path = tool_template_server
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                       max_tokens=120, temperature=1.0, seed=3)
+    assert r.choices[0].finish_reason == "tool_calls"
+    call = r.choices[0].message.tool_calls[0]
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    # the prompt is exactly the template's own rendering of the tools (not our system-prompt block)
+    tok = HFDirSource(path).tokenizer()
+    assert tok.template_renders_tools
+    expected = tok.encode(tok.apply_chat_template(ASK, tools=[WEATHER]), add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(expected)
+    follow = ASK + [r.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
+    r2 = client.chat.completions.create(model=model, messages=follow, tools=[WEATHER], tool_choice="none",
+                                        max_tokens=8, temperature=0)
+    assert r2.choices[0].message.tool_calls is None
