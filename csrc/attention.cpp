@@ -35,7 +35,8 @@ static inline void hide_keys(float* s, int64_t rows, int64_t stride, int64_t L, 
 
 template <typename scalar_t, int DC>
 static void decode_impl(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                        at::Tensor block_tables, at::Tensor seq_lens, double scale, const int64_t* km) {
+                        at::Tensor block_tables, at::Tensor seq_lens, double scale, const int64_t* km,
+                        const int64_t* ks) {
     // q: [B, Hq, D], heads and elements contiguous, rows may be strided; out: [B, Hq, D] contiguous; k/v_cache: [num_blocks, bs, Hkv, D] (strided views ok:
     // the innermost three dims must be contiguous); block_tables [B, nb] int64; seq_lens [B] int64.
     const int64_t B = q.size(0), Hq = q.size(1), D = DC > 0 ? DC : q.size(2);
@@ -68,13 +69,17 @@ static void decode_impl(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Te
         for (int64_t task = begin; task < end; ++task) {
             const int64_t b = task / tasks_per_b, h0 = (task % tasks_per_b) * hpt;
             const int64_t L = sp[b];
+            // Sliding windows: keys before t0 are outside the row's window (their blocks may be gone).
+            const int64_t t0 = ks != nullptr ? std::min(std::max<int64_t>(ks[b], 0), L) : 0;
             const int64_t R = hpt * G;   // query rows handled by this task
             s.assign(R * L, 0.f);
+            for (int64_t r = 0; r < R; ++r)
+                for (int64_t t = 0; t < t0; ++t) s[r * L + t] = -INFINITY;
             for (int64_t r = 0; r < R; ++r)
                 for (int64_t d = 0; d < D; ++d)
                     qf[r * D + d] = ld(qp[b * q_row + (h0 * G + r) * D + d]) * fscale;
             // pass 1: scores
-            for (int64_t t = 0; t < L; ++t) {
+            for (int64_t t = t0; t < L; ++t) {
                 const int64_t blk = tp[b * nb_max + t / bs];
                 const scalar_t* kr = kp + blk * kb_stride + (t % bs) * tok_stride + h0 * D;
                 for (int64_t hh = 0; hh < hpt; ++hh) {
@@ -102,7 +107,7 @@ static void decode_impl(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Te
             }
             // pass 2: weighted sum of values
             std::fill(acc.begin(), acc.begin() + R * D, 0.f);
-            for (int64_t t = 0; t < L; ++t) {
+            for (int64_t t = t0; t < L; ++t) {
                 const int64_t blk = tp[b * nb_max + t / bs];
                 const scalar_t* vr = vp + blk * vb_stride + (t % bs) * tok_stride + h0 * D;
                 for (int64_t hh = 0; hh < hpt; ++hh) {
@@ -541,9 +546,15 @@ bool paged_prefill(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cach
 
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                  const std::optional<at::Tensor>& key_mask) {
+                  const std::optional<at::Tensor>& key_mask, const std::optional<at::Tensor>& key_start) {
     TORCH_CHECK(inner_contiguous(q) && out.is_contiguous(), "q heads / out must be contiguous");
     const int64_t* km = nullptr;
+    const int64_t* ks = nullptr;
+    if (key_start.has_value()) {
+        TORCH_CHECK(key_start->scalar_type() == at::kLong && key_start->is_contiguous() &&
+                    key_start->numel() == q.size(0), "key_start must be [B] int64, contiguous");
+        ks = key_start->data_ptr<int64_t>();
+    }
     if (key_mask.has_value()) {
         TORCH_CHECK(key_mask->scalar_type() == at::kLong && key_mask->is_contiguous() &&
                     key_mask->numel() == q.size(0), "key_mask must be [B] int64, contiguous");
@@ -555,7 +566,8 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
     TORCH_CHECK(v_cache.stride(3) == 1 && v_cache.stride(2) == v_cache.size(3) &&
                 v_cache.stride(1) == v_cache.size(2) * v_cache.size(3), "v_cache inner dims must be contiguous");
     const int64_t D = q.size(2);
-    if (cpu_has_avx512() && (D == 64 || D == 128) && q.size(1) / k_cache.size(2) <= 8) {
+    // NOTE: windowed rows (ks) take the generic loop: the AVX-512 one has no window start yet.
+    if (ks == nullptr && cpu_has_avx512() && (D == 64 || D == 128) && q.size(1) / k_cache.size(2) <= 8) {
         if (q.scalar_type() == at::kFloat) {
             if (D == 64) decode_avx512<float, 4, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
             else decode_avx512<float, 8, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
@@ -571,13 +583,13 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
         }
     }
     if (q.scalar_type() == at::kFloat) {
-        if (D == 64) decode_impl<float, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
-        else if (D == 128) decode_impl<float, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
-        else decode_impl<float, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+        if (D == 64) decode_impl<float, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km, ks);
+        else if (D == 128) decode_impl<float, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km, ks);
+        else decode_impl<float, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km, ks);
     } else if (q.scalar_type() == at::kBFloat16) {
-        if (D == 64) decode_impl<at::BFloat16, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
-        else if (D == 128) decode_impl<at::BFloat16, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
-        else decode_impl<at::BFloat16, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+        if (D == 64) decode_impl<at::BFloat16, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km, ks);
+        else if (D == 128) decode_impl<at::BFloat16, 128>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km, ks);
+        else decode_impl<at::BFloat16, 0>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km, ks);
     } else {
         TORCH_CHECK(false, "paged_decode: unsupported dtype");
     }
@@ -586,13 +598,14 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
 // Writes the step's new K/V into their slots, then attends (a decode-only batch: one token each).
 void write_and_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& slots, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& block_tables,
-                      const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& key_mask) {
+                      const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& key_mask,
+                      const std::optional<at::Tensor>& key_start) {
     TORCH_CHECK(inner_contiguous(k) && inner_contiguous(v), "k/v heads must be contiguous");
     TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
     if (k.scalar_type() == at::kFloat) write_impl<float>(k_cache, v_cache, k, v, slots);
     else if (k.scalar_type() == at::kBFloat16) write_impl<at::BFloat16>(k_cache, v_cache, k, v, slots);
     else TORCH_CHECK(false, "write_and_decode: unsupported dtype");
-    paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask);
+    paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, key_start);
 }
 
 }  // namespace tokenmill

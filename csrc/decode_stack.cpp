@@ -83,7 +83,7 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& positions, const
         auto q = qkv.narrow(1, 0, q_size).view({n, nh_, d_});
         auto k = qkv.narrow(1, q_size, kv_size).view({n, nkv_, d_});
         auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, nkv_, d_});
-        write_and_decode(o, q, k, v, slots, L.k_cache, L.v_cache, tables, seq_lens, scale_, key_mask);
+        write_and_decode(o, q, k, v, slots, L.k_cache, L.v_cache, tables, seq_lens, scale_, key_mask, std::nullopt);
         h = run_linear(L.linears[1], o_flat, h_attn);
         add_rms_norm(x, sums[cur], h, res, L.post_norm, eps_);
         res = sums[cur];

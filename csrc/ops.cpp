@@ -34,9 +34,10 @@ TORCH_LIBRARY(tokenmill, m) {
           &tokenmill::dense_linear);
     // attention/cpu_kernels.py
     m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-          "Tensor seq_lens, float scale, Tensor? key_mask=None) -> ()", &tokenmill::paged_decode);
+          "Tensor seq_lens, float scale, Tensor? key_mask=None, Tensor? key_start=None) -> ()", &tokenmill::paged_decode);
     m.def("write_and_decode(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor slots, Tensor(b!) k_cache, "
-          "Tensor(c!) v_cache, Tensor block_tables, Tensor seq_lens, float scale, Tensor? key_mask=None) -> ()",
+          "Tensor(c!) v_cache, Tensor block_tables, Tensor seq_lens, float scale, Tensor? key_mask=None, "
+          "Tensor? key_start=None) -> ()",
           &tokenmill::write_and_decode);
     m.def("paged_prefill(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
           "Tensor seq_lens, Tensor q_start, Tensor q_len, float scale) -> bool", &tokenmill::paged_prefill);

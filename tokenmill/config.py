@@ -36,12 +36,28 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quantization_config: dict[str, Any] | None = None
+    layer_types: tuple[str, ...] | None = None
+    """Per layer "full_attention" or "sliding_attention" (Gemma 3); None: every layer full."""
+    sliding_window: int | None = None
+    """Keys a sliding-attention layer's query sees, itself included (Gemma 3 270M: 512)."""
+    rope_local_theta: float | None = None
+    """RoPE base of the sliding-attention layers (Gemma 3: 10,000; the full layers use rope_theta)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma 3); None: head_dim ** -0.5."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: "silu" (Llama) or "gelu_pytorch_tanh" (Gemma 3, GeGLU)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+
+    def layer_windows(self) -> list[int | None]:
+        """Per layer, its sliding window (None: a global layer): the KV-cache groups come from this."""
+        if self.layer_types is None:
+            return [None] * self.num_hidden_layers
+        return [self.sliding_window if t == "sliding_attention" else None for t in self.layer_types]
 
     def kv_bytes_per_token(self, dtype_bytes: float) -> float:
         """2 (K and V) x layers x KV heads x head dim x bytes per element."""

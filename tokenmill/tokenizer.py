@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 # GGUF `tokenizer.ggml.pre` -> split regex used before byte-level mapping.
@@ -89,11 +89,87 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens)
 
 
+_NORMAL, _UNKNOWN, _CONTROL, _USER, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+"""GGUF `tokenizer.ggml.token_type` values (llama.cpp's token attributes)."""
+
+
+def _spm_pieces(tokens: list[str], types: list[int]) -> list[str]:
+    """Vocabulary strings: user-defined pieces with plain spaces get them as "▁" (Gemma's runs of spaces),
+    the form BPE meets them in after normalization."""
+    return [t.replace(" ", "▁") if types[i] == _USER else t for i, t in enumerate(tokens)]
+
+
+def _spm_merges(pieces: list[str], types: list[int]) -> list[tuple[str, str]]:
+    """A SentencePiece BPE vocabulary (pieces in merge order, no merge list) as BPE merges: every split of a
+    normal or user-defined piece into two pieces of the vocabulary is a merge, ranked by the merged piece's
+    id (SentencePiece lists BPE pieces in the order it learned them; their scores fall with the id), then
+    by the two halves' ids.
+
+        pieces  a b ab c bc abc   (ids 0..5)
+        merges  (a, b) (b, c) (a, bc) (ab, c)      (abc's two splits: ids of a < ab)
+    """
+    kinds = (_NORMAL, _USER)
+    ids = {t: i for i, t in enumerate(pieces) if types[i] in kinds}
+    ranked = []
+    for i, tok in enumerate(pieces):
+        if types[i] not in kinds or len(tok) < 2:
+            continue
+        for k in range(1, len(tok)):
+            ia, ib = ids.get(tok[:k]), ids.get(tok[k:])
+            if ia is not None and ib is not None:
+                ranked.append((i, ia, ib))
+    ranked.sort()
+    return [(pieces[a], pieces[b]) for _, a, b in ranked]
+
+
+def _spm_tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
+    """`tokenizer.ggml.model` "llama": a SentencePiece BPE vocabulary (Gemma, Llama 2) with byte fallback.
+    Spaces become "▁" and are not split on; control tokens are special; user-defined pieces (Gemma's runs of
+    newlines and tabs, HTML tags) are matched whole before BPE, except those holding a plain space (Gemma's
+    runs of spaces): after the space -> "▁" normalization no text holds them, so they are "▁" pieces reached
+    by merges. This is what Hugging Face's own conversion of the file does (tests/models/test_gemma3.py
+    compares the two on ShareGPT text)."""
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    types: list[int] = fields.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    pieces = _spm_pieces(tokens, types)
+    vocab = {}
+    for i, tok in enumerate(pieces):
+        vocab.setdefault(tok, i)
+    unk = fields.get("tokenizer.ggml.unknown_token_id")
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=_spm_merges(pieces, types), byte_fallback=True,
+                                unk_token=tokens[unk] if unk is not None else None, fuse_unk=True))
+    hf.normalizer = normalizers.Replace(" ", "▁")
+    hf.pre_tokenizer = None
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                           for i, t in enumerate(types) if t == _CONTROL])
+    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types)
+            if t == _USER and " " not in tokens[i]]
+    if user:
+        hf.add_tokens(user)
+    return _gguf_tokenizer(hf, tokens, fields)
+
+
+def _gguf_tokenizer(hf: HFTokenizer, tokens: list[str], fields: dict[str, Any]) -> Tokenizer:
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    special = {}
+    if bos is not None:
+        special["bos_token"] = tokens[bos]
+    if eos is not None:
+        special["eos_token"] = tokens[eos]
+    return Tokenizer(hf=hf, bos_token_id=bos, eos_token_id=eos, chat_template=fields.get("tokenizer.chat_template"),
+                     add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)), special_tokens=special)
+
+
 def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
     """fields: decoded GGUF metadata (key -> python value)."""
     kind = fields.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _spm_tokenizer_from_gguf(fields)
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE)")
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE, "
+                         "llama SentencePiece BPE)")
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
     types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -121,18 +197,10 @@ def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
     control = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types)
                if t == 3 and set(tokens[i]) <= alphabet]
     hf.add_special_tokens(control)
-    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == 4]
+    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER]
     if user:
         hf.add_tokens(user)
-    bos = fields.get("tokenizer.ggml.bos_token_id")
-    eos = fields.get("tokenizer.ggml.eos_token_id")
-    special = {}
-    if bos is not None:
-        special["bos_token"] = tokens[bos]
-    if eos is not None:
-        special["eos_token"] = tokens[eos]
-    return Tokenizer(hf=hf, bos_token_id=bos, eos_token_id=eos, chat_template=fields.get("tokenizer.chat_template"),
-                     add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)), special_tokens=special)
+    return _gguf_tokenizer(hf, tokens, fields)
 
 
 def tokenizer_from_dir(path: Path, config: dict[str, Any]) -> Tokenizer:

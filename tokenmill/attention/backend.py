@@ -21,16 +21,27 @@ from tokenmill.attention.metadata import AttentionMetadata, PerTokenTables, Tile
 
 class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata | None, scale: float) -> torch.Tensor: ...
+                meta: AttentionMetadata | None, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        """sliding_window: the layer's window (a query at p sees keys (p - W, p]). With a paged cache the
+        window arrives as meta.key_start (its group's metadata); without one, dense attention applies it."""
+        ...
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """No cache: q [..., T, Hq, D], k/v [..., T, Hkv, D] -> [..., T, Hq, D], causal."""
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """No cache: q [..., T, Hq, D], k/v [..., T, Hkv, D] -> [..., T, Hq, D], causal (and windowed)."""
     if q.dim() == 3:  # NOTE: 3-D inputs take SDPA's math path on CPU; a batch dim selects flash (~5x at T=2048)
-        return dense_causal_attention(q[None], k[None], v[None], scale)[0]
+        return dense_causal_attention(q[None], k[None], v[None], scale, sliding_window)[0]
     qt, kt, vt = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
-    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
-                                         enable_gqa=q.shape[-2] != k.shape[-2])
+    T = q.shape[-3]
+    if sliding_window is not None and T > sliding_window:
+        i = torch.arange(T, device=q.device)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[-2] != k.shape[-2])
+    else:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                             enable_gqa=q.shape[-2] != k.shape[-2])
     return out.transpose(-3, -2)
 
 
@@ -52,12 +63,15 @@ class TorchPagedAttention:
         self.tiled_prefill = tiled_prefill
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata | None, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata | None, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         # q: [num_tokens, Hq, D]; k, v: [num_tokens, Hkv, D]
         if meta is None or kv_cache is None:
-            return dense_causal_attention(q, k, v, scale)
+            return dense_causal_attention(q, k, v, scale, sliding_window)
+        if sliding_window is not None and meta.key_start is None:
+            raise ValueError("a sliding-window layer got metadata without key_start (not its KV group's)")
         if meta.num_prefills == 0 and meta.custom_mask is None:  # decode-only step: one C++ call when possible
-            out = write_and_decode(q, k, v, meta.slot_mapping, kv_cache, meta.block_tables, meta.seq_lens, scale)
+            out = write_and_decode(q, k, v, meta.slot_mapping, kv_cache, meta.block_tables, meta.seq_lens, scale,
+                                   meta.key_start)
             if out is not None:
                 return out
         write_kv(kv_cache, k, v, meta.slot_mapping)
@@ -76,7 +90,8 @@ class TorchPagedAttention:
             n = end - start
             if seq_len == n and meta.custom_mask is None:
                 # Whole prompt in this step: its own K/V are all there is.
-                out[start:end] = dense_causal_attention(q[start:end], k[start:end], v[start:end], scale)
+                out[start:end] = dense_causal_attention(q[start:end], k[start:end], v[start:end], scale,
+                                                        sliding_window)
                 continue
             num_blocks = (seq_len + block_size - 1) // block_size
             blocks = meta.block_tables[i, :num_blocks]
@@ -86,6 +101,8 @@ class TorchPagedAttention:
             else:
                 q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
                 mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, seq_len]
+                if meta.key_start is not None:
+                    mask &= torch.arange(seq_len, device=q.device)[None, :] >= meta.key_start[start:end, None]
                 if meta.token_key_mask is not None:
                     mask &= ~_hidden_keys(meta.token_key_mask[start:end], q_pos, seq_len)
             qt = q[start:end].transpose(0, 1)[None]      # [1, Hq, n, D] (4-D: the flash path on CPU)
@@ -99,7 +116,8 @@ class TorchPagedAttention:
         # without materializing repeated keys.
         nd = meta.num_decodes
         # Fast path (CPU, fp32/bf16 cache): a C++ kernel reading K/V straight from the blocks.
-        fast = paged_decode_attention(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        ks = None if meta.key_start is None else meta.key_start[:nd]
+        fast = paged_decode_attention(q, kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, key_start=ks)
         if fast is not None:
             return fast
         block_size = kv_cache.shape[2]
@@ -113,8 +131,12 @@ class TorchPagedAttention:
         hkv = kc.shape[2]
         qg = q.view(b, hkv, hq // hkv, d)                           # [B, Hkv, G, D]
         mask = meta.decode_mask
-        if mask is None:  # the runner skips it when its decode loop serves decode steps
-            mask = (torch.arange(kc.shape[1], device=q.device)[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
+        if mask is None or ks is not None:  # (the runner skips it when its decode loop serves decode steps)
+            ar = torch.arange(kc.shape[1], device=q.device)[None, :]
+            mask = ar < meta.seq_lens[:nd, None]
+            if ks is not None:
+                mask &= ar >= ks[:, None]
+            mask = mask[:, None, None, :]
         o = F.scaled_dot_product_attention(qg, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask, scale=scale)
         return o.reshape(b, hq, d)
 
@@ -131,7 +153,7 @@ def _cpu_kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attenti
     tiled (cpu_kernels.paged_prefill_attention, bf16), the other tokens each as a decode over its
     own prefix (paged_decode_attention). On the 64-request offline benchmark (bf16) prefill
     attention took 1.74 s as one SDPA call per request, 1.53 s token by token, and ~0.45 s tiled."""
-    plan = _tiled_plan(meta) if tiled_prefill else None
+    plan = _tiled_plan(meta) if tiled_prefill and meta.key_start is None else None  # (no window in the tiled one)
     if plan is not None:
         out = paged_prefill_attention(q, kv_cache, plan.block_tables, plan.seq_lens, plan.q_start, plan.q_len, scale)
         if out is not None:
@@ -144,7 +166,8 @@ def _cpu_kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attenti
                 out.index_copy_(0, short_idx, o)
                 return out
     tables = _per_token_tables(meta)
-    return paged_decode_attention(q, kv_cache, tables.block_tables, tables.seq_lens, scale, tables.key_mask)
+    return paged_decode_attention(q, kv_cache, tables.block_tables, tables.seq_lens, scale, tables.key_mask,
+                                  meta.key_start)
 
 
 def _hidden_keys(key_mask: torch.Tensor, q_pos: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -31,10 +31,12 @@ def is_available() -> bool:
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
-                           key_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+                           key_mask: torch.Tensor | None = None,
+                           key_start: torch.Tensor | None = None) -> torch.Tensor | None:
     """q [B, Hq, D]; kv_cache [2, num_blocks, bs, Hkv, D]; block_tables [B, nb] int64; seq_lens [B]
     int64 -> [B, Hq, D], or None when the kernel cannot serve this call (caller falls back).
-    key_mask [B] int64 (token trees): bit j hides key seq_lens[b] - 1 - j from row b."""
+    key_mask [B] int64 (token trees): bit j hides key seq_lens[b] - 1 - j from row b.
+    key_start [B] int64 (sliding windows): row b sees keys [key_start[b], seq_lens[b]) only."""
     if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or kv_cache.dtype != q.dtype
             or kv_cache.shape[-1] != q.shape[-1]):
         return None
@@ -45,13 +47,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         q = q.contiguous()
     out = q.new_empty(q.shape)
     mod.paged_decode(out, q, kv_cache[0], kv_cache[1], block_tables.contiguous(), seq_lens.contiguous(), scale,
-                     None if key_mask is None else key_mask.contiguous())
+                     None if key_mask is None else key_mask.contiguous(),
+                     None if key_start is None else key_start.contiguous())
     return out
 
 
 def write_and_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                      kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor | None:
+                     scale: float, key_start: torch.Tensor | None = None) -> torch.Tensor | None:
     """A decode-only step in one call: write k, v [B, Hkv, D] at slot_mapping [B], then attend as
     `paged_decode_attention`. None (nothing written) when the kernel cannot serve the call."""
     if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or kv_cache.dtype != q.dtype
@@ -63,7 +66,8 @@ def write_and_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_map
     if mod is None:
         return None
     out = q.new_empty(q.shape)
-    mod.write_and_decode(out, q, k, v, slot_mapping, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale)
+    mod.write_and_decode(out, q, k, v, slot_mapping, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale,
+                         None, None if key_start is None else key_start.contiguous())
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -41,6 +41,10 @@ class AttentionMetadata:
     token_key_mask: torch.Tensor | None = None
     """Token trees: [num_tokens] int64, bit j hides the key j slots before a token's own (its listed-earlier
     non-ancestors, spec_decode/tree.py); 0 for every other token. None when the step has no tree."""
+    key_start: torch.Tensor | None = None
+    """Sliding-window groups: [num_tokens] int64, the first key (slot index in its request) each token sees,
+    max(0, position + 1 - window); keys before it may sit in blocks already returned to the pool. None in
+    groups of global layers."""
     derived: "DerivedPlans" = field(default_factory=lambda: DerivedPlans(), repr=False)
     """Per-step plans the attention backend derives from the fields above once and every layer reuses."""
 
@@ -108,19 +112,20 @@ def tree_key_masks(parents: list[int]) -> list[int]:
     return out
 
 
-_CONTEXT: list[AttentionMetadata] = []
+_CONTEXT: list[list[AttentionMetadata]] = []
 
 
 @contextlib.contextmanager
-def forward_context(meta: AttentionMetadata) -> Iterator[None]:
-    """Make `meta` visible to attention layers for the duration of one forward pass."""
-    _CONTEXT.append(meta)
+def forward_context(meta: AttentionMetadata, group_metas: Sequence[AttentionMetadata] = ()) -> Iterator[None]:
+    """Make `meta` (KV-cache group 0's) and `group_metas` (groups 1.., core/kv_cache_manager.py) visible to
+    attention layers for the duration of one forward pass."""
+    _CONTEXT.append([meta, *group_metas])
     try:
         yield
     finally:
         _CONTEXT.pop()
 
 
-def get_forward_context() -> AttentionMetadata | None:
-    """The active metadata, or None outside a paged forward (dense causal attention)."""
-    return _CONTEXT[-1] if _CONTEXT else None
+def get_forward_context(group: int = 0) -> AttentionMetadata | None:
+    """The active metadata of KV-cache group `group`, or None outside a paged forward (dense attention)."""
+    return _CONTEXT[-1][group] if _CONTEXT else None

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_cache_manager import KVCacheGroup, KVCacheManager
 from tokenmill.core.step_cost import StepCostModel, chunk_kilo_keys
 from tokenmill.core.step_io import BlockCopy, NewRequestData, SamplerResult, ScheduledChunk, StepInput
 from tokenmill.distributed.kv_connector import (ConnectorEvents, ConnectorStep, HoldForDecode, KVConnectorScheduler,
@@ -108,17 +109,20 @@ class _RunnerView:
     """What the runner was last sent of a request (its row there): its token and block counts."""
 
     num_tokens: int
-    num_blocks: int
+    num_blocks: list[int]
+    """Per KV-cache group."""
 
 
 class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
-                 connector: KVConnectorScheduler | None = None) -> None:
-        """connector: the KV connector's scheduler half (prefill/decode disaggregation), or None."""
+                 connector: KVConnectorScheduler | None = None,
+                 kv_groups: Sequence[KVCacheGroup] | None = None) -> None:
+        """connector: the KV connector's scheduler half (prefill/decode disaggregation), or None.
+        kv_groups: the model's KV-cache groups (core/kv_cache_manager.plan_kv_groups); None: one."""
         self.config = sched
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, kv_groups)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -391,24 +395,26 @@ class Scheduler:
         rewritten = self.kv.take_rewritten()
 
         def chunk(s: ScheduledRequest) -> ScheduledChunk:
-            req, blocks = s.request, s.block_ids
+            req = s.request
             rid = req.request_id
+            tables = [s.block_ids, *self.kv.get_group_block_ids(rid)[1:]]
             view = views.get(rid)
             new_tokens: list[int] = []
-            new_blocks: list[int] = []
+            new_tables: list[list[int]] = [[] for _ in tables]
             replace = False
             if view is None or req.num_tokens < view.num_tokens:  # (beam search takes tokens back: a new row)
                 new.append(NewRequestData(rid, list(req.prompt_token_ids), list(req.output_token_ids),
-                                          req.sampling_params, req.eos_token_id, list(blocks)))
-                views[rid] = _RunnerView(req.num_tokens, len(blocks))
+                                          req.sampling_params, req.eos_token_id, list(tables[0]), tables[1:]))
+                views[rid] = _RunnerView(req.num_tokens, [len(t) for t in tables])
             else:
                 new_tokens = req.all_token_ids[view.num_tokens:]
-                replace = rid in rewritten  # copy on write replaced a block: the whole table; else appends
-                new_blocks = list(blocks) if replace else blocks[view.num_blocks:]
-                view.num_tokens, view.num_blocks = req.num_tokens, len(blocks)
-            return ScheduledChunk(rid, s.start_pos, s.num_new_tokens, new_tokens, new_blocks, replace,
+                replace = rid in rewritten  # copy on write replaced a block: the whole tables; else appends
+                new_tables = [list(t) if replace else t[n:] for t, n in zip(tables, view.num_blocks)]
+                view.num_tokens, view.num_blocks = req.num_tokens, [len(t) for t in tables]
+            return ScheduledChunk(rid, s.start_pos, s.num_new_tokens, new_tokens, new_tables[0], replace,
                                   req.spec_token_ids[:s.num_spec_tokens], s.is_sampling, s.fork_of,
-                                  None if req.spec_parents is None else req.spec_parents[:s.num_spec_tokens])
+                                  None if req.spec_parents is None else req.spec_parents[:s.num_spec_tokens],
+                                  new_tables[1:])
 
         scheduled = [chunk(s) for s in out.scheduled]
         forked = [chunk(s) for s in out.forked]

@@ -40,6 +40,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_id: int | None
     block_ids: list[int]
+    """The block table of KV-cache group 0 (of every layer, for a model with one group)."""
+    group_block_ids: list[list[int]] = field(default_factory=list)
+    """The tables of groups 1.. (models with sliding-window layers: core/kv_cache_manager.py)."""
 
 
 @dataclass(slots=True)
@@ -53,9 +56,12 @@ class ScheduledChunk:
     new_token_ids: list[int] = field(default_factory=list)
     """Tokens appended to the request since the runner last heard of it (the ones it sampled)."""
     new_block_ids: list[int] = field(default_factory=list)
-    """Blocks appended to its table since then."""
+    """Blocks appended to its table (group 0's) since then."""
     replace_block_ids: bool = False
-    """new_block_ids is the whole table (it changed other than by appending: copy on write)."""
+    """new_block_ids and new_group_block_ids are the whole tables (they changed other than by appending:
+    copy on write)."""
+    new_group_block_ids: list[list[int]] = field(default_factory=list)
+    """Groups 1.. : blocks appended to each table since then (empty lists for a one-group model: none)."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens to verify: the last len(spec_token_ids) of this step's tokens."""
     is_sampling: bool = False
@@ -103,6 +109,12 @@ class StepTokens:
     fork_of: str | None = None
     spec_parents: list[int] | None = None
     """The last num_spec_tokens tokens are a token tree's nodes with these parents (ScheduledChunk), or None."""
+    group_block_ids: list[list[int]] = field(default_factory=list)
+    """The tables of KV-cache groups 1.. (block_ids is group 0's); empty for a one-group model."""
+
+    def tables(self) -> list[list[int]]:
+        """Every group's block table, group 0 first."""
+        return [self.block_ids, *self.group_block_ids]
 
     @property
     def num_new_tokens(self) -> int:

@@ -21,7 +21,7 @@ import torch
 from tokenmill.attention.backend import TorchPagedAttention
 
 from tokenmill.config import EngineConfig, ModelArchConfig
-from tokenmill.core.kv_cache_manager import BlockMap
+from tokenmill.core.kv_cache_manager import BlockMap, plan_kv_groups
 from tokenmill.core.scheduler import Scheduler, StepTokens
 from tokenmill.distributed.kv_connector import HoldForDecode, KVConnectorScheduler, KVTransferRequest, PullFromPrefill
 
@@ -67,6 +67,10 @@ class EngineStats:
     """Blocks referenced by at least one request."""
     num_blocks_shared: int = 0
     """Used blocks held by more than one request (prefix hits, n > 1 samples, beams)."""
+    num_blocks_used_by_kind: dict[str, int] = field(default_factory=dict)
+    """Used blocks per kind of KV-cache group: "global", "window W" (sliding-window models)."""
+    num_blocks_slid_out: int = 0
+    """Blocks windowed groups returned to the pool because no later query could see them."""
     num_unfilled_slots: int = 0
     """Allocated slots not holding a token (internal fragmentation)."""
     kv_pool_tokens: int = 0
@@ -198,22 +202,28 @@ class EngineCore:
                 raise ValueError("tensor_parallel_size > 1 runs on CPU without speculative decoding or KV transfer here")
         cc = config.cache
         kv_dtype = torch.int8 if cc.kv_cache_dtype == "int8" else mc.torch_dtype
-        spec = KVCacheSpec(0, cc.block_size, self.arch.num_hidden_layers, self.arch.num_key_value_heads // tp,
-                           self.arch.head_dim, kv_dtype)
+        groups = plan_kv_groups(self.arch.layer_windows())
+        if len(groups) > 1 and (tp > 1 or config.kv_transfer is not None):
+            raise ValueError("models with sliding-window layers (several KV-cache groups) run without tensor "
+                             "parallelism or KV transfer here")
+        # A block holds one group's layers (all of them for a one-group model).
+        spec = KVCacheSpec(0, cc.block_size, len(groups[0].layers), self.arch.num_key_value_heads // tp,
+                           self.arch.head_dim, kv_dtype, tuple(groups) if len(groups) > 1 else ())
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
         else:
             budget = cc.kv_cache_memory_bytes or int(available_memory_bytes(self.device) * cc.kv_cache_memory_fraction)
             num_blocks = budget // spec.bytes_per_block
-            # No point holding more than max_num_seqs full-length sequences.
+            # No point holding more than max_num_seqs full-length sequences (in every group).
             useful = config.scheduler.max_num_seqs * -(-self.max_model_len // cc.block_size)
-            num_blocks = min(num_blocks, useful)
+            num_blocks = min(num_blocks, useful * len(groups))
         if num_blocks < 1:
             raise ValueError("the KV-cache budget holds no block; raise kv_cache_memory_bytes")
-        self.kv_spec = KVCacheSpec(num_blocks, cc.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype)
+        self.kv_spec = dataclasses.replace(spec, num_blocks=num_blocks)
         kvt = config.kv_transfer
         self.kv_connector = KVConnectorScheduler(kvt.kv_role, kvt.hold_timeout_s) if kvt is not None else None
-        self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len, self.kv_connector)
+        self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len, self.kv_connector,
+                                   groups if len(groups) > 1 else None)
         self.spec = None
         if config.speculative is not None:  # lazy import: engines without speculation never load it
             from tokenmill.spec_decode.decoder import SpeculativeDecoder
@@ -281,7 +291,7 @@ class EngineCore:
         if n_prompt + max_tokens > self.max_model_len:
             raise InvalidRequest(f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
                                  f"max_model_len ({self.max_model_len})", "max_tokens", "context_length_exceeded")
-        blocks_needed = -(-(n_prompt + max_tokens) // self.kv_spec.block_size)
+        blocks_needed = self.scheduler.kv.min_blocks_for(n_prompt + max_tokens)
         if blocks_needed > self.kv_spec.num_blocks:
             raise InvalidRequest(f"request needs {blocks_needed} KV blocks but the whole pool has "
                                  f"{self.kv_spec.num_blocks}; raise the KV-cache budget or lower max_tokens",
@@ -568,13 +578,14 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=mem.num_blocks_used / mem.num_blocks_total, num_blocks_total=mem.num_blocks_total,
             num_blocks_free=mem.num_blocks_free, num_blocks_cached_free=mem.num_blocks_cached_free,
-            block_size=kv.block_size, kv_bytes_per_token=spec.bytes_per_block / spec.block_size,
+            block_size=kv.block_size, kv_bytes_per_token=spec.bytes_per_block * len(kv.groups) / spec.block_size,
             num_allocated_slots=mem.num_allocated_slots, num_filled_slots=mem.num_filled_slots,
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             spec_decode=self.spec.metrics() if self.spec is not None else {},
             num_blocks_used=mem.num_blocks_used, num_blocks_shared=mem.num_blocks_shared,
+            num_blocks_used_by_kind=mem.num_blocks_used_by_kind, num_blocks_slid_out=kv.num_blocks_slid_out,
             num_unfilled_slots=mem.num_unfilled_slots, kv_pool_tokens=mem.num_blocks_total * spec.block_size,
             kv_pool_bytes=mem.num_blocks_total * spec.bytes_per_block, kv_cache_dtype=str(spec.dtype).removeprefix("torch."),
             kv_transfer=dataclasses.asdict(self.kv_connector.stats) if self.kv_connector is not None else {},

@@ -21,3 +21,18 @@ class RMSNorm(nn.Module):
         if residual is None:
             return fused_ops.rms_norm(x, self.weight, self.eps)
         return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + weight), all in float32, cast back at the end
+    (the checkpoint stores weight - 1; a GGUF file stores 1 + weight, the loader subtracts the 1)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)

@@ -45,12 +45,19 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.max_position = max_position
+        self.theta = theta
+        self.scaling = scaling
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
         # [max_position, head_dim]: cos | sin, each half-width
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(), persistent=False)
         self._cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def rebuild(self, device: torch.device | str) -> None:
+        """Recompute the table on `device` (a model built on the meta device has none)."""
+        self.cos_sin = RotaryEmbedding(self.head_dim, self.max_position, self.theta, self.scaling).cos_sin.to(device)
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cs = self.cos_sin[positions].unsqueeze(-2)  # [*, 1, head_dim]

@@ -121,13 +121,12 @@ def checkpoint_weight_bits(net: torch.nn.Module) -> int | None:
 
 
 def reset_buffers(net: torch.nn.Module, device: str) -> None:
-    """Buffers computed in __init__ (RoPE tables) were on meta; rebuild them on the real device."""
+    """Buffers computed in __init__ (RoPE tables) were on meta; rebuild them on the real device (each from its
+    own base: Gemma 3 has two)."""
     from tokenmill.layers.rotary import RotaryEmbedding
-    cfg = net.config
-    fresh = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
     for m in net.modules():
         if isinstance(m, RotaryEmbedding):
-            m.cos_sin = fresh.cos_sin
+            m.rebuild(device)
 
 
 def _has_gguf_magic(path: Path) -> bool:
@@ -150,12 +149,23 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def gguf_to_hf_name(name: str) -> str:
+_GGUF_LAYER_NAMES_BY_ARCH = {
+    # Gemma 3: four norms per layer (llama.cpp's ffn_norm is the norm before the MLP) and QK-norm.
+    "gemma3": {**_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+}
+GEMMA3_SLIDING_PATTERN = 6
+"""Gemma 3 GGUF files do not store which layers slide: every 6th layer is global (llama.cpp's rule too)."""
+
+
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
+    layer_names = _GGUF_LAYER_NAMES_BY_ARCH.get(arch, _GGUF_LAYER_NAMES)
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     raise KeyError(name)
 
 
@@ -199,23 +209,35 @@ class GGUFSource:
             scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
         vocab = get("vocab_size") or len(f["tokenizer.ggml.tokens"])
         eos = f.get("tokenizer.ggml.eos_token_id")
+        n_layers = get("block_count")
+        head_dim = get("attention.key_length", hidden // n_head)
+        family: dict[str, Any] = {}
+        if arch == "gemma3":
+            family = dict(
+                layer_types=tuple("full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+                                  for i in range(n_layers)),
+                sliding_window=get("attention.sliding_window"), rope_local_theta=10000.0,
+                # NOTE: not in the file; Gemma 3 27B (62 layers) scales by hidden / heads, the others by head_dim
+                query_pre_attn_scalar=float(hidden // n_head if n_layers == 62 else head_dim),
+                hidden_act="gelu_pytorch_tanh")
         return ModelArchConfig(
             architecture=GGUF_ARCHITECTURES[arch], vocab_size=vocab, hidden_size=hidden,
-            intermediate_size=get("feed_forward_length"), num_hidden_layers=get("block_count"),
+            intermediate_size=get("feed_forward_length"), num_hidden_layers=n_layers,
             num_attention_heads=n_head, num_key_value_heads=get("attention.head_count_kv", n_head),
-            head_dim=get("attention.key_length", hidden // n_head),
+            head_dim=head_dim,
             max_position_embeddings=get("context_length", 2048),
             rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6), rope_theta=get("rope.freq_base", 10000.0),
             rope_scaling=scaling, tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
-            bos_token_id=f.get("tokenizer.ggml.bos_token_id"), eos_token_ids=(eos,) if eos is not None else ())
+            bos_token_id=f.get("tokenizer.ggml.bos_token_id"), eos_token_ids=(eos,) if eos is not None else (),
+            **family)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         import gguf
         cfg = self.config()
         for t in self.reader.tensors:
             try:
-                hf_name = gguf_to_hf_name(t.name)
+                hf_name = gguf_to_hf_name(t.name, self.arch)
             except KeyError:
                 raise ModelLoadError(f"{self.path}: unexpected tensor {t.name!r}") from None
             try:
@@ -231,6 +253,8 @@ class GGUFSource:
                     w = _unpermute_qk(w, cfg.num_attention_heads)
                 elif t.name.endswith("attn_k.weight"):
                     w = _unpermute_qk(w, cfg.num_key_value_heads)
+            elif self.arch == "gemma3" and t.name.endswith("norm.weight"):
+                w = w - 1.0  # llama.cpp's converter stores Gemma's norm weights as 1 + w
             yield hf_name, w
 
     def tokenizer(self) -> Tokenizer:
@@ -241,6 +265,27 @@ class GGUFSource:
 
 
 # ------------------------------------------------------------------------------ HF directories
+
+def _hf_family_fields(c: dict[str, Any], arch: str) -> dict[str, Any]:
+    """config.json fields of families beyond Llama (Gemma 3: layer types, window, local RoPE base, scalar)."""
+    if arch != "Gemma3ForCausalLM":
+        return {}
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if c.get(key) is not None:
+            raise ValueError(f"{key} {c[key]} is not supported (Gemma 3 checkpoints have none)")
+    n = c["num_hidden_layers"]
+    pattern = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or GEMMA3_SLIDING_PATTERN
+    types = c.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                     for i in range(n)]
+    local = c.get("rope_local_base_freq")
+    rope = c.get("rope_parameters") or {}
+    if local is None and "sliding_attention" in rope:
+        local = rope["sliding_attention"].get("rope_theta")
+    return dict(layer_types=tuple(types), sliding_window=c.get("sliding_window"),
+                rope_local_theta=float(local or 10000.0),
+                query_pre_attn_scalar=float(c.get("query_pre_attn_scalar") or c.get("head_dim") or 256),
+                hidden_act=c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh")
+
 
 class HFDirSource:
     def __init__(self, path: Path) -> None:
@@ -276,6 +321,10 @@ class HFDirSource:
             # checkpoints have "rope_theta" and "rope_scaling". Reading only the old keys lost both silently.
             rope = c.get("rope_parameters") or {}
             theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+            family = _hf_family_fields(c, arch)
+            if arch == "Gemma3ForCausalLM" and "full_attention" in rope:  # transformers 5: one object per layer type
+                theta = rope["full_attention"].get("rope_theta", 1e6)
+                rope = rope["full_attention"]
             scaling = c.get("rope_scaling")
             if scaling is None and rope.get("rope_type", "default") != "default":
                 scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
@@ -289,9 +338,11 @@ class HFDirSource:
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                 attention_bias=bool(c.get("attention_bias", arch == "Qwen2ForCausalLM")),
                 mlp_bias=bool(c.get("mlp_bias", False)), bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
-                quantization_config=c.get("quantization_config"))
+                quantization_config=c.get("quantization_config"), **family)
         except KeyError as e:
             raise ModelLoadError(f"{self.path / 'config.json'}: missing key {e}") from e
+        except ValueError as e:
+            raise ModelLoadError(f"{self.path / 'config.json'}: {e}") from e
 
     def weight_files(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"

@@ -9,8 +9,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("tokenmill.models.qwen3", "Qwen3ForCausalLM"),
+    "Gemma3ForCausalLM": ("tokenmill.models.gemma3", "Gemma3ForCausalLM"),
 }
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:

@@ -28,6 +28,7 @@ import torch
 from tokenmill.attention.kv_quant import cache_head_dim
 from tokenmill.attention.metadata import AttentionMetadata, forward_context, tree_depths, tree_key_masks
 from tokenmill.config import ModelArchConfig
+from tokenmill.core.kv_cache_manager import KVCacheGroup
 from tokenmill.core.step_io import (NewRequestData, SamplerResult, SamplingRow, ScheduledChunk, StepInput,
                                     StepTokens)
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, masks_from_bytes
@@ -41,9 +42,12 @@ class KVCacheSpec:
     num_blocks: int
     block_size: int
     num_layers: int
+    """Layers one block holds: every layer, or a KV-cache group's size when the model has several groups."""
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    groups: tuple[KVCacheGroup, ...] = ()
+    """The model's KV-cache groups (core/kv_cache_manager.plan_kv_groups); () for one group of every layer."""
 
     @property
     def cache_head_dim(self) -> int:
@@ -67,11 +71,13 @@ class RequestState:
     sampling_params: SamplingParams
     eos_token_id: int | None
     block_ids: list[int]
+    group_block_ids: list[list[int]]
+    """KV-cache groups 1.. (sliding-window models): their tables."""
 
     @classmethod
     def new(cls, d: NewRequestData) -> "RequestState":
         return cls(d.request_id, list(d.prompt_token_ids), list(d.prompt_token_ids) + list(d.output_token_ids),
-                   d.sampling_params, d.eos_token_id, list(d.block_ids))
+                   d.sampling_params, d.eos_token_id, list(d.block_ids), [list(t) for t in d.group_block_ids])
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -86,15 +92,18 @@ class RequestState:
         self.token_ids.extend(c.new_token_ids)
         if c.replace_block_ids:
             self.block_ids = list(c.new_block_ids)
+            self.group_block_ids = [list(t) for t in c.new_group_block_ids]
         else:
             self.block_ids.extend(c.new_block_ids)
+            for t, new in zip(self.group_block_ids, c.new_group_block_ids):
+                t.extend(new)
         end = c.start_pos + c.num_new_tokens
         k = len(c.spec_token_ids)
         real_end = end - k
         assert real_end <= len(self.token_ids), f"{self.request_id}: chunk past the tokens the runner was sent"
         toks = self.token_ids[c.start_pos:real_end] + list(c.spec_token_ids)
         return StepTokens(self.request_id, c.start_pos, toks, self.block_ids, k, c.is_sampling, c.fork_of,
-                          c.spec_parents)
+                          c.spec_parents, self.group_block_ids)
 
 
 @dataclass
@@ -102,11 +111,14 @@ class StepInputs:
     """A forward pass's tensors, from `ModelRunner.prepare_inputs`."""
 
     meta: AttentionMetadata
+    """KV-cache group 0's (every layer's, for a one-group model)."""
     input_ids: torch.Tensor       # [num_tokens]
     positions: torch.Tensor       # [num_tokens]
     logits_indices: torch.Tensor  # rows of the hidden states whose logits are sampled
     sampling: list[StepTokens]
     """The requests that sample, in logits order (a request with k drafts owns 1 + k rows)."""
+    group_metas: list[AttentionMetadata] = dataclasses.field(default_factory=list)
+    """Groups 1.. : the same step over their own block tables (and windows)."""
 
 
 Verifier = Callable[[torch.Tensor, list[StepTokens], list[RequestState], SamplingMetadata, "torch.Generator | None"],
@@ -165,10 +177,15 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_spec.block_size
         self.vocab_size = arch.vocab_size
-        # [num_layers] x [2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_caches = [torch.zeros(2, kv_spec.num_blocks, kv_spec.block_size, kv_spec.num_kv_heads,
-                                      kv_spec.cache_head_dim, dtype=kv_spec.dtype, device=device)
-                          for _ in range(kv_spec.num_layers)]
+        # [layers per block] x [2, num_blocks, block_size, num_kv_heads, head_dim]: the pool's storage. With
+        # several KV-cache groups, layer i of every group lives in tensor i (a block serves one group).
+        self.kv_tensors = [torch.zeros(2, kv_spec.num_blocks, kv_spec.block_size, kv_spec.num_kv_heads,
+                                       kv_spec.cache_head_dim, dtype=kv_spec.dtype, device=device)
+                           for _ in range(kv_spec.num_layers)]
+        self.groups = list(kv_spec.groups) or [KVCacheGroup(tuple(range(kv_spec.num_layers)))]
+        layer_tensor = {layer: i for grp in self.groups for i, layer in enumerate(grp.layers)}
+        self.kv_caches = [self.kv_tensors[layer_tensor[i]] for i in range(len(layer_tensor))]
+        """Per layer, its cache tensor (shared across groups)."""
         for attn, cache in zip(model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache
         # Steps of a few tokens per request on CPU: the C++ layer loop (worker/cpu_decode.py), or None.
@@ -198,7 +215,7 @@ class ModelRunner:
         for d in step.new_requests:
             self.requests[d.request_id] = RequestState.new(d)
         if step.block_copies:
-            copy_blocks(self.kv_caches, step.block_copies)
+            copy_blocks(self.kv_tensors, step.block_copies)
         if not step.scheduled:
             return {}
         tokens = [self.requests[c.request_id].advance(c) for c in step.scheduled]
@@ -211,7 +228,7 @@ class ModelRunner:
         if self.decode_loop is not None and self.decode_loop.serves(inp.meta, inp.input_ids.shape[0]):
             hidden = self.decode_loop(inp.input_ids, inp.positions, inp.meta)
         else:
-            with forward_context(inp.meta):
+            with forward_context(inp.meta, inp.group_metas):
                 hidden = self.model(inp.input_ids, inp.positions)  # [num_tokens, hidden]
         if self.feature_sink is not None and not any(s.num_spec_tokens for s in batch):
             self.feature_sink(batch, hidden)
@@ -229,8 +246,9 @@ class ModelRunner:
                 res = results.get(s.request_id)
                 if s.tree_parents is not None and res is not None and res.accepted_nodes:
                     self.num_paths_compacted += res.accepted_nodes != list(range(len(res.accepted_nodes)))
-                    compact_accepted_path(self.kv_caches, s.block_ids,
-                                          s.start_pos + s.num_new_tokens - s.num_spec_tokens, res.accepted_nodes)
+                    for table in s.tables():  # each group's layers sit at its own blocks in every tensor
+                        compact_accepted_path(self.kv_tensors, table,
+                                              s.start_pos + s.num_new_tokens - s.num_spec_tokens, res.accepted_nodes)
             if self.feature_sink is not None:
                 self.feature_sink(*kept_rows(batch, hidden, results))
             return results
@@ -257,24 +275,20 @@ class ModelRunner:
 
     def prepare_inputs(self, batch: list[StepTokens]) -> StepInputs:
         """The tensors of one forward pass over `batch` (decodes first, as `execute` orders them)."""
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampling: list[StepTokens] = []
-        max_blocks = 1
         key_lens: list[int] = []      # per token: its slot index in its request + 1 (the keys it may see)
         key_masks: list[int] | None = None
         for s in batch:
             n, start = s.num_new_tokens, s.start_pos
             input_ids.extend(s.token_ids)
-            pos = range(start, start + n)
             tree = s.tree_parents
             if tree is None:
-                positions.extend(pos)
+                positions.extend(range(start, start + n))
             else:  # a token tree: nodes at the root's position + depth, in slots after the root in listing order
                 k = s.num_spec_tokens
                 root = start + n - k - 1
@@ -287,11 +301,8 @@ class ModelRunner:
             if key_masks is not None and tree is None:
                 key_masks.extend([0] * n)
             key_lens.extend(range(start + 1, start + n + 1))
-            bids = s.block_ids
-            slots.extend(bids[p // bs] * bs + p % bs for p in pos)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-            max_blocks = max(max_blocks, len(bids))
             if s.is_sampling:  # a request with k drafts needs logits at its last 1 + k tokens
                 logits_indices.extend(range(qsl[-1] - 1 - s.num_spec_tokens, qsl[-1]))
                 sampling.append(s)
@@ -300,38 +311,60 @@ class ModelRunner:
             if s.num_new_tokens != 1:
                 break
             num_decodes += 1
-        flat: list[int] = []  # one tensor from one list: 64 rows cost one call, not 64 (padded with block 0)
-        for s in batch:
-            flat.extend(s.block_ids)
-            flat.extend([0] * (max_blocks - len(s.block_ids)))
-        tables = torch.tensor(flat, dtype=torch.long).view(len(batch), max_blocks)
         dev = self.device
         max_dec = max(seq_lens[:num_decodes], default=0)
-        token_tables = token_lens = None
-        if max((s.num_new_tokens for s in batch), default=0) <= MAX_TOKENS_AS_DECODES:
+        per_token = max((s.num_new_tokens for s in batch), default=0) <= MAX_TOKENS_AS_DECODES
+        token_lens = torch.tensor(key_lens, dtype=torch.long, device=dev) if per_token else None
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.long, device=dev)
+        qsl_t = torch.tensor(qsl, dtype=torch.long, device=dev)
+        key_mask_t = None if key_masks is None else torch.tensor(key_masks, dtype=torch.long, device=dev)
+        metas = []
+        for g, grp in enumerate(self.groups):
+            tables = [s.tables()[g] for s in batch]
+            slot_mapping, block_tables, token_tables = self._table_tensors(batch, tables, num_decodes, per_token)
+            key_start = None
+            if grp.sliding_window is not None:
+                w = grp.sliding_window
+                key_start = torch.tensor([max(0, p + 1 - w) for p in positions], dtype=torch.long, device=dev)
+            decode_mask = None  # only the reference decode attention reads it; the decode loop never does
+            if num_decodes and (self.decode_loop is None or token_tables is None) and key_start is None:
+                nb = -(-max_dec // self.block_size)
+                ar = torch.arange(nb * self.block_size)
+                decode_mask = (ar[None, :] < torch.tensor(seq_lens[:num_decodes])[:, None])[:, None, None, :].to(dev)
+            metas.append(AttentionMetadata(
+                num_decodes=num_decodes, num_prefills=len(batch) - num_decodes, slot_mapping=slot_mapping,
+                block_tables=block_tables, seq_lens=seq_lens_t, query_start_loc=qsl_t,
+                seq_lens_cpu=seq_lens, query_start_loc_cpu=qsl, max_decode_seq_len=max_dec, decode_mask=decode_mask,
+                token_block_tables=token_tables, token_seq_lens=token_lens, token_key_mask=key_mask_t,
+                key_start=key_start))
+        return StepInputs(metas[0], torch.tensor(input_ids, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev),
+                          torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling, metas[1:])
+
+    def _table_tensors(self, batch: list[StepTokens], tables: list[list[int]], num_decodes: int,
+                       per_token: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One KV-cache group's slot_mapping [num_tokens], block tables [num_reqs, max_blocks] (padded with
+        block 0) and, for steps of few tokens per request, per-token tables [num_tokens, max_blocks]."""
+        bs = self.block_size
+        slots: list[int] = []
+        for s, bids in zip(batch, tables):
+            slots.extend(bids[p // bs] * bs + p % bs for p in range(s.start_pos, s.start_pos + s.num_new_tokens))
+        max_blocks = max([1, *map(len, tables)])
+        flat: list[int] = []  # one tensor from one list: 64 rows cost one call, not 64
+        for bids in tables:
+            flat.extend(bids)
+            flat.extend([0] * (max_blocks - len(bids)))
+        block_tables = torch.tensor(flat, dtype=torch.long).view(len(batch), max_blocks)
+        dev = self.device
+        token_tables = None
+        if per_token:
             if num_decodes == len(batch):  # one token each: the tables as they are
-                token_tables = tables.to(dev)
+                token_tables = block_tables.to(dev)
             else:
                 req_of_token = torch.repeat_interleave(torch.arange(len(batch)),
                                                        torch.tensor([s.num_new_tokens for s in batch]))
-                token_tables = tables.index_select(0, req_of_token).to(dev)
-            token_lens = torch.tensor(key_lens, dtype=torch.long, device=dev)
-        decode_mask = None  # only the reference decode attention reads it; the decode loop never does
-        if num_decodes and (self.decode_loop is None or token_tables is None):
-            nb = -(-max_dec // bs)
-            ar = torch.arange(nb * bs)
-            decode_mask = (ar[None, :] < torch.tensor(seq_lens[:num_decodes])[:, None])[:, None, None, :].to(dev)
-        meta = AttentionMetadata(
-            num_decodes=num_decodes, num_prefills=len(batch) - num_decodes,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=tables.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
-            seq_lens_cpu=seq_lens, query_start_loc_cpu=qsl, max_decode_seq_len=max_dec, decode_mask=decode_mask,
-            token_block_tables=token_tables, token_seq_lens=token_lens,
-            token_key_mask=None if key_masks is None else torch.tensor(key_masks, dtype=torch.long, device=dev))
-        return StepInputs(meta, torch.tensor(input_ids, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev),
-                          torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling)
+                token_tables = block_tables.index_select(0, req_of_token).to(dev)
+        return torch.tensor(slots, dtype=torch.long, device=dev), block_tables.to(dev), token_tables
 
     def sampling_metadata(self, reqs: Sequence[SamplingRow]) -> SamplingMetadata:
         """Per-row sampling tensors for `reqs` (penalty counts from their outputs, min_tokens bans, the
