@@ -60,6 +60,8 @@ ENGINE_COUNTERS: tuple[StatRow, ...] = (
             "Prefix-cache queries, in tokens (prompt tokens looked up)."),
     StatRow("prefix_cache_hits", "tokenmill:prefix_cache_hits", "Prefix-cache hits, in tokens."),
     StatRow("num_preemptions", "tokenmill:num_preemptions", "Cumulative number of preemptions."),
+    StatRow("num_blocks_slid_out", "tokenmill:kv_cache_blocks_slid_out",
+            "KV blocks sliding-window layers returned to the pool (no later query could see them)."),
     StatRow("num_prompt_tokens", "tokenmill:prompt_tokens", "Number of prefill tokens processed."),
     StatRow("num_generation_tokens", "tokenmill:generation_tokens", "Number of generation tokens processed."),
     StatRow("num_steps", "tokenmill:engine_steps", "Engine steps that ran the model."),

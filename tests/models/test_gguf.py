@@ -1,11 +1,11 @@
-"""GGUF loading: every tensor type in both offline models dequantizes; Gemma 3 is reported as
-an unsupported architecture by name."""
+"""GGUF loading: every tensor type in both offline models dequantizes; Gemma 3's metadata becomes its config
+(the model itself: tests/models/test_gemma3.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tokenmill.models.loader import GGUFSource, ModelLoadError, load_model
+from tokenmill.models.loader import GGUFSource
 
 
 @pytest.fixture(scope="session")
@@ -34,8 +34,10 @@ def test_smollm2_tensor_types(real_model_path):
 
 def test_gemma3_tensor_types_and_arch(gemma_gguf):
     assert set(_check_all_types(gemma_gguf)) == {"F32", "Q5_0", "Q4_K", "Q8_0", "Q6_K"}
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'gemma3'.*llama"):
-        load_model(str(gemma_gguf))
+    cfg = GGUFSource(gemma_gguf).config()
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.vocab_size == 262144 and cfg.head_dim == 256
+    assert cfg.sliding_window == 512 and cfg.query_pre_attn_scalar == 256 and cfg.rope_local_theta == 10000.0
+    assert [i for i, w in enumerate(cfg.layer_windows()) if w is None] == [5, 11, 17]
 
 
 def test_gguf_metadata(real_model_path):

