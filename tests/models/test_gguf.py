@@ -22,7 +22,7 @@ def _check_all_types(path):
         if t.tensor_type.name in seen:
             continue
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        assert arr.shape == tuple(int(x) for x in reversed(t.shape))
+        assert arr.shape == t.shape
         assert np.isfinite(arr).all() and np.abs(arr).max() > 0
         seen[t.tensor_type.name] = t.name
     return seen

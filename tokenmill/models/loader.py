@@ -197,18 +197,13 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 class GGUFSource:
     def __init__(self, path: Path) -> None:
-        import gguf
+        from tokenmill.models.gguf_file import GGUFFile
         self.path = path
         try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # truncated or corrupt: the reader raises ValueError / IndexError / OSError
+            self.reader = GGUFFile(path)
+        except Exception as e:  # noqa: BLE001 - truncated or corrupt: ValueError / KeyError / struct.error / OSError
             raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
-        self.fields: dict[str, Any] = {}
-        for key, f in self.reader.fields.items():
-            try:
-                self.fields[key] = f.contents()
-            except Exception:  # noqa: BLE001 - a field we do not understand is not fatal
-                continue
+        self.fields: dict[str, Any] = self.reader.fields
 
     def config(self) -> ModelArchConfig:
         f = self.fields
@@ -266,8 +261,7 @@ class GGUFSource:
                 raise ModelLoadError(f"{self.path}: tensor {t.name!r} has unsupported type {t.tensor_type.name} ({e})") from e
             except Exception as e:  # noqa: BLE001 - mismatched sizes in a truncated file
                 raise ModelLoadError(f"{self.path}: tensor {t.name!r} is corrupt ({type(e).__name__}: {e})") from e
-            shape = tuple(int(x) for x in reversed(t.shape))
-            w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(shape)
+            w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(t.shape)
             if self.arch == "llama":
                 if t.name.endswith("attn_q.weight"):
                     w = _unpermute_qk(w, cfg.num_attention_heads)
