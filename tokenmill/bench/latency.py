@@ -70,7 +70,7 @@ def run_latency(args: argparse.Namespace) -> dict:
         else:
             lc = peers.LlamaCppPeer(args.model, threads)
             res, _ = measure(lc.timed_generate, prompt, args.output_len, args.num_iters)
-            res["precision"] = "GGUF as shipped (Q4_1 for the default model)"
+            res["precision"] = f"GGUF as shipped ({lc.path.name}: llama.cpp runs its quantized weights)"
             results["llamacpp"] = res
     peers.add_peer_ratios(results, "decode_tok_s")
     return results
