@@ -6,7 +6,7 @@ as CLI help (see entrypoints/cli.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -62,6 +62,33 @@ class ModelArchConfig:
     def kv_bytes_per_token(self, dtype_bytes: float) -> float:
         """2 (K and V) x layers x KV heads x head dim x bytes per element."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table."""
+
+    layers: tuple[int, ...]
+    sliding_window: int | None = None
+    """Keys a query sees, itself included (Gemma 3: 512); None: every earlier key (a global layer)."""
+
+
+def plan_kv_groups(layer_windows: Sequence[int | None]) -> list[KVCacheGroup]:
+    """Split layers into groups of one kind and equal size (the smallest kind's count), global groups first,
+    so any block of the pool can serve any group. One window kind (every Llama): one group of every layer.
+
+        Gemma 3 270M: 18 layers, every 6th global -> 3 global + 15 windowed
+        -> [5 11 17] (global), [0 1 2], [3 4 6], [7 8 9], [10 12 13], [14 15 16] (window 512)
+    """
+    kinds: dict[int | None, list[int]] = {}
+    for i, w in enumerate(layer_windows):
+        kinds.setdefault(w, []).append(i)
+    size = min(len(v) for v in kinds.values())
+    groups = []
+    for w in sorted(kinds, key=lambda w: (w is not None, w or 0)):
+        layers = kinds[w]
+        groups.extend(KVCacheGroup(tuple(layers[i:i + size]), w) for i in range(0, len(layers), size))
+    return groups
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
+from tokenmill.config import KVCacheGroup, plan_kv_groups  # noqa: F401 - the groups' home is config.py
 from tokenmill.core.block_hash import BlockHash, extend_block_hashes
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
 from tokenmill.core.step_io import BlockCopy
@@ -45,33 +46,6 @@ NULL_BLOCK = KVCacheBlock(-1)
 """A windowed group's table entry for a block that slid out of the window (never read, never written)."""
 NULL_BLOCK_ID = 0
 """What the runner is sent for a NULL_BLOCK entry: any valid id does, the attention never reads it."""
-
-
-@dataclass(frozen=True)
-class KVCacheGroup:
-    """Layers that share one block table."""
-
-    layers: tuple[int, ...]
-    sliding_window: int | None = None
-    """Keys a query sees, itself included (Gemma 3: 512); None: every earlier key (a global layer)."""
-
-
-def plan_kv_groups(layer_windows: Sequence[int | None]) -> list[KVCacheGroup]:
-    """Split layers into groups of one kind and equal size (the smallest kind's count), global groups first,
-    so any block of the pool can serve any group. One window kind (every Llama): one group of every layer.
-
-        Gemma 3 270M: 18 layers, every 6th global -> 3 global + 15 windowed
-        -> [5 11 17] (global), [0 1 2], [3 4 6], [7 8 9], [10 12 13], [14 15 16] (window 512)
-    """
-    kinds: dict[int | None, list[int]] = {}
-    for i, w in enumerate(layer_windows):
-        kinds.setdefault(w, []).append(i)
-    size = min(len(v) for v in kinds.values())
-    groups = []
-    for w in sorted(kinds, key=lambda w: (w is not None, w or 0)):
-        layers = kinds[w]
-        groups.extend(KVCacheGroup(tuple(layers[i:i + size]), w) for i in range(0, len(layers), size))
-    return groups
 
 
 @dataclass

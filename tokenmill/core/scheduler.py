@@ -15,8 +15,8 @@ from collections import deque
 from typing import Sequence
 from dataclasses import dataclass, field
 
-from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.kv_cache_manager import KVCacheGroup, KVCacheManager
+from tokenmill.config import CacheConfig, KVCacheGroup, SchedulerConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.step_cost import StepCostModel, chunk_kilo_keys
 from tokenmill.core.step_io import BlockCopy, NewRequestData, SamplerResult, ScheduledChunk, StepInput
 from tokenmill.distributed.kv_connector import (ConnectorEvents, ConnectorStep, HoldForDecode, KVConnectorScheduler,

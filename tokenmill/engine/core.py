@@ -20,8 +20,8 @@ import torch
 
 from tokenmill.attention.backend import TorchPagedAttention
 
-from tokenmill.config import EngineConfig, ModelArchConfig
-from tokenmill.core.kv_cache_manager import BlockMap, plan_kv_groups
+from tokenmill.config import EngineConfig, ModelArchConfig, plan_kv_groups
+from tokenmill.core.kv_cache_manager import BlockMap
 from tokenmill.core.scheduler import Scheduler, StepTokens
 from tokenmill.distributed.kv_connector import HoldForDecode, KVConnectorScheduler, KVTransferRequest, PullFromPrefill
 

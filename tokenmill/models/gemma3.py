@@ -11,7 +11,7 @@ What differs from the Llama layer (models/llama.py), each as Hugging Face's Gemm
     norms:      x / rms(x) * (1 + w), in float32 (layers/norm.py GemmaRMSNorm)
     logits = norm(h) @ embed.T                           (tied, unscaled)
 
-Layers are split into KV-cache groups of one kind each (core/kv_cache_manager.plan_kv_groups): every
+Layers are split into KV-cache groups of one kind each (config.plan_kv_groups, core/kv_cache_manager.py): every
 attention layer reads its group's block table and, in a sliding group, the first key each query may see
 (AttentionMetadata.key_start), so the blocks a window left behind can go back to the pool.
 
@@ -25,8 +25,7 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, TorchPagedAttention
 from tokenmill.attention.metadata import get_forward_context
-from tokenmill.config import ModelArchConfig
-from tokenmill.core.kv_cache_manager import plan_kv_groups
+from tokenmill.config import ModelArchConfig, plan_kv_groups
 from tokenmill.layers.activation import gelu_tanh_and_mul
 from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.linear import Linear

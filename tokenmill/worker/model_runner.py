@@ -27,8 +27,7 @@ import torch
 
 from tokenmill.attention.kv_quant import cache_head_dim
 from tokenmill.attention.metadata import AttentionMetadata, forward_context, tree_depths, tree_key_masks
-from tokenmill.config import ModelArchConfig
-from tokenmill.core.kv_cache_manager import KVCacheGroup
+from tokenmill.config import KVCacheGroup, ModelArchConfig
 from tokenmill.core.step_io import (NewRequestData, SamplerResult, SamplingRow, ScheduledChunk, StepInput,
                                     StepTokens)
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, masks_from_bytes
