@@ -51,6 +51,11 @@ def write_tiny_checkpoint(path: Path, arch: str, tokenizer, seed: int = 0, **ove
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}})
         model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "gemma3":  # 6 layers, every 6th global; an 8-token window so it bites within a short prompt
+        cfg = transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 6, "head_dim": 16,
+                                               "sliding_window": 8, "query_pre_attn_scalar": 16,
+                                               "rope_theta": 1e6})
+        model = transformers.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(arch)
     with torch.no_grad():  # larger weights than the default init so logits are far from uniform
@@ -85,6 +90,11 @@ def tiny_qwen3(tmp_path_factory, gguf_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama3(tmp_path_factory, gguf_tokenizer) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama3"), "llama3", gguf_tokenizer, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory, gguf_tokenizer) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_gemma3"), "gemma3", gguf_tokenizer, seed=4)
 
 
 def supported_isas() -> list[str]:

@@ -53,6 +53,24 @@ def long_prompts(tokenizer) -> list[str]:
     return [a, b, a + " In summary ,", wikitext_prompt(tokenizer, 650, skip=90)]
 
 
+def test_tiny_hf_checkpoint_matches_hf(tiny_gemma3):
+    """Gemma 3 from a Hugging Face directory (a tiny random one written by transformers 5: rope_parameters per
+    layer type, layer_types, an 8-token window): logits within 1e-3 whole and in 3-token paged chunks (4-token
+    blocks, so the windows drop blocks), 64 greedy tokens identical, for 8 prompts longer than the window."""
+    import json as _json
+
+    from tests.models.test_numerics import assert_matches_hf
+    transformers = pytest.importorskip("transformers")
+    raw = _json.loads((tiny_gemma3 / "config.json").read_text())
+    ours = load_model(str(tiny_gemma3), dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_gemma3), dtype=torch.float32).eval()
+    cfg = ours.config
+    assert cfg.sliding_window == 8 and list(cfg.layer_types) == raw["layer_types"]
+    assert cfg.rope_local_theta == 10000.0 and cfg.rope_theta == 1e6 and cfg.query_pre_attn_scalar == 16
+    llm = assert_matches_hf(ours, hf, tiny_gemma3, PROMPTS, 64, "tiny_gemma3")
+    assert llm.stats().num_blocks_slid_out > 0
+
+
 def test_config_and_layers(ours):
     cfg = ours.config
     assert [i for i, w in enumerate(cfg.layer_windows()) if w is None] == [5, 11, 17]
