@@ -34,6 +34,7 @@ class RunnerSpec:
 
 
 def _serve(spec: RunnerSpec, conn) -> None:
+    from tokenmill.config import plan_kv_groups
     from tokenmill.models.loader import load_model
     from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
 
@@ -43,8 +44,9 @@ def _serve(spec: RunnerSpec, conn) -> None:
         loaded = load_model(spec.model, dtype=dtype, load_tokenizer=False)
         arch = loaded.config
         kv_dtype = torch.int8 if spec.kv_cache_dtype == "int8" else dtype
-        kv = KVCacheSpec(spec.num_blocks, spec.block_size, arch.num_hidden_layers, arch.num_key_value_heads,
-                         arch.head_dim, kv_dtype)
+        groups = plan_kv_groups(arch.layer_windows())  # as EngineCore builds it (one group for Llama)
+        kv = KVCacheSpec(spec.num_blocks, spec.block_size, len(groups[0].layers), arch.num_key_value_heads,
+                         arch.head_dim, kv_dtype, tuple(groups) if len(groups) > 1 else ())
         runner = ModelRunner(loaded.model, arch, kv, torch.device("cpu"), seed=spec.seed)
     except Exception:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", traceback.format_exc()))
