@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, TorchPagedAttention
-from tokenmill.attention.metadata import get_forward_context
 from tokenmill.config import ModelArchConfig, plan_kv_groups
 from tokenmill.layers.activation import gelu_tanh_and_mul
 from tokenmill.layers.embedding import VocabEmbedding
@@ -32,52 +31,28 @@ from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import GemmaRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.interface import DecoderLayout
-from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
+from tokenmill.models.qwen3 import Qwen3Attention
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(Qwen3Attention):
+    """Qwen3's QK-norm attention with Gemma's norm, scale, per-layer RoPE base, window and KV-cache group."""
+
+    qk_norm_cls = GemmaRMSNorm
+
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding, sliding_window: int | None,
                  kv_group: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        super().__init__(cfg, layer_idx, rotary, backend, dtype)
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.sliding_window = sliding_window
         self.kv_group = kv_group
-        """The KV-cache group whose block table this layer reads (the forward context holds one per group)."""
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
-                               output_sizes=[self.q_size, self.kv_size, self.kv_size], dtype=dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, dtype=dtype)
-        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
-        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
-        self.rotary = rotary
-        self.backend = backend
-        self.kv_cache: torch.Tensor | None = None  # bound by the runner: [2, nb, bs, Hkv, D]
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        lead = q.shape[:-1]
-        q = self.q_norm(q.reshape(*lead, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(*lead, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(positions, q, k)
-        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, self.kv_cache, get_forward_context(self.kv_group), self.scale,
-                                 self.sliding_window)
-        return self.o_proj(o.reshape(*lead, self.q_size))
 
 
-class Gemma3MLP(nn.Module):
+class Gemma3MLP(LlamaMLP):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype) -> None:
-        super().__init__()
         if cfg.hidden_act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"Gemma 3's MLP is GeGLU with tanh GELU; hidden_act {cfg.hidden_act!r} is not supported")
-        i = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * i, bias=cfg.mlp_bias, output_sizes=[i, i], dtype=dtype)
-        self.down_proj = Linear(i, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+        super().__init__(cfg, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))

@@ -42,12 +42,21 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None  # bound by the runner: [2, nb, bs, Hkv, D]
+        self.sliding_window: int | None = None
+        """A window layer's window (Gemma 3); None: every earlier key."""
+        self.kv_group = 0
+        """The KV-cache group whose block table this layer reads (the forward context holds one per group)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [..., Hq, D], k / v [..., Hkv, D] after RoPE -> the output projection's result."""
+        o = self.backend.forward(q, k, v, self.kv_cache, get_forward_context(self.kv_group), self.scale,
+                                 self.sliding_window)
+        return self.o_proj(o.reshape(*q.shape[:-2], self.q_size))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x: [..., T, hidden]
         q, k, v = self.rotary.rotate_packed(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads)
-        o = self.backend.forward(q, k, v, self.kv_cache, get_forward_context(), self.scale)
-        return self.o_proj(o.reshape(*q.shape[:-2], self.q_size))
+        return self.attend(q, k, v)
 
 
 class LlamaMLP(nn.Module):

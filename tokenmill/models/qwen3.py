@@ -8,9 +8,9 @@ fallback: tests/models/test_numerics.py checks the runner has none).
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.attention.metadata import get_forward_context
 from tokenmill.config import ModelArchConfig
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -19,11 +19,14 @@ from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCa
 
 
 class Qwen3Attention(LlamaAttention):
+    qk_norm_cls: type[nn.Module] = RMSNorm
+    """The per-head norm of queries and keys (Gemma 3's is GemmaRMSNorm, models/gemma3.py)."""
+
     def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding,
                  backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__(cfg, layer_idx, rotary, backend, dtype)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+        self.q_norm = self.qk_norm_cls(self.head_dim, cfg.rms_norm_eps, dtype)
+        self.k_norm = self.qk_norm_cls(self.head_dim, cfg.rms_norm_eps, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -31,9 +34,7 @@ class Qwen3Attention(LlamaAttention):
         q = self.q_norm(q.reshape(*lead, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(*lead, self.num_kv_heads, self.head_dim))
         q, k = self.rotary(positions, q, k)
-        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, self.kv_cache, get_forward_context(), self.scale)
-        return self.o_proj(o.reshape(*lead, self.q_size))
+        return self.attend(q, k, v.reshape(*lead, self.num_kv_heads, self.head_dim))
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
