@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    from tokenmill.core.kv_cache_manager import KVCacheGroup, plan_kv_groups
+    from tokenmill.config import KVCacheGroup, plan_kv_groups
     from tokenmill.engine.core import EngineCore
     from tokenmill.config import EngineConfig
     from tokenmill.sampling_params import SamplingParams

@@ -2,7 +2,8 @@
 hits that must hold the window's blocks, memory accounting per kind of group, forks and frees."""
 from __future__ import annotations
 
-from tokenmill.core.kv_cache_manager import NULL_BLOCK, NULL_BLOCK_ID, KVCacheGroup, KVCacheManager, plan_kv_groups
+from tokenmill.config import KVCacheGroup, plan_kv_groups
+from tokenmill.core.kv_cache_manager import NULL_BLOCK, NULL_BLOCK_ID, KVCacheManager
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 

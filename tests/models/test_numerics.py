@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from tokenmill.attention.metadata import forward_context
-from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.kv_cache_manager import plan_kv_groups
+from tokenmill.config import CacheConfig, SchedulerConfig, plan_kv_groups
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_io import StepTokens
 from tokenmill.models.loader import load_model

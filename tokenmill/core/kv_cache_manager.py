@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from tokenmill.config import KVCacheGroup, plan_kv_groups  # noqa: F401 - the groups' home is config.py
+from tokenmill.config import KVCacheGroup
 from tokenmill.core.block_hash import BlockHash, extend_block_hashes
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
 from tokenmill.core.step_io import BlockCopy
@@ -193,12 +193,12 @@ class KVCacheManager:
         """Group 0's table as block ids (NULL_BLOCK_ID for slid-out entries)."""
         return self.get_group_block_ids(request_id)[0]
 
-    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
-        """Every group's table as block ids (NULL_BLOCK_ID for slid-out entries)."""
+    def get_group_block_ids(self, request_id: str, first_group: int = 0) -> list[list[int]]:
+        """The tables of groups first_group.. as block ids (NULL_BLOCK_ID for slid-out entries)."""
         tables = self.tables.get(request_id)
         if tables is None:
-            return [[] for _ in self.groups]
-        return [[NULL_BLOCK_ID if b is NULL_BLOCK else b.block_id for b in t] for t in tables]
+            return [[] for _ in self.groups[first_group:]]
+        return [[NULL_BLOCK_ID if b is NULL_BLOCK else b.block_id for b in t] for t in tables[first_group:]]
 
     def _slide_out(self, tables: list[list[KVCacheBlock]], num_computed: int) -> None:
         """Windowed groups: entries no query from num_computed on can see go back to the pool."""

@@ -118,7 +118,7 @@ class Scheduler:
                  connector: KVConnectorScheduler | None = None,
                  kv_groups: Sequence[KVCacheGroup] | None = None) -> None:
         """connector: the KV connector's scheduler half (prefill/decode disaggregation), or None.
-        kv_groups: the model's KV-cache groups (core/kv_cache_manager.plan_kv_groups); None: one."""
+        kv_groups: the model's KV-cache groups (config.plan_kv_groups); None: one."""
         self.config = sched
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
@@ -397,7 +397,7 @@ class Scheduler:
         def chunk(s: ScheduledRequest) -> ScheduledChunk:
             req = s.request
             rid = req.request_id
-            tables = [s.block_ids, *self.kv.get_group_block_ids(rid)[1:]]
+            tables = [s.block_ids, *self.kv.get_group_block_ids(rid, first_group=1)]  # (group 0's: at schedule time)
             view = views.get(rid)
             new_tokens: list[int] = []
             new_tables: list[list[int]] = [[] for _ in tables]

@@ -46,7 +46,7 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     groups: tuple[KVCacheGroup, ...] = ()
-    """The model's KV-cache groups (core/kv_cache_manager.plan_kv_groups); () for one group of every layer."""
+    """The model's KV-cache groups (config.plan_kv_groups); () for one group of every layer."""
 
     @property
     def cache_head_dim(self) -> int:
