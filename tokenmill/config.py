@@ -204,9 +204,11 @@ class SchedulerConfig:
     chunks, chunks are min_prefill_chunk tokens). Unset: only the token budget limits a step."""
     step_time_factor: float | None = None
     """Without target_step_ms: keep a step that runs prompt chunks beside decodes under this multiple of the
-    predicted time of the same decodes alone (2.0: a running stream's token takes at most about twice its
-    plain decode step). The target follows the batch: a step with no decodes has no limit but the token
-    budget; without chunked prefill it does nothing. `tokenmill serve` sets 2.0."""
+    predicted time of a decode-only step of the batch it is heading to: today's decodes plus the prompts in
+    progress and waiting, up to max_num_seqs (2.0: a running stream's token takes at most about twice its
+    plain decode step at full batch). A step with no decodes has no limit but the token budget; without
+    chunked prefill it does nothing. Under either target the prompts with the fewest tokens left get the
+    chunk first, the oldest at least min_prefill_chunk. `tokenmill serve` sets 2.0."""
     min_prefill_chunk: int = 16
     """With target_step_ms or step_time_factor: the fewest prompt tokens a step still computes, so a prompt progresses however busy
     decoding is."""

@@ -7,7 +7,7 @@ from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_cost import StepCost, StepCostModel
 from tokenmill.core.step_io import SamplerResult
-from tokenmill.request import Request
+from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
 LAW = StepCost(a=0.008, b=0.001, c=0.0005)   # 8 ms + 1 ms per decode + 0.5 ms per prefill token
@@ -96,15 +96,34 @@ def make_relative(factor=2.0, budget=512, fitted=True):
     return s
 
 
-def test_a_relative_target_follows_the_decode_batch():
+def test_a_relative_target_follows_the_decode_batch_it_is_heading_to():
     s = make_relative(2.0)
-    run_decodes(s, 16)                          # 16 decodes alone: 24 ms by the law; target 48 ms
+    run_decodes(s, 16)                          # 16 decodes + the waiting prompt: 17 x 1 ms + 8 = 25 ms; target 50
     s.add_request(Request("long", list(range(10, 210)), SamplingParams(max_tokens=4), None, 4))
     cost = s.step_cost.cost
-    expected = cost.prefill_budget(16, 2.0 * cost.predict(16, 0, 0.016 * 4))
-    assert expected in (47, 48)                 # (48 - 8 - 16) / 0.5, up to the fit's last digit
+    expected = cost.prefill_budget(16, 2.0 * cost.predict(17, 0, 0.016 * 4 + 0.201))
+    assert expected in (51, 52)                 # (50 - 8 - 16) / 0.5, up to the fit's last digit
     chunks = {r.request_id: r.num_new_tokens for r in s.schedule().scheduled}
     assert chunks["long"] == expected + 1 and sum(chunks.values()) == 16 + expected + 1
+
+
+def test_waiting_prompts_raise_a_relative_target_up_to_max_num_seqs():
+    """4 decodes and 12 prompts queued: the target is twice a 16-decode step (48 ms), not twice a 4-decode one
+    (24 ms), so the prompts get (48 - 8 - 4) / 0.5 = 72 tokens, not 24. With max_num_seqs 8 only 4 of the
+    queued prompts count: twice an 8-decode step, (32 - 8 - 4) / 0.5 = 40 tokens."""
+    for max_seqs, expected in ((64, 72), (8, 40)):
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max_seqs, step_time_factor=2.0,
+                                      min_prefill_chunk=16), CacheConfig(block_size=4), 512, 1024)
+        feed(s.step_cost)
+        run_decodes(s, 4)
+        for i in range(12):
+            s.add_request(Request(f"p{i}", [1, 2, 3, 4] * 25, SamplingParams(max_tokens=4), None, 4))
+        cost = s.step_cost.cost
+        heading = min(16, max_seqs)
+        assert cost.prefill_budget(4, 2.0 * cost.predict(heading, 0, 0)) in (expected - 1, expected)
+        out = s.schedule()
+        prefill = sum(r.num_new_tokens - 1 for r in out.scheduled if r.request_id.startswith("p"))
+        assert prefill in (expected - 1, expected)
 
 
 def test_a_relative_target_with_nothing_decoding_leaves_the_budget():
@@ -133,3 +152,41 @@ def test_serve_turns_the_relative_target_on_and_generate_does_not():
     assert plain.parse_args([]).step_time_factor is None
     args = plain.parse_args(["--target-step-ms", "120", "--max-model-len", "256"])
     assert args.target_step_ms == 120.0 and args.max_model_len == 256
+
+
+def test_shorter_prompts_take_the_allowance_first_and_the_oldest_keeps_its_minimum():
+    """The worked example of Scheduler._prefill_plan: 4 decodes under a 62.1 ms target leave 100 prompt tokens
+    ((62.1 - 8 - 4) / 0.5). A (900 tokens left) is promised 16, C (30) and B (40) take 29 + 39, A the 16 left."""
+    s = make(target_ms=62.1, min_chunk=16)
+    run_decodes(s, 4)
+    s.add_request(Request("A", list(range(10, 1011)), SamplingParams(max_tokens=4), None, 4))
+    out = s.schedule()
+    assert {r.request_id: r.num_new_tokens for r in out.scheduled}["A"] == 101  # alone: the whole allowance
+    s.update(out, {})
+    s.add_request(Request("B", [3] * 40, SamplingParams(max_tokens=4), None, 4))
+    s.add_request(Request("C", [4] * 30, SamplingParams(max_tokens=4), None, 4))
+    out = s.schedule()
+    chunks = [(r.request_id, r.num_new_tokens) for r in out.scheduled if not r.request_id.startswith("d")]
+    assert chunks == [("A", 33), ("C", 30), ("B", 40)]       # C admitted before B, which was queued first
+    assert all(r.is_sampling for r in out.scheduled if r.request_id in "BC")
+    s.update(out, {r.request_id: SamplerResult([9]) for r in out.scheduled if r.is_sampling})
+    out = s.schedule()                                       # B and C decode now; A has the allowance again
+    assert {r.request_id: r.num_new_tokens for r in out.scheduled}["A"] == 1 + s.step_cost.cost.prefill_budget(6, 0.0621)
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
+    s = make(target_ms=62.1, min_chunk=16)
+    run_decodes(s, 4)
+    s.add_request(Request("A", list(range(10, 1011)), SamplingParams(max_tokens=4), None, 4))
+    done_at = None
+    for step in range(200):
+        s.add_request(Request(f"s{step}", [5] * 120, SamplingParams(max_tokens=1), None, 1))  # more than fits
+        out = s.schedule()
+        a = s.requests["A"]
+        s.update(out, {r.request_id: SamplerResult([9]) for r in out.scheduled if r.is_sampling})
+        for r in [r for r in s.running if r.request_id.startswith("s") and r.num_output_tokens]:
+            s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+        if a.num_output_tokens:
+            done_at = step
+            break
+    assert done_at is not None and done_at <= 1000 // 16 + 1     # at least 16 tokens a step

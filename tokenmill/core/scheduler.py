@@ -10,13 +10,15 @@ The scheduler never sees tensors; it hands the runner a SchedulerOutput.
 """
 from __future__ import annotations
 
+import itertools
+
 import time
 from collections import deque
 from typing import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.config import CacheConfig, KVCacheGroup, SchedulerConfig
-from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from tokenmill.core.step_cost import StepCostModel, chunk_kilo_keys
 from tokenmill.core.step_io import BlockCopy, NewRequestData, SamplerResult, ScheduledChunk, StepInput
 from tokenmill.distributed.kv_connector import (ConnectorEvents, ConnectorStep, HoldForDecode, KVConnectorScheduler,
@@ -102,6 +104,15 @@ class SchedulerOutput:
             else:
                 prefill += real
         return StepTokens(decode, prefill, draft)
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """One step's share of the prompt allowance (Scheduler._prefill_plan)."""
+    take: dict[str, int]
+    """New tokens per prompt that computes this step (a chunk's last token included)."""
+    admit: list[Request]
+    """The waiting requests among them, in the order they are admitted."""
 
 
 @dataclass
@@ -212,13 +223,31 @@ class Scheduler:
             return self.config.min_prefill_chunk
         num_decodes = sum(1 + len(r.spec_token_ids) for r in decodes)
         decode_keys = sum(chunk_kilo_keys(r.num_computed_tokens, 1 + len(r.spec_token_ids)) for r in decodes)
-        if target is None:
-            target = factor * cost.predict(num_decodes, 0, decode_keys) * 1000.0
-        # the next chunk starts where the first prompt in progress (running, else waiting) stands
         chunking = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if target is None:
+            target = factor * self._heading_decode_step(decodes, chunking) * 1000.0
+        # the next chunk starts where the first prompt in progress (running, else waiting) stands
         start = chunking[0].num_computed_tokens if chunking else 0
         budget = cost.prefill_budget(num_decodes, target / 1000.0, decode_keys, start)
         return max(self.config.min_prefill_chunk, budget)
+
+    def _heading_decode_step(self, decodes: list[Request], chunking: list[Request]) -> float:
+        """Predicted seconds of a decode-only step for the batch this one is heading to: today's decodes plus the
+        prompts in progress and waiting (up to max_num_seqs), each of those reading its prompt's keys.
+
+        Why not today's decodes alone: under load the prompts that wait are the streams of the next steps, and
+        a target tied to the few that decode now throttles the prefill that would make them decode (a closed
+        loop settles with a third of the streams queued; docs/architecture.md). Example: 4 decodes, 1 prompt
+        chunking, 27 waiting, max_num_seqs 64: the target is factor x the predicted step of 32 decodes."""
+        cost = self.step_cost.cost
+        assert cost is not None
+        num = sum(1 + len(r.spec_token_ids) for r in decodes)
+        keys = sum(chunk_kilo_keys(r.num_computed_tokens, 1 + len(r.spec_token_ids)) for r in decodes)
+        room = max(0, self.config.max_num_seqs - len(self.running))
+        for r in chunking + list(itertools.islice(self.waiting, room)):
+            num += 1
+            keys += chunk_kilo_keys(r.num_tokens, 1)
+        return cost.predict(num, 0, keys)
 
     # ----------------------------------------------------------- KV transfer
     def apply_kv_events(self, events: ConnectorEvents) -> None:
@@ -306,6 +335,7 @@ class Scheduler:
             self._release_expired_holds()
 
         prefill_left = self._prefill_allowance()
+        plan = None if prefill_left is None else self._prefill_plan(prefill_left)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -316,8 +346,14 @@ class Scheduler:
                 i += 1
                 continue
             if prefill_left is not None and not req.spec_token_ids and num_new > 1:  # a prompt chunk
-                num_new = min(num_new, 1 + prefill_left)
-                prefill_left -= num_new - 1
+                if plan is not None:
+                    if req.request_id not in plan.take:
+                        i += 1
+                        continue  # shorter prompts take this step's allowance
+                    num_new = min(num_new, plan.take[req.request_id])
+                else:
+                    num_new = min(num_new, 1 + prefill_left)
+                    prefill_left -= num_new - 1
             while True:
                 if self.kv.allocate_slots(req, num_new) is not None:
                     break
@@ -337,7 +373,9 @@ class Scheduler:
             i += 1
         self.running.extend(new_forks)  # after the loop: never preempted in the step that forks them
 
-        if not out.preempted_ids:
+        if not out.preempted_ids and plan is not None:
+            budget = self._admit_planned(plan, budget, out, now)
+        elif not out.preempted_ids:
             while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
                 req = self.waiting[0]
                 if isinstance(req.kv_transfer, PullFromPrefill):
@@ -360,18 +398,8 @@ class Scheduler:
                         break  # this step's prompt allowance is spent; it waits for the next step
                     num_new = min(num_new, 1 + prefill_left)
                     prefill_left -= num_new - 1
-                if self.kv.allocate_slots(req, num_new, computed) is None:
+                if not self._admit(req, num_new, computed, out, now):
                     break
-                self.waiting.popleft()
-                req.status = RequestStatus.RUNNING
-                if req.num_preemptions == 0:
-                    req.num_cached_tokens = computed.num_tokens
-                req.num_computed_tokens = computed.num_tokens
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                self.running.append(req)
-                out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
-                                                      self.kv.get_block_ids(req.request_id)))
                 if req.request_id in self.pending_forks and out.scheduled[-1].is_sampling:
                     new_forks = []
                     self._fork_pending(out.scheduled[-1], out, new_forks)
@@ -382,6 +410,71 @@ class Scheduler:
         if self.connector is not None:
             out.kv = self.connector.take_step()
         return out
+
+    def _prefill_plan(self, allowance: int) -> PrefillPlan | None:
+        """How this step's prompt allowance is shared: the oldest prompt (the first chunking, else the first
+        waiting) is promised min_prefill_chunk tokens, so nothing starves; the rest goes to the prompts with
+        the fewest tokens left first, which is what lowers the median time to first token when one long prompt
+        would hold everyone behind it; what is left after them goes back to the oldest. None (first come, first
+        served) when a waiting request is special: a pull from a prefill worker, or samples of n > 1.
+
+        Example: allowance 100, min_prefill_chunk 16; chunking A has 900 tokens left, waiting B 40 and C 30
+        (queued in that order). A is promised 16, C takes 30 (29 of the allowance: its last token is a
+        decode's), B 40 (39), A the 16 left over: A 1 + 32 tokens, C 30, B 40."""
+        if self.pending_forks or any(r.kv_transfer is not None for r in self.waiting):
+            return None
+        room = max(0, self.config.max_num_seqs - len(self.running) - len(self.loading))
+        chunking = [r for r in self.running if not r.spec_token_ids and r.num_tokens - r.num_computed_tokens > 1]
+        prompts = chunking + list(itertools.islice(self.waiting, room))
+        if not prompts:
+            return PrefillPlan({}, [])
+        left = {r.request_id: r.num_tokens - r.num_computed_tokens for r in prompts}
+        oldest = prompts[0]
+        promised = min(left[oldest.request_id] - 1, self.config.min_prefill_chunk, allowance)
+        allowance -= promised
+        take: dict[str, int] = {}
+        for r in sorted(prompts[1:], key=lambda r: left[r.request_id]):  # stable: ties stay in queue order
+            need = left[r.request_id] - 1  # prefill tokens; the chunk's last token is sampled like a decode
+            if need > 0 and allowance == 0:
+                break
+            got = min(need, allowance)
+            take[r.request_id] = 1 + got
+            allowance -= got
+        take[oldest.request_id] = 1 + promised + min(left[oldest.request_id] - 1 - promised, allowance)
+        waiting_ids = {r.request_id for r in prompts[len(chunking):]}
+        return PrefillPlan(take, [r for r in sorted(prompts, key=lambda r: (r is not oldest, left[r.request_id]))
+                                  if r.request_id in waiting_ids and r.request_id in take])
+
+    def _admit_planned(self, plan: PrefillPlan, budget: int, out: SchedulerOutput, now: float) -> int:
+        """Admit the waiting prompts the plan gives tokens to, in its order (not necessarily the queue's), each
+        with its planned chunk; stop at the first the budget or the block pool cannot hold. Returns the budget
+        left."""
+        for req in plan.admit:
+            if budget <= 0:
+                break
+            computed = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - computed.num_tokens, budget, plan.take[req.request_id])
+            if not self._admit(req, num_new, computed, out, now):
+                break
+            budget -= num_new
+        return budget
+
+    def _admit(self, req: Request, num_new: int, computed: ComputedBlocks, out: SchedulerOutput, now: float) -> bool:
+        """Move a waiting request to running with num_new tokens scheduled after its prefix hit; False (and
+        nothing changed) if the pool cannot supply the blocks."""
+        if self.kv.allocate_slots(req, num_new, computed) is None:
+            return False
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = computed.num_tokens
+        req.num_computed_tokens = computed.num_tokens
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        self.running.append(req)
+        out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
+                                              self.kv.get_block_ids(req.request_id)))
+        return True
 
     def _runner_step(self, out: SchedulerOutput) -> StepInput:
         """This step as the runner sees it: a request it holds no row for is sent whole (admitted,
