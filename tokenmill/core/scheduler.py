@@ -11,7 +11,6 @@ The scheduler never sees tensors; it hands the runner a SchedulerOutput.
 from __future__ import annotations
 
 import itertools
-
 import time
 from collections import deque
 from typing import Sequence
@@ -225,15 +224,16 @@ class Scheduler:
         decode_keys = sum(chunk_kilo_keys(r.num_computed_tokens, 1 + len(r.spec_token_ids)) for r in decodes)
         chunking = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         if target is None:
-            target = factor * self._heading_decode_step(decodes, chunking) * 1000.0
+            target = factor * self._heading_decode_step(num_decodes, decode_keys, chunking) * 1000.0
         # the next chunk starts where the first prompt in progress (running, else waiting) stands
         start = chunking[0].num_computed_tokens if chunking else 0
         budget = cost.prefill_budget(num_decodes, target / 1000.0, decode_keys, start)
         return max(self.config.min_prefill_chunk, budget)
 
-    def _heading_decode_step(self, decodes: list[Request], chunking: list[Request]) -> float:
-        """Predicted seconds of a decode-only step for the batch this one is heading to: today's decodes plus the
-        prompts in progress and waiting (up to max_num_seqs), each of those reading its prompt's keys.
+    def _heading_decode_step(self, num_decodes: int, decode_keys: float, chunking: list[Request]) -> float:
+        """Predicted seconds of a decode-only step for the batch this one is heading to: today's decodes (their
+        tokens and kilo-keys, as _prefill_allowance counted them) plus the prompts in progress and waiting (up
+        to max_num_seqs), each of those reading its prompt's keys.
 
         Why not today's decodes alone: under load the prompts that wait are the streams of the next steps, and
         a target tied to the few that decode now throttles the prefill that would make them decode (a closed
@@ -241,13 +241,10 @@ class Scheduler:
         chunking, 27 waiting, max_num_seqs 64: the target is factor x the predicted step of 32 decodes."""
         cost = self.step_cost.cost
         assert cost is not None
-        num = sum(1 + len(r.spec_token_ids) for r in decodes)
-        keys = sum(chunk_kilo_keys(r.num_computed_tokens, 1 + len(r.spec_token_ids)) for r in decodes)
-        room = max(0, self.config.max_num_seqs - len(self.running))
-        for r in chunking + list(itertools.islice(self.waiting, room)):
-            num += 1
-            keys += chunk_kilo_keys(r.num_tokens, 1)
-        return cost.predict(num, 0, keys)
+        room = max(0, self.config.max_num_seqs - len(self.running) - len(self.loading))
+        coming = chunking + list(itertools.islice(self.waiting, room))
+        keys = decode_keys + sum(chunk_kilo_keys(r.num_tokens, 1) for r in coming)
+        return cost.predict(num_decodes + len(coming), 0, keys)
 
     # ----------------------------------------------------------- KV transfer
     def apply_kv_events(self, events: ConnectorEvents) -> None:
@@ -441,9 +438,9 @@ class Scheduler:
             take[r.request_id] = 1 + got
             allowance -= got
         take[oldest.request_id] = 1 + promised + min(left[oldest.request_id] - 1 - promised, allowance)
-        waiting_ids = {r.request_id for r in prompts[len(chunking):]}
-        return PrefillPlan(take, [r for r in sorted(prompts, key=lambda r: (r is not oldest, left[r.request_id]))
-                                  if r.request_id in waiting_ids and r.request_id in take])
+        admit = [r for r in prompts[len(chunking):] if r.request_id in take]
+        admit.sort(key=lambda r: (r is not oldest, left[r.request_id]))  # the oldest first, then shortest first
+        return PrefillPlan(take, admit)
 
     def _admit_planned(self, plan: PrefillPlan, budget: int, out: SchedulerOutput, now: float) -> int:
         """Admit the waiting prompts the plan gives tokens to, in its order (not necessarily the queue's), each
