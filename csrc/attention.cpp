@@ -526,6 +526,177 @@ static void prefill_bf16(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::T
 
 #include "isa/avx512_end.h"
 
+// -------------------------------------------------------------------------------------- AVX2 code
+#include "isa/avx2_begin.h"
+#include "vec_avx2.h"
+
+// 8 vectors -> one vector of their 8 lane sums (lane i = sum of v[i]): two rounds of hadd, then the two
+// 128-bit halves of each partial added.
+static inline __m256 hsum8(const __m256* v) {
+    const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    // ab: lanes 0-3 hold v0..v3's sums of elements 0-3, lanes 4-7 the same of elements 4-7; cd for v4..v7
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// Decode for head_dim = 8 * NV (64, 128) on AVX2 + FMA CPUs, decode_avx512's algorithm in 8 lanes: each
+// (request, KV head) task converts 8 keys' rows to float32 once and scores them against the G query heads
+// (8 dot products summed together by hsum8), softmax by exp8, then p.V. Per task the sums run in one
+// order whatever the batch or the thread split, so a request's output does not depend on its neighbours.
+template <typename scalar_t, int NV>
+static void decode_avx2(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                        at::Tensor block_tables, at::Tensor seq_lens, double scale, const int64_t* km) {
+    constexpr int D = 8 * NV;
+    constexpr int GMAX = 8;
+    const int64_t B = q.size(0), Hq = q.size(1), bs = k_cache.size(1), Hkv = k_cache.size(2);
+    const int64_t G = Hq / Hkv, q_row = q.stride(0), nb_max = block_tables.size(1);
+    const int64_t kb_stride = k_cache.stride(0), vb_stride = v_cache.stride(0), tok_stride = Hkv * D;
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    const int64_t* tp = block_tables.data_ptr<int64_t>();
+    const int64_t* sp = seq_lens.data_ptr<int64_t>();
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; ++b) work += sp[b];
+    work *= Hq * D;
+    const int64_t num_tasks = B * Hkv;
+    const int64_t grain = work < (int64_t(1) << 18) ? num_tasks : 1;   // small calls: no parallel region
+    const float fscale = static_cast<float>(scale);
+    at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
+        std::vector<float> s, acc(GMAX * D);
+        std::vector<int64_t> krow, vrow;   // each key's row offset in the K and V caches
+        alignas(32) float qf[GMAX * D];
+        alignas(32) float kf[8 * D];
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = task / Hkv, h = task % Hkv, L = sp[b];
+            const int64_t Lp = (L + 7) / 8 * 8;
+            krow.resize(L);
+            vrow.resize(L);
+            for (int64_t t = 0; t < L; ++t) {
+                const int64_t blk = tp[b * nb_max + t / bs], in = (t % bs) * tok_stride + h * D;
+                krow[t] = blk * kb_stride + in;
+                vrow[t] = blk * vb_stride + in;
+            }
+            for (int64_t t = 0; t < std::min<int64_t>(PF_AHEAD, L); ++t)   // the rows the loops start on
+                for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) {
+                    _mm_prefetch(reinterpret_cast<const char*>(kp + krow[t]) + off, _MM_HINT_T0);
+                    _mm_prefetch(reinterpret_cast<const char*>(vp + vrow[t]) + off, _MM_HINT_T1);
+                }
+            for (int64_t g = 0; g < G; ++g)
+                for (int i = 0; i < NV; ++i)
+                    _mm256_store_ps(qf + g * D + 8 * i, _mm256_mul_ps(load8(qp + b * q_row + (h * G + g) * D + 8 * i),
+                                                                      _mm256_set1_ps(fscale)));
+            s.assign(G * Lp, -INFINITY);
+            std::fill(kf, kf + 8 * D, 0.f);
+            // pass 1: scores, 8 keys at a time
+            for (int64_t t0 = 0; t0 < L; t0 += 8) {
+                const int64_t nt = std::min<int64_t>(8, L - t0);
+                for (int64_t t = t0 + PF_AHEAD; t < std::min<int64_t>(t0 + PF_AHEAD + 8, L); ++t)
+                    for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64)
+                        _mm_prefetch(reinterpret_cast<const char*>(kp + krow[t]) + off, _MM_HINT_T0);
+                for (int64_t i = 0; i < nt; ++i)
+                    for (int j = 0; j < NV; ++j) _mm256_store_ps(kf + i * D + 8 * j, load8(kp + krow[t0 + i] + 8 * j));
+                for (int64_t g = 0; g < G; ++g) {
+                    const float* qg = qf + g * D;
+                    __m256 a[8];
+                    for (int i = 0; i < 8; ++i) {
+                        a[i] = _mm256_mul_ps(_mm256_load_ps(qg), _mm256_load_ps(kf + i * D));
+                        for (int j = 1; j < NV; ++j)
+                            a[i] = _mm256_fmadd_ps(_mm256_load_ps(qg + 8 * j), _mm256_load_ps(kf + i * D + 8 * j), a[i]);
+                    }
+                    _mm256_storeu_ps(s.data() + g * Lp + t0, hsum8(a));
+                }
+            }
+            for (int64_t g = 0; g < G; ++g)   // the last group's unused lanes
+                for (int64_t t = L; t < Lp; ++t) s[g * Lp + t] = -INFINITY;
+            // Tree nodes: hidden keys dropped from the scores and the rest compacted, as in decode_avx512.
+            int64_t Lv = L, tail0 = L;
+            int64_t tail[64];
+            if (km != nullptr && km[b] != 0) {
+                const uint64_t bits = static_cast<uint64_t>(km[b]);
+                tail0 = std::max<int64_t>(0, L - 64);
+                int64_t n = 0;
+                for (int64_t t = tail0; t < L; ++t)
+                    if (!((bits >> (L - 1 - t)) & 1u)) tail[n++] = t;
+                for (int64_t g = 0; g < G; ++g) {
+                    float* sr = s.data() + g * Lp;
+                    for (int64_t i = 0; i < n; ++i) sr[tail0 + i] = sr[tail[i]];   // tail[i] >= tail0 + i
+                    for (int64_t t = tail0 + n; t < L; ++t) sr[t] = -INFINITY;
+                }
+                Lv = tail0 + n;
+            }
+            float inv[GMAX];
+            const __m256 ninf = _mm256_set1_ps(-INFINITY);
+            for (int64_t g = 0; g < G; ++g) {
+                float* sr = s.data() + g * Lp;
+                __m256 m = ninf;
+                for (int64_t t = 0; t < Lp; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sr + t));
+                alignas(32) float mv[8];
+                _mm256_store_ps(mv, m);
+                const __m256 mx = _mm256_set1_ps(*std::max_element(mv, mv + 8));
+                __m256 sum = _mm256_setzero_ps();
+                for (int64_t t = 0; t < Lp; t += 8) {   // -inf (padding, hidden keys) -> exactly 0
+                    const __m256 x = _mm256_loadu_ps(sr + t);
+                    const __m256 e = _mm256_blendv_ps(exp8(_mm256_sub_ps(x, mx)), _mm256_setzero_ps(),
+                                                      _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ));
+                    _mm256_storeu_ps(sr + t, e);
+                    sum = _mm256_add_ps(sum, e);
+                }
+                alignas(32) float sv[8];
+                _mm256_store_ps(sv, sum);
+                float tot = 0.f;
+                for (int i = 0; i < 8; ++i) tot += sv[i];
+                inv[g] = tot > 0.f ? 1.f / tot : 0.f;
+            }
+            // pass 2: p.V
+            std::fill(acc.begin(), acc.begin() + G * D, 0.f);
+            for (int64_t t = 0; t < Lv; ++t) {
+                if (t + PF_AHEAD < L)
+                    for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64)
+                        _mm_prefetch(reinterpret_cast<const char*>(vp + vrow[t + PF_AHEAD]) + off, _MM_HINT_T0);
+                const int64_t ts = t < tail0 ? t : tail[t - tail0];   // the key's slot (tree nodes: compacted)
+                const scalar_t* vr = vp + vrow[ts];
+                __m256 vv[NV];
+                for (int i = 0; i < NV; ++i) vv[i] = load8(vr + 8 * i);
+                for (int64_t g = 0; g < G; ++g) {
+                    const __m256 w = _mm256_set1_ps(s[g * Lp + t]);
+                    float* ag = acc.data() + g * D;
+                    for (int i = 0; i < NV; ++i)
+                        _mm256_storeu_ps(ag + 8 * i, _mm256_fmadd_ps(w, vv[i], _mm256_loadu_ps(ag + 8 * i)));
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                scalar_t* o = op + (b * Hq + h * G + g) * D;
+                for (int d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[g * D + d] * inv[g]);
+            }
+        }
+    });
+}
+
+#include "isa/avx2_end.h"
+
+// Which loop paged_decode runs for these operands at the instruction-set level in force.
+DecodeKernel decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, bool windowed) {
+    const int64_t D = q.size(2), G = q.size(1) / k_cache.size(2);
+    const bool shaped = !windowed && (D == 64 || D == 128) && G <= 8 &&
+                        (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16);
+    // NOTE: windowed rows (key_start) take the generic loop: the vector ones have no window start yet.
+    if (shaped && cpu_has_avx512())
+        return q.scalar_type() == at::kBFloat16 && cpu_has_avx512_bf16() ? DecodeKernel::avx512_bf16 : DecodeKernel::avx512;
+    if (shaped && cpu_has_avx2()) return DecodeKernel::avx2;
+    return DecodeKernel::generic;
+}
+
+const char* decode_kernel_name(DecodeKernel k) {
+    switch (k) {
+        case DecodeKernel::avx512_bf16: return "avx512_bf16";
+        case DecodeKernel::avx512: return "avx512";
+        case DecodeKernel::avx2: return "avx2";
+        default: return "generic";
+    }
+}
+
 // ------------------------------------------------------------------------------------ entry points
 
 bool paged_prefill(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -566,21 +737,26 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
     TORCH_CHECK(v_cache.stride(3) == 1 && v_cache.stride(2) == v_cache.size(3) &&
                 v_cache.stride(1) == v_cache.size(2) * v_cache.size(3), "v_cache inner dims must be contiguous");
     const int64_t D = q.size(2);
-    // NOTE: windowed rows (ks) take the generic loop: the AVX-512 one has no window start yet.
-    if (ks == nullptr && cpu_has_avx512() && (D == 64 || D == 128) && q.size(1) / k_cache.size(2) <= 8) {
-        if (q.scalar_type() == at::kFloat) {
-            if (D == 64) decode_avx512<float, 4, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+    const bool bf16 = q.scalar_type() == at::kBFloat16;
+    switch (decode_kernel(q, k_cache, ks != nullptr)) {
+        case DecodeKernel::avx512_bf16:
+            if (D == 64) decode_avx512<at::BFloat16, 4, true>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+            else decode_avx512<at::BFloat16, 8, true>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+            return;
+        case DecodeKernel::avx512:
+            if (bf16 && D == 64) decode_avx512<at::BFloat16, 4, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+            else if (bf16) decode_avx512<at::BFloat16, 8, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+            else if (D == 64) decode_avx512<float, 4, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
             else decode_avx512<float, 8, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
             return;
-        }
-        if (q.scalar_type() == at::kBFloat16) {
-            const bool dot = cpu_has_avx512_bf16();
-            if (D == 64 && dot) decode_avx512<at::BFloat16, 4, true>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
-            else if (D == 64) decode_avx512<at::BFloat16, 4, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
-            else if (dot) decode_avx512<at::BFloat16, 8, true>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
-            else decode_avx512<at::BFloat16, 8, false>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+        case DecodeKernel::avx2:
+            if (bf16 && D == 64) decode_avx2<at::BFloat16, 8>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+            else if (bf16) decode_avx2<at::BFloat16, 16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+            else if (D == 64) decode_avx2<float, 8>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
+            else decode_avx2<float, 16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km);
             return;
-        }
+        case DecodeKernel::generic:
+            break;
     }
     if (q.scalar_type() == at::kFloat) {
         if (D == 64) decode_impl<float, 64>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, km, ks);

@@ -5,6 +5,13 @@
 
 namespace tokenmill {
 
+// The loops paged_decode chooses from (attention.cpp), by instruction set and shape.
+enum class DecodeKernel : int { generic = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3 };
+// The one paged_decode runs for q [B, Hq, D] against k_cache [nb, bs, Hkv, D] at the level in force;
+// windowed: a key_start is given (sliding windows take the generic loop).
+DecodeKernel decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, bool windowed);
+const char* decode_kernel_name(DecodeKernel k);
+
 // q [B, Hq, D] (one token per request) against each request's blocks; writes out [B, Hq, D].
 // key_mask [B] int64 (token trees): bit j hides key seq_lens[b] - 1 - j from row b.
 // key_start [B] int64 (sliding windows): row b attends keys [key_start[b], seq_lens[b]) only.

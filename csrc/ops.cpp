@@ -68,5 +68,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("set_max_isa", [](const std::string& name) {
               return std::string(tokenmill::isa_name(tokenmill::set_max_isa(tokenmill::isa_from_name(name))));
           }, "Caps the instruction sets the kernels may use (tests run the generic paths so); returns the old cap.");
+    m.def("decode_kernel", [](const at::Tensor& q, const at::Tensor& k_cache, bool windowed) {
+              return std::string(tokenmill::decode_kernel_name(tokenmill::decode_kernel(q, k_cache, windowed)));
+          }, "The loop paged_decode runs for q [B, Hq, D] and a k_cache [nb, bs, Hkv, D] (windowed: with key_start) "
+             "at the level in force: generic, avx2, avx512 or avx512_bf16.");
     m.attr("source_hash") = TOKENMILL_SOURCE_HASH;
 }

@@ -46,6 +46,55 @@ def test_paged_decode_matches_reference(dtype, tol, num_heads, num_kv_heads, hea
     torch.testing.assert_close(fast.float(), ref.float(), atol=tol, rtol=tol)
 
 
+# the loop each instruction-set level must choose for a 64- or 128-wide head (fp32, bf16)
+VECTOR_LOOP = {"generic": ("generic", "generic"), "avx2": ("avx2", "avx2"), "avx512": ("avx512", "avx512"),
+               "avx512_bf16": ("avx512", "avx512_bf16"), "amx": ("avx512", "avx512_bf16")}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_runs_the_vector_loop_of_the_level_in_force(each_isa, head_dim):
+    """A dispatcher that falls back to the generic loop cannot pass: the level's loop is named."""
+    for dtype, want in zip((torch.float32, torch.bfloat16), VECTOR_LOOP[each_isa]):
+        q, cache = torch.zeros(2, 9, head_dim, dtype=dtype), torch.zeros(2, 4, 16, 3, head_dim, dtype=dtype)
+        assert cpu_kernels.decode_kernel(q, cache) == want
+        assert cpu_kernels.decode_kernel(q, cache, windowed=True) == "generic"   # no window start in the vector loops
+    assert cpu_kernels.decode_kernel(torch.zeros(1, 4, 32), torch.zeros(2, 4, 16, 4, 32)) == "generic"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_request_gets_the_same_bits_alone_or_in_a_batch(dtype):
+    gen = torch.Generator().manual_seed(1)
+    seq_lens = [300, 5, 77, 16, 129]
+    cache = torch.randn(2, 64, 16, 3, 64, generator=gen).to(dtype)
+    q = torch.randn(len(seq_lens), 9, 64, generator=gen).to(dtype)
+    meta = make_decode_meta(seq_lens, 64, 16, gen)
+    batch = cpu_kernels.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.125)
+    for i in range(len(seq_lens)):
+        alone = cpu_kernels.paged_decode_attention(q[i:i + 1], cache, meta.block_tables[i:i + 1],
+                                                   meta.seq_lens[i:i + 1], 0.125)
+        assert torch.equal(alone[0], batch[i]), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hidden_keys_give_the_bits_of_a_decode_without_them(dtype):
+    """Token trees: a node's hidden keys (bit j hides key L-1-j) leave the bits a plain decode over the
+    remaining keys gives, what makes an accepted node's K/V equal to decoding's."""
+    gen = torch.Generator().manual_seed(2)
+    L, bs = 100, 16
+    hidden_bits = (2, 3, 7, 40)
+    cache = torch.randn(2, 8, bs, 3, 64, generator=gen).to(dtype)
+    q = torch.randn(1, 9, 64, generator=gen).to(dtype)
+    table = torch.arange(8)[None, :]
+    mask = torch.tensor([sum(1 << j for j in hidden_bits)])
+    masked = cpu_kernels.paged_decode_attention(q, cache, table, torch.tensor([L]), 0.125, key_mask=mask)
+    kept = [t for t in range(L) if (L - 1 - t) not in hidden_bits]
+    flat = cache.reshape(2, 8 * bs, 3, 64)
+    compact = torch.zeros_like(flat)
+    compact[:, :len(kept)] = flat[:, kept]
+    plain = cpu_kernels.paged_decode_attention(q, compact.reshape(cache.shape), table, torch.tensor([len(kept)]), 0.125)
+    assert torch.equal(masked, plain)
+
+
 def test_kernel_declines_what_it_does_not_serve():
     q = torch.randn(1, 4, 16)
     cache = torch.zeros(2, 2, 4, 2, 16, dtype=torch.int8)

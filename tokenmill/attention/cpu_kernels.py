@@ -29,6 +29,14 @@ def is_available() -> bool:
     return native.available()
 
 
+def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, windowed: bool = False) -> str | None:
+    """Which C++ loop paged_decode_attention runs for q [B, Hq, D] against kv_cache [2, nb, bs, Hkv, D] at the
+    instruction-set level in force: "generic", "avx2", "avx512" or "avx512_bf16"; None without the kernels.
+    windowed: with key_start (sliding windows take the generic loop)."""
+    mod = native.module()
+    return None if mod is None else mod.decode_kernel(q, kv_cache[0], windowed)
+
+
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
                            key_mask: torch.Tensor | None = None,
