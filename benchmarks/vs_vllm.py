@@ -8,8 +8,11 @@ Per engine (tokenmill; vLLM with its default thread binding; vLLM with every cor
   temperature 0, ignore_eos, each running to its reference reply's length, all sent at once under a cap of
   `--concurrency` streams (vLLM's `bench serve` metrics: output tok/s, TTFT, TPOT, ITL);
 - **single stream**: `--single-requests` prompts one at a time, `--single-output-len` tokens each (TPOT).
-Then tokenmill offline (EngineCore in this process, no HTTP) decodes the same single-stream prompts: the
-HTTP path's cost per token is server TPOT / offline TPOT.
+For tokenmill the single-stream requests alternate with the same request decoded offline (EngineCore in this
+process, the server's engine flags, no HTTP; the server idles meanwhile), so HTTP / offline compares pairs
+measured a minute apart, not runs minutes apart on a host whose bandwidth drifts. `--single-server-args`
+adds a second tokenmill row whose single stream runs on a server with those flags (e.g. n-gram
+speculation), paired with offline runs of the same flags.
 
 Both engines see the same prompt tokens (checked: the chat template of the HF directory is the GGUF's, and
 one request's usage.prompt_tokens is compared). Results: a table on stdout, JSON and an ITL percentile plot
@@ -37,7 +40,7 @@ from tokenmill.bench.vllm_peer import (BINDINGS, DEFAULT_VLLM_MODEL, VLLMServer,
 ITL_PERCENTILES = (10, 25, 50, 75, 90, 95, 99, 99.5, 99.9)
 
 
-def measure(base_url: str, load: list[SampleRequest], single: list[SampleRequest], concurrency: int) -> dict:
+def measure_load(base_url: str, load: list[SampleRequest], concurrency: int) -> dict:
     model = discover_model(base_url)
     warm, _ = asyncio.run(run_load(base_url, model, [SampleRequest(load[0].prompt, load[0].prompt_token_ids, 8)],
                                    math.inf, "poisson", None, chat=True, ignore_eos=True))
@@ -47,35 +50,65 @@ def measure(base_url: str, load: list[SampleRequest], single: list[SampleRequest
                                              ignore_eos=True))
     m = calculate_metrics(results, duration, percentiles=ITL_PERCENTILES)
     itls = sorted(g * 1e3 for r in results if r.success for g in r.itl)
-    s_results, s_duration = asyncio.run(run_load(base_url, model, single, math.inf, "poisson", 1, chat=True,
-                                                 ignore_eos=True))
-    s = calculate_metrics(s_results, s_duration)
-    return {"model": model, "load": m, "single": s, "itl_sorted_ms": itls[:: max(1, len(itls) // 4000)]}
+    return {"model": model, "load": m, "itl_sorted_ms": itls[:: max(1, len(itls) // 4000)]}
 
 
-def offline_single(requests: list[SampleRequest], server_args: list[str]) -> dict:
-    """Batch-1 decode in this process, the same chat prompts as the single-stream run: TPOT excludes the first
-    token, as over HTTP."""
-    from tokenmill import SamplingParams
-    from tokenmill.engine.core import EngineCore
-    from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    core = EngineCore(engine_config_from_args(parser.parse_args(server_args)))
-    tok = core.tokenizer
-    tpots = []
-    for i, r in enumerate(requests + requests[:1]):  # the first one again at the end; the first run warms up
+def measure_single(base_url: str, single: list[SampleRequest], offline: OfflineDecoder | None = None) -> dict:
+    """One stream, one request at a time; with `offline`, each request is followed by the same one decoded
+    offline, and the pairs' TPOTs are kept side by side."""
+    model = discover_model(base_url)
+    warm, _ = asyncio.run(run_load(base_url, model, [SampleRequest(single[0].prompt, single[0].prompt_token_ids, 8)],
+                                   math.inf, "poisson", 1, chat=True, ignore_eos=True))
+    results, pairs = [], []
+    for r in single:
+        res, _ = asyncio.run(run_load(base_url, model, [r], math.inf, "poisson", 1, chat=True, ignore_eos=True))
+        if not res[0].success:
+            raise RuntimeError(f"single-stream request to {base_url} failed: {res[0].error}")
+        results.extend(res)
+        if offline is not None:
+            http_tpot = (res[0].latency - res[0].ttft) / (res[0].output_tokens - 1)
+            pairs.append({"http_tpot_ms": http_tpot * 1e3, "offline_tpot_ms": offline.tpot(r) * 1e3})
+    out = {"single": calculate_metrics(results, sum(x.latency for x in results))}
+    if pairs:
+        out["pairs"] = pairs
+        out["offline_tpot_ms"] = statistics.median(p["offline_tpot_ms"] for p in pairs)
+        out["http_over_offline_speed"] = statistics.median(p["offline_tpot_ms"] / p["http_tpot_ms"] for p in pairs)
+    return out
+
+
+class OfflineDecoder:
+    """Batch-1 decode in this process with the server's engine flags: TPOT excludes the first token, as
+    over HTTP. Built (and warmed) before the server starts; idle while the server runs."""
+
+    def __init__(self, server_args: list[str]) -> None:
+        from tokenmill.engine.core import EngineCore
+        from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+        parser = argparse.ArgumentParser()
+        add_engine_args(parser)
+        self.core = EngineCore(engine_config_from_args(parser.parse_args(server_args)))
+        self._n = 0
+        self._decode([1, 2, 3, 4], 8)
+
+    def _decode(self, ids: list[int], max_tokens: int) -> float:
+        from tokenmill import SamplingParams
+        self._n += 1
+        self.core.add_request(f"o{self._n}", ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        times, tokens = [], 0
+        while self.core.has_unfinished_requests():
+            outs = self.core.step()
+            if outs:   # cumulative outputs: the request's tokens so far
+                tokens = sum(c.num_tokens for o in outs for c in o.outputs)
+            times.append((time.perf_counter(), tokens))
+        (t_first, n_first), (t_last, n_last) = next(x for x in times if x[1] > 0), times[-1]
+        return (t_last - t_first) / max(1, n_last - n_first)
+
+    def tpot(self, r: SampleRequest) -> float:
+        tok = self.core.tokenizer
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": r.prompt}]), add_special_tokens=False)
-        core.add_request(f"o{i}", ids, SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
-        times = []
-        while core.has_unfinished_requests():
-            core.step()
-            times.append(time.perf_counter())
-        if i:
-            tpots.append((times[-1] - times[0]) / (len(times) - 1))
-    core.close()
-    return {"tpot_ms": {"median": statistics.median(tpots) * 1e3, "mean": statistics.fmean(tpots) * 1e3},
-            "num_requests": len(tpots)}
+        return self._decode(ids, r.output_len)
+
+    def close(self) -> None:
+        self.core.close()
 
 
 def chat_usage(base_url: str, messages: list[dict]) -> dict:
@@ -123,6 +156,8 @@ def main() -> int:
     p.add_argument("--single-requests", type=int, default=4)
     p.add_argument("--single-output-len", type=int, default=256)
     p.add_argument("--server-args", default="--dtype bfloat16", help="tokenmill serve's engine flags (one string)")
+    p.add_argument("--single-server-args", default=None,
+                   help="also run the single stream on a tokenmill server with these flags (a second row)")
     p.add_argument("--vllm-venv", default=None, help="vLLM's virtualenv (default ../peers/vllm)")
     p.add_argument("--vllm-model", default=str(DEFAULT_VLLM_MODEL), help="the model as an HF directory, for vLLM")
     p.add_argument("--vllm-bindings", default=",".join(BINDINGS), help=f"comma list of {BINDINGS}")
@@ -142,10 +177,20 @@ def main() -> int:
     prompt_tokens: dict[str, int] = {}
     check_msgs = [{"role": "user", "content": load[0].prompt}]
     if not args.skip_tokenmill:
-        print("tokenmill: serving ...", flush=True)
-        with LaunchedServer(server_args, log_path=str(out / "tokenmill-server.log")) as tm:
-            results["tokenmill"] = measure(tm.base_url, load, single, args.concurrency)
-            prompt_tokens["tokenmill"] = chat_usage(tm.base_url, check_msgs)["prompt_tokens"]
+        configs = [("tokenmill", server_args, True)]
+        if args.single_server_args is not None:
+            configs.append((f"tokenmill ({args.single_server_args})", shlex.split(args.single_server_args), False))
+        for name, flags, with_load in configs:
+            print(f"{name}: offline engine, then serving ...", flush=True)
+            offline = OfflineDecoder(flags)
+            try:
+                with LaunchedServer(flags, log_path=str(out / f"tokenmill-server-{len(results)}.log")) as tm:
+                    r = measure_load(tm.base_url, load, args.concurrency) if with_load else {}
+                    r.update(measure_single(tm.base_url, single, offline))
+                    prompt_tokens[name] = chat_usage(tm.base_url, check_msgs)["prompt_tokens"]
+            finally:
+                offline.close()
+            results[name] = r
     reason = vllm_available(args.vllm_venv, args.vllm_model)
     for binding in [b.strip() for b in args.vllm_bindings.split(",") if b.strip()]:
         name = f"vllm ({binding})"
@@ -156,38 +201,36 @@ def main() -> int:
         cfg = VLLMServerConfig(model_dir=Path(args.vllm_model), binding=binding,
                                venv=Path(args.vllm_venv) if args.vllm_venv else None)
         with VLLMServer(cfg, free_port()) as v:  # NOTE: one engine on the cores at a time
-            r = measure(v.base_url, load, single, args.concurrency)
+            r = measure_load(v.base_url, load, args.concurrency)
+            r.update(measure_single(v.base_url, single))
             r["startup_s"] = v.startup_s
             r["threads_log"] = v.log_lines("hreads")[-3:]
             prompt_tokens[name] = chat_usage(v.base_url, check_msgs)["prompt_tokens"]
         results[name] = r
     if len(set(prompt_tokens.values())) > 1:
         print(f"WARNING: the engines tokenized the same chat differently: {prompt_tokens}")
-    if not args.skip_tokenmill:
-        print("tokenmill offline: batch-1 decode ...", flush=True)
-        results["tokenmill offline"] = offline_single(single, server_args)
     rows = []
     for name, r in results.items():
-        if name == "tokenmill offline":
-            continue
         if not r.get("available", True):
-            rows.append([name, "absent: " + r["reason"]] + [""] * 7)
+            rows.append([name, "absent: " + r["reason"]] + [""] * 8)
             continue
-        m, s = r["load"], r["single"]
-        rows.append([name, m["output_throughput"], m["ttft_ms"]["median"], m["itl_ms"]["median"], m["itl_ms"]["p99"],
-                     m["tpot_ms"]["median"], s["tpot_ms"]["median"], 1e3 / s["tpot_ms"]["median"], m["failed"]])
+        m, s = r.get("load"), r["single"]
+        load_cols = [m["output_throughput"], m["ttft_ms"]["median"], m["itl_ms"]["median"], m["itl_ms"]["p99"],
+                     m["tpot_ms"]["median"]] if m else ["", "", "", "", ""]
+        rows.append([name, *load_cols, s["tpot_ms"]["median"], 1e3 / s["tpot_ms"]["median"],
+                     r.get("offline_tpot_ms", ""), (m["failed"] if m else 0) + s["failed"]])
     print(f"\n{args.num_prompts} ShareGPT chat requests, {args.concurrency} concurrent streams, temperature 0, "
           "ignore_eos; single stream: "
           f"{args.single_requests} x {args.single_output_len} tokens (latencies in ms)")
     print(format_table(["engine", "out tok/s", "TTFT p50", "ITL p50", "ITL p99", "TPOT p50", "1-stream TPOT",
-                        "1-stream tok/s", "failed"], rows))
+                        "1-stream tok/s", "offline TPOT (paired)", "failed"], rows))
     summary = ratios(results)
     for k, v in summary.items():
         print(f"{k}: {v:.3g}")
     payload = {"env": environment(), "args": vars(args), "prompt_tokens_check": prompt_tokens, "results": results,
                "summary": summary}
     write_json(out / "vs_vllm.json", payload)
-    png = plot_itl({k: v for k, v in results.items() if k != "tokenmill offline"}, out / "itl_percentiles.png")
+    png = plot_itl({k: v for k, v in results.items() if "load" in v}, out / "itl_percentiles.png")
     if png:
         print(f"wrote {png}")
     return 0
@@ -197,21 +240,23 @@ def ratios(results: dict) -> dict[str, float]:
     """The issue's targets as numbers: ours / vLLM's best where vLLM ran."""
     tm = results.get("tokenmill")
     peers = [r for k, r in results.items() if k.startswith("vllm") and r.get("available", True)]
+    ours = {k: r for k, r in results.items() if k.startswith("tokenmill")}
     out: dict[str, float] = {}
     if tm is None:
         return out
     m = tm["load"]
     out["tokenmill ITL p99 / own median"] = m["itl_ms"]["p99"] / m["itl_ms"]["median"]
-    off = results.get("tokenmill offline")
-    if off:
-        out["tokenmill single stream over HTTP / offline (speed)"] = off["tpot_ms"]["median"] / tm["single"]["tpot_ms"]["median"]
+    for name, r in ours.items():
+        if "http_over_offline_speed" in r:
+            out[f"{name}: single stream over HTTP / offline (speed, median of pairs)"] = r["http_over_offline_speed"]
     if peers:
         best_tput = max(r["load"]["output_throughput"] for r in peers)
         out["output throughput / vLLM's best"] = m["output_throughput"] / best_tput
         out["ITL p99 / vLLM's best p99"] = m["itl_ms"]["p99"] / min(r["load"]["itl_ms"]["p99"] for r in peers)
         out["TTFT p50 / vLLM's best p50"] = m["ttft_ms"]["median"] / min(r["load"]["ttft_ms"]["median"] for r in peers)
-        out["single stream speed / vLLM's best"] = (min(r["single"]["tpot_ms"]["median"] for r in peers)
-                                                    / tm["single"]["tpot_ms"]["median"])
+        best_single = min(r["single"]["tpot_ms"]["median"] for r in peers)
+        for name, r in ours.items():
+            out[f"{name}: single stream speed / vLLM's best"] = best_single / r["single"]["tpot_ms"]["median"]
     return out
 
 
