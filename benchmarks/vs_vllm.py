@@ -7,7 +7,9 @@ Per engine (tokenmill; vLLM with its default thread binding; vLLM with every cor
 - **load**: `--num-prompts` ShareGPT first turns from ../shared/data on /v1/chat/completions, streamed,
   temperature 0, ignore_eos, each running to its reference reply's length, all sent at once under a cap of
   `--concurrency` streams (vLLM's `bench serve` metrics: output tok/s, TTFT, TPOT, ITL);
-- **single stream**: `--single-requests` prompts one at a time, `--single-output-len` tokens each (TPOT).
+- **single stream**: `--single-requests` prompts one at a time, `--single-output-len` tokens each (TPOT):
+  the seed-0 ShareGPT rows right after the load's, checked to lie before row 1000, where the corpora of
+  `tokenmill build-datastore` and the draft heads begin (speculation is measured on prompts it never saw).
 For tokenmill the single-stream requests alternate with the same request decoded offline (EngineCore in this
 process, the server's engine flags, no HTTP; the server idles meanwhile), so HTTP / offline compares pairs
 measured a minute apart, not runs minutes apart on a host whose bandwidth drifts. `--single-server-args`
@@ -111,6 +113,19 @@ class OfflineDecoder:
         self.core.close()
 
 
+def check_held_out(single: list[SampleRequest]) -> None:
+    """The single-stream prompts must not be among those whose answers built a datastore or trained a draft
+    head (`tokenmill build-datastore` / `train-eagle` / `train-medusa` answer rows 1000 onward of the same
+    seed-0 shuffle): speculation measured on its own training answers would be retrieval, not speed."""
+    from tokenmill.bench.common import DEFAULT_SHAREGPT
+    from tokenmill.spec_decode.eagle_train import sharegpt_rows
+    trained = {r["conversations"][0]["value"] for r in sharegpt_rows(DEFAULT_SHAREGPT)[1000:]
+               if r.get("conversations")}
+    seen = [r.prompt[:60] for r in single if r.prompt in trained]
+    if seen:
+        raise SystemExit(f"single-stream prompts overlap the draft corpora (rows >= 1000): {seen}")
+
+
 def chat_usage(base_url: str, messages: list[dict]) -> dict:
     """usage of a one-token chat completion: both engines must see the same prompt tokens."""
     import httpx
@@ -162,6 +177,7 @@ def main() -> int:
     p.add_argument("--vllm-model", default=str(DEFAULT_VLLM_MODEL), help="the model as an HF directory, for vLLM")
     p.add_argument("--vllm-bindings", default=",".join(BINDINGS), help=f"comma list of {BINDINGS}")
     p.add_argument("--skip-tokenmill", action="store_true")
+    p.add_argument("--single-only", action="store_true", help="only the single-stream rows (no load runs)")
     p.add_argument("--result-dir", default="bench_out/vs_vllm")
     args = p.parse_args()
     if args.single_requests < 1:
@@ -170,7 +186,8 @@ def main() -> int:
     tok = load_tokenizer("smollm2-135m")
     load = load_sharegpt(None, tok, args.num_prompts, seed=0, max_output_len=args.max_output_len)
     single = [SampleRequest(r.prompt, r.prompt_token_ids, args.single_output_len)
-              for r in load_sharegpt(None, tok, args.single_requests, seed=1)]
+              for r in load_sharegpt(None, tok, args.num_prompts + args.single_requests, seed=0)[args.num_prompts:]]
+    check_held_out(single)
     server_args = shlex.split(args.server_args)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
@@ -185,7 +202,7 @@ def main() -> int:
             offline = OfflineDecoder(flags)
             try:
                 with LaunchedServer(flags, log_path=str(out / f"tokenmill-server-{len(results)}.log")) as tm:
-                    r = measure_load(tm.base_url, load, args.concurrency) if with_load else {}
+                    r = measure_load(tm.base_url, load, args.concurrency) if with_load and not args.single_only else {}
                     r.update(measure_single(tm.base_url, single, offline))
                     prompt_tokens[name] = chat_usage(tm.base_url, check_msgs)["prompt_tokens"]
             finally:
@@ -201,7 +218,7 @@ def main() -> int:
         cfg = VLLMServerConfig(model_dir=Path(args.vllm_model), binding=binding,
                                venv=Path(args.vllm_venv) if args.vllm_venv else None)
         with VLLMServer(cfg, free_port()) as v:  # NOTE: one engine on the cores at a time
-            r = measure_load(v.base_url, load, args.concurrency)
+            r = {} if args.single_only else measure_load(v.base_url, load, args.concurrency)
             r.update(measure_single(v.base_url, single))
             r["startup_s"] = v.startup_s
             r["threads_log"] = v.log_lines("hreads")[-3:]
@@ -244,16 +261,18 @@ def ratios(results: dict) -> dict[str, float]:
     out: dict[str, float] = {}
     if tm is None:
         return out
-    m = tm["load"]
-    out["tokenmill ITL p99 / own median"] = m["itl_ms"]["p99"] / m["itl_ms"]["median"]
+    m = tm.get("load")
+    if m:
+        out["tokenmill ITL p99 / own median"] = m["itl_ms"]["p99"] / m["itl_ms"]["median"]
     for name, r in ours.items():
         if "http_over_offline_speed" in r:
             out[f"{name}: single stream over HTTP / offline (speed, median of pairs)"] = r["http_over_offline_speed"]
-    if peers:
+    if peers and m and all("load" in r for r in peers):
         best_tput = max(r["load"]["output_throughput"] for r in peers)
         out["output throughput / vLLM's best"] = m["output_throughput"] / best_tput
         out["ITL p99 / vLLM's best p99"] = m["itl_ms"]["p99"] / min(r["load"]["itl_ms"]["p99"] for r in peers)
         out["TTFT p50 / vLLM's best p50"] = m["ttft_ms"]["median"] / min(r["load"]["ttft_ms"]["median"] for r in peers)
+    if peers:
         best_single = min(r["single"]["tpot_ms"]["median"] for r in peers)
         for name, r in ours.items():
             out[f"{name}: single stream speed / vLLM's best"] = best_single / r["single"]["tpot_ms"]["median"]

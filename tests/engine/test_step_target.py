@@ -26,12 +26,16 @@ def run(path, target_ms):
         if not e.has_unfinished_requests():
             break
     e.check_integrity()
-    return {k: o.outputs[0].token_ids for k, o in outs.items()}, steps_to_first, e.scheduler.step_cost.cost
+    return {k: o.outputs[0].token_ids for k, o in outs.items()}, steps_to_first, e.scheduler.step_cost
 
 
 def test_target_cuts_the_long_prompt_and_keeps_greedy_output(tiny_llama):
     free, steps_free, _ = run(tiny_llama, None)
-    tight, steps_tight, cost = run(tiny_llama, 0.001)     # below any step: every step gets the minimum chunk
+    tight, steps_tight, model = run(tiny_llama, 0.001)    # below any step: every step gets the minimum chunk
     assert tight == free
-    assert cost is not None and cost.c > 0
+    # the model was fitted from the engine's own steps: both kinds were seen and a fit came out. Its
+    # coefficients are wall-clock figures of a tiny model on a shared host (a prefill token costs about as
+    # much as the noise), so their signs are not asserted; test_step_cost.py checks the fit on exact data.
+    assert model.cost is not None
+    assert len(model.samples) >= model.MIN_SAMPLES and len({p for _, p, _, _ in model.samples}) >= 2
     assert steps_free == 1 and steps_tight >= 300 // 17   # 16 prompt tokens (+1) per step
