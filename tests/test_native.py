@@ -214,3 +214,15 @@ def test_avx2_linear_gives_a_row_the_same_bits_whatever_the_row_count(each_isa):
             assert ops.linear_bf16_small(small, x[:m].contiguous(), w, b)
             assert torch.equal(small, full[:m]), m
     assert not ops.linear_bf16_avx2(x.new_empty(2, 200), x[:2, :100].contiguous(), w[:, :100].contiguous(), b)  # K % 16
+
+
+def test_prompt_attention_is_per_token_exactly_where_the_linears_are_invariant(each_isa):
+    """ModelConfig.batch_invariant unset: per-token prompt attention for float32, and for bf16 only where the
+    dense rule's bf16 linears are invariant (AMX; AVX2 without AVX-512); explicit settings win."""
+    from tokenmill.config import ModelConfig
+    assert native.bf16_linears_batch_invariant() == (each_isa in ("amx", "avx2"))
+    assert ModelConfig(dtype="bfloat16").attends_prompts_per_token == (each_isa in ("amx", "avx2"))
+    assert ModelConfig(dtype="float32").attends_prompts_per_token
+    for dtype in ("bfloat16", "float32"):
+        assert ModelConfig(dtype=dtype, batch_invariant=True).attends_prompts_per_token
+        assert not ModelConfig(dtype=dtype, batch_invariant=False).attends_prompts_per_token

@@ -142,10 +142,12 @@ class ModelConfig:
     tensor_parallel_gloo_only: bool = False
     """Tensor parallelism: send every all-reduce through gloo, not the shared-memory fast path between the ranks
     (for comparison; the fast path is the default)."""
-    batch_invariant: bool = True
+    batch_invariant: bool | None = None
     """Give each request's tokens the same bits whatever else is batched or how its prompt is chunked:
-    prompt chunks attended token by token like decodes (not by the faster tiled prefill kernel); with
-    bf16 on an AMX CPU the linears are batch-invariant too (docs/native_kernels.md)."""
+    prompt chunks attended token by token like decodes (not by the faster tiled prefill kernel). Unset:
+    on where the linears are batch-invariant too (float32; bf16 on AMX or AVX2-only CPUs), off where
+    they are not (bf16 on AVX-512 without AMX), since per-token attention alone does not make bf16
+    invariant there and costs prefill speed (docs/native_kernels.md)."""
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
@@ -160,6 +162,20 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype, self.device)
+
+    @property
+    def linears_batch_invariant(self) -> bool:
+        """Whether this dtype's dense linears are batch-invariant on this device (CUDA: not claimed, but
+        prompt attention stays per token there, as before the unset default existed)."""
+        if self.device.startswith("cuda") or self.torch_dtype != torch.bfloat16:
+            return True
+        from tokenmill import native  # lazy, as in auto_dtype
+        return native.bf16_linears_batch_invariant()
+
+    @property
+    def attends_prompts_per_token(self) -> bool:
+        """batch_invariant resolved: prompt chunks through the per-token decode kernel (True) or tiled."""
+        return self.linears_batch_invariant if self.batch_invariant is None else self.batch_invariant
 
 
 @dataclass(frozen=True)

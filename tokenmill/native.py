@@ -102,3 +102,10 @@ def has_avx512_bf16() -> bool:
 
 def has_amx() -> bool:
     return _at_least("amx")
+
+
+def bf16_linears_batch_invariant() -> bool:
+    """Whether the dense rule's bf16 linears give each row the same bits at every row count on this CPU: the
+    AMX kernel, or the AVX2 kernel on a CPU without AVX-512 (where oneDNN has no bf16 path). On AVX-512
+    without AMX, bf16 rows past the few-row kernel go to oneDNN, whose reduction order depends on the rows."""
+    return has_amx() or (has_avx2() and not has_avx512())

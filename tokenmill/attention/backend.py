@@ -55,7 +55,7 @@ class TorchPagedAttention:
     [0, c + n)).
 
     tiled_prefill: with it, prompt chunks of TILED_PREFILL_MIN_TOKENS or more take the tiled kernel (3-4x
-    faster prompt attention); without it (ModelConfig.batch_invariant) every token is attended as a
+    faster prompt attention); without it (ModelConfig.attends_prompts_per_token) every token is attended as a
     decode over its own prefix, so its bits do not depend on how its prompt was chunked or batched.
     """
 

@@ -185,7 +185,10 @@ class EngineCore:
             torch.set_num_threads(int(os.environ["TOKENMILL_NUM_THREADS"]))
         t0 = time.time()
         loaded = load_model(mc.model, dtype=mc.torch_dtype, device=mc.device, quantize_lm_head=mc.quantize_lm_head,
-                            backend=TorchPagedAttention(tiled_prefill=not mc.batch_invariant))
+                            backend=TorchPagedAttention(tiled_prefill=not mc.attends_prompts_per_token))
+        if mc.batch_invariant and not mc.linears_batch_invariant:
+            logger.warning("batch_invariant: prompts are attended per token, but this CPU's %s linears are not "
+                        "batch-invariant, so outputs still depend on batching", mc.torch_dtype)
         self.model = loaded.model
         self.arch: ModelArchConfig = loaded.config
         self.tokenizer = loaded.tokenizer

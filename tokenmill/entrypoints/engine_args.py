@@ -44,7 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             default = f.default if f.default is not MISSING else None
             default = defaults.get(f.name, default)
             help_ = docs.get(f.name, "")
-            if isinstance(default, bool):
+            if isinstance(default, bool) or str(f.type) == "bool | None":
                 g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
                 continue
             g.add_argument(flag, dest=f.name, type=_flag_type(f), default=default, help=f"{help_} (default: {default})")
