@@ -164,18 +164,19 @@ class ModelConfig:
         return parse_dtype(self.dtype, self.device)
 
     @property
-    def linears_batch_invariant(self) -> bool:
-        """Whether this dtype's dense linears are batch-invariant on this device (CUDA: not claimed, but
-        prompt attention stays per token there, as before the unset default existed)."""
+    def bf16_linears_vary_with_batch(self) -> bool:
+        """bf16 on a CPU whose dense bf16 linears are not batch-invariant (AVX-512 without AMX: oneDNN past the
+        few-row kernel), where per-token prompt attention alone cannot make outputs independent of the batch."""
         if self.device.startswith("cuda") or self.torch_dtype != torch.bfloat16:
-            return True
+            return False
         from tokenmill import native  # lazy, as in auto_dtype
-        return native.bf16_linears_batch_invariant()
+        return not native.bf16_linears_batch_invariant()
 
     @property
     def attends_prompts_per_token(self) -> bool:
-        """batch_invariant resolved: prompt chunks through the per-token decode kernel (True) or tiled."""
-        return self.linears_batch_invariant if self.batch_invariant is None else self.batch_invariant
+        """batch_invariant resolved: prompt chunks through the per-token decode kernel (True) or tiled. Unset:
+        per token unless bf16_linears_vary_with_batch."""
+        return not self.bf16_linears_vary_with_batch if self.batch_invariant is None else self.batch_invariant
 
 
 @dataclass(frozen=True)

@@ -186,9 +186,9 @@ class EngineCore:
         t0 = time.time()
         loaded = load_model(mc.model, dtype=mc.torch_dtype, device=mc.device, quantize_lm_head=mc.quantize_lm_head,
                             backend=TorchPagedAttention(tiled_prefill=not mc.attends_prompts_per_token))
-        if mc.batch_invariant and not mc.linears_batch_invariant:
-            logger.warning("batch_invariant: prompts are attended per token, but this CPU's %s linears are not "
-                        "batch-invariant, so outputs still depend on batching", mc.torch_dtype)
+        if mc.batch_invariant and mc.bf16_linears_vary_with_batch:
+            logger.warning("batch_invariant: prompts are attended per token, but this CPU's bf16 linears are not "
+                           "batch-invariant, so outputs still depend on batching")
         self.model = loaded.model
         self.arch: ModelArchConfig = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -23,9 +23,14 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def _type_names(f) -> set[str]:
+    """The field's annotation without None ("float | None" -> {"float"})."""
+    return {n.strip() for n in str(f.type).split("|")} - {"None"}
+
+
 def _flag_type(f) -> type:
     """int, float or str, from the field's annotation ("float | None" -> float)."""
-    names = {n.strip() for n in str(f.type).split("|")} - {"None"}
+    names = _type_names(f)
     return {"int": int, "float": float}.get(names.pop(), str) if len(names) == 1 else str
 
 
@@ -44,7 +49,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             default = f.default if f.default is not MISSING else None
             default = defaults.get(f.name, default)
             help_ = docs.get(f.name, "")
-            if isinstance(default, bool) or str(f.type) == "bool | None":
+            if isinstance(default, bool) or _type_names(f) == {"bool"}:
                 g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
                 continue
             g.add_argument(flag, dest=f.name, type=_flag_type(f), default=default, help=f"{help_} (default: {default})")
