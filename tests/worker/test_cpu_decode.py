@@ -10,6 +10,7 @@ from tokenmill.layers.linear import ANY_ROWS, KernelKind
 from tokenmill.quant.pipeline import QuantConfig, quantize_model
 from tokenmill.quant.save import save_quantized
 from tokenmill.models.loader import load_model
+from tokenmill.worker.model_runner import MAX_TOKENS_AS_DECODES
 
 
 PROMPTS = [[5, 9, 200, 31, 7], [1, 2, 3], list(range(40, 75))]
@@ -59,6 +60,30 @@ def test_loop_serves_a_batch_of_twenty(tiny_llama):
     fast, slow = generate_both_ways(llm, prompts, n=8)
     assert fast == slow
     assert llm.engine.runner.decode_loop.max_tokens_served >= 20
+
+
+LONG_PROMPTS = [list(range(10, 100)), list(range(200, 240)), [5, 6, 7]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loop_serves_prompt_chunks_where_prompts_are_attended_per_token(tiny_llama, dtype):
+    """batch_invariant: prompt chunks are attended token by token, so a step that mixes a 40-token chunk with
+    running decodes is one the loop can run too; it does, and gives the module path's tokens."""
+    llm = LLM(model=str(tiny_llama), dtype=dtype, max_model_len=256, num_gpu_blocks_override=64,
+              enable_prefix_caching=False, batch_invariant=True, max_num_batched_tokens=48)
+    fast, slow = generate_both_ways(llm, LONG_PROMPTS, n=16)
+    assert fast == slow
+    assert llm.engine.runner.decode_loop.max_tokens_served > MAX_TOKENS_AS_DECODES
+
+
+def test_tiled_prompt_chunks_stay_on_the_module_path(tiny_llama):
+    """Without per-token prompt attention, chunks of 16+ tokens take the tiled kernel, which the loop does
+    not run: those steps go to the module path and the loop serves only the few-token steps."""
+    llm = LLM(model=str(tiny_llama), dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=64,
+              enable_prefix_caching=False, batch_invariant=False, max_num_batched_tokens=48)
+    fast, slow = generate_both_ways(llm, LONG_PROMPTS, n=16)
+    assert fast == slow
+    assert llm.engine.runner.decode_loop.max_tokens_served <= MAX_TOKENS_AS_DECODES
 
 
 @pytest.mark.parametrize("bits,group_size,kind", [(4, 32, None), (8, -1, KernelKind.INT8)])

@@ -246,7 +246,8 @@ class EngineCore:
         else:
             self.runner = ModelRunner(self.model, self.arch, self.kv_spec, self.device, seed=mc.seed,
                                       verifier=self.spec.verify if self.spec else None,
-                                      feature_sink=self.spec.proposer.feature_sink if self.spec else None)
+                                      feature_sink=self.spec.proposer.feature_sink if self.spec else None,
+                                      prompts_per_token=mc.attends_prompts_per_token)
         self.kv_worker = None
         if kvt is not None:  # lazy import: colocated engines never load torch.distributed
             from tokenmill.distributed.kv_transfer import GlooTransport, KVConnectorWorker

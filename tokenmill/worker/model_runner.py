@@ -159,17 +159,23 @@ def kept_rows(batch: list[StepTokens], hidden: torch.Tensor,
 MAX_TOKENS_AS_DECODES = 15
 """Steps where no request has more new tokens than this (decodes; verification of up to 14 drafts or tree
 nodes; short chunks, which the attention backend attends token by token anyway, below its
-TILED_PREFILL_MIN_TOKENS) also get per-token attention metadata, so the CPU decode loop can serve them."""
+TILED_PREFILL_MIN_TOKENS) also get per-token attention metadata, so the CPU decode loop can serve them.
+Where prompts are attended per token anyway (ModelRunner's prompts_per_token), every step gets it: a
+step that mixes a prompt chunk with the running decodes stays in the C++ loop instead of paying the
+module path's ~95 us of Python per layer (docs/architecture.md, "Mixed steps")."""
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, kv_spec: KVCacheSpec,
                  device: torch.device, seed: int = 0, verifier: Verifier | None = None,
-                 feature_sink: FeatureSink | None = None, use_decode_loop: bool = True) -> None:
+                 feature_sink: FeatureSink | None = None, use_decode_loop: bool = True,
+                 prompts_per_token: bool = False) -> None:
         """verifier: verifies steps with drafts (speculative decoding); feature_sink: receives every
         step's final hidden states (a proposer drafting from the target's features); use_decode_loop: False
         keeps every step on the module path (a tensor-parallel shard: its layers all-reduce, which the C++
-        loop does not)."""
+        loop does not); prompts_per_token: the model's attention backend attends prompt chunks token by token
+        (ModelConfig.attends_prompts_per_token), so steps with prompt chunks of any length get per-token
+        metadata too and the C++ loop serves them like decodes."""
         self.model = model  # weights already processed for their kernels (load_model)
         self.arch = arch
         self.kv_spec = kv_spec
@@ -196,6 +202,7 @@ class ModelRunner:
         """The persistent batch: one row per request the scheduler has sent and not dropped."""
         self.verifier = verifier
         self.feature_sink = feature_sink
+        self.prompts_per_token = prompts_per_token
         self.num_paths_compacted = 0
         """Verified token trees whose accepted path was not already in consecutive slots (tests read it)."""
 
@@ -312,7 +319,8 @@ class ModelRunner:
             num_decodes += 1
         dev = self.device
         max_dec = max(seq_lens[:num_decodes], default=0)
-        per_token = max((s.num_new_tokens for s in batch), default=0) <= MAX_TOKENS_AS_DECODES
+        per_token = max((s.num_new_tokens for s in batch), default=0) <= MAX_TOKENS_AS_DECODES \
+            or (self.prompts_per_token and self.decode_loop is not None)
         token_lens = torch.tensor(key_lens, dtype=torch.long, device=dev) if per_token else None
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.long, device=dev)
         qsl_t = torch.tensor(qsl, dtype=torch.long, device=dev)
