@@ -25,6 +25,20 @@ namespace tokenmill {
 // last 64 keys; bit 0, the token itself, is never set): scores of `rows` rows, `stride` apart, set to -inf.
 // (The generic loops sum in key order, so the zeros of hidden keys change no bits; the AVX-512 loop sums in
 // lanes and compacts instead, see decode_avx512.)
+// Where token t of a sequence sits: block t / bs of its table, row t % bs of that block. bs is a power of
+// two (CacheConfig checks it), so both are a shift and a mask: the decode loops computed them by 64-bit
+// division for every key of every task, ~4 divisions per (key, KV head), which was a third of a batch
+// decode call's time with the keys in cache.
+struct BlockGeometry {
+    int shift;
+    int64_t mask;
+    explicit BlockGeometry(int64_t bs) : shift(__builtin_ctzll(static_cast<uint64_t>(bs))), mask(bs - 1) {
+        TORCH_CHECK(bs > 0 && (bs & (bs - 1)) == 0, "paged attention: block size must be a power of two, got ", bs);
+    }
+    int64_t block(int64_t t) const { return t >> shift; }
+    int64_t row(int64_t t) const { return t & mask; }
+};
+
 static inline void hide_keys(float* s, int64_t rows, int64_t stride, int64_t L, int64_t mask) {
     const uint64_t bits = static_cast<uint64_t>(mask);
     if (bits == 0) return;
@@ -41,6 +55,7 @@ static void decode_impl(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Te
     // the innermost three dims must be contiguous); block_tables [B, nb] int64; seq_lens [B] int64.
     const int64_t B = q.size(0), Hq = q.size(1), D = DC > 0 ? DC : q.size(2);
     const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
+    const BlockGeometry bg(bs);
     const int64_t G = Hq / Hkv;
     const int64_t kb_stride = k_cache.stride(0), vb_stride = v_cache.stride(0);
     const int64_t tok_stride = Hkv * D;
@@ -80,8 +95,8 @@ static void decode_impl(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Te
                     qf[r * D + d] = ld(qp[b * q_row + (h0 * G + r) * D + d]) * fscale;
             // pass 1: scores
             for (int64_t t = t0; t < L; ++t) {
-                const int64_t blk = tp[b * nb_max + t / bs];
-                const scalar_t* kr = kp + blk * kb_stride + (t % bs) * tok_stride + h0 * D;
+                const int64_t blk = tp[b * nb_max + bg.block(t)];
+                const scalar_t* kr = kp + blk * kb_stride + bg.row(t) * tok_stride + h0 * D;
                 for (int64_t hh = 0; hh < hpt; ++hh) {
                     for (int64_t d = 0; d < D; ++d) kf[d] = ld(kr[hh * D + d]);
                     for (int64_t g = 0; g < G; ++g) {
@@ -108,8 +123,8 @@ static void decode_impl(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Te
             // pass 2: weighted sum of values
             std::fill(acc.begin(), acc.begin() + R * D, 0.f);
             for (int64_t t = t0; t < L; ++t) {
-                const int64_t blk = tp[b * nb_max + t / bs];
-                const scalar_t* vr = vp + blk * vb_stride + (t % bs) * tok_stride + h0 * D;
+                const int64_t blk = tp[b * nb_max + bg.block(t)];
+                const scalar_t* vr = vp + blk * vb_stride + bg.row(t) * tok_stride + h0 * D;
                 for (int64_t hh = 0; hh < hpt; ++hh) {
                     for (int64_t d = 0; d < D; ++d) kf[d] = ld(vr[hh * D + d]);
                     for (int64_t g = 0; g < G; ++g) {
@@ -133,13 +148,14 @@ static void write_impl(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k, at:
                        at::Tensor slots) {
     // k, v: [T, Hkv, D] (rows may be strided); token t goes to slot slots[t] of the caches.
     const int64_t T = k.size(0), row = k.size(1) * k.size(2), bs = k_cache.size(1);
+    const BlockGeometry bg(bs);
     const int64_t* sp = slots.data_ptr<int64_t>();
     const scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     for (int64_t t = 0; t < T; ++t) {
-        const int64_t blk = sp[t] / bs, off = sp[t] % bs;
+        const int64_t blk = bg.block(sp[t]), off = bg.row(sp[t]);
         std::memcpy(kc + blk * k_cache.stride(0) + off * row, kp + t * k.stride(0), row * sizeof(scalar_t));
         std::memcpy(vc + blk * v_cache.stride(0) + off * row, vp + t * v.stride(0), row * sizeof(scalar_t));
     }
@@ -187,6 +203,7 @@ static void decode_avx512(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
     constexpr int D = 16 * NV;
     constexpr int GMAX = 8;
     const int64_t B = q.size(0), Hq = q.size(1), bs = k_cache.size(1), Hkv = k_cache.size(2);
+    const BlockGeometry bg(bs);
     const int64_t G = Hq / Hkv, q_row = q.stride(0), nb_max = block_tables.size(1);
     const int64_t kb_stride = k_cache.stride(0), vb_stride = v_cache.stride(0), tok_stride = Hkv * D;
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -207,8 +224,8 @@ static void decode_avx512(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
             const int64_t Lp = (L + 15) / 16 * 16;
             s.assign(G * Lp, -INFINITY);
             for (int64_t t = 0; t < std::min<int64_t>(PF_AHEAD, L); ++t) {   // the rows the loops start on
-                const char* kr = reinterpret_cast<const char*>(kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride + h * D);
-                const char* vr = reinterpret_cast<const char*>(vp + tp[b * nb_max + t / bs] * vb_stride + (t % bs) * tok_stride + h * D);
+                const char* kr = reinterpret_cast<const char*>(kp + tp[b * nb_max + bg.block(t)] * kb_stride + bg.row(t) * tok_stride + h * D);
+                const char* vr = reinterpret_cast<const char*>(vp + tp[b * nb_max + bg.block(t)] * vb_stride + bg.row(t) * tok_stride + h * D);
                 for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) {
                     _mm_prefetch(kr + off, _MM_HINT_T0);
                     _mm_prefetch(vr + off, _MM_HINT_T1);
@@ -229,13 +246,13 @@ static void decode_avx512(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
                     for (int64_t i = 0; i < nt; ++i) {
                         const int64_t t = t0 + i;
                         krow[i] = reinterpret_cast<const uint16_t*>(
-                            kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride + h * D);
+                            kp + tp[b * nb_max + bg.block(t)] * kb_stride + bg.row(t) * tok_stride + h * D);
                     }
                     // The blocks are scattered, so the hardware cannot run ahead: prefetch 16 rows,
                     // PF_AHEAD rows ahead (read cold, this loop ran at ~10 GB/s without it).
                     for (int64_t t = t0 + PF_AHEAD; t < std::min<int64_t>(t0 + PF_AHEAD + 16, L); ++t) {
                         const char* r = reinterpret_cast<const char*>(
-                            kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride + h * D);
+                            kp + tp[b * nb_max + bg.block(t)] * kb_stride + bg.row(t) * tok_stride + h * D);
                         for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
                     }
                     for (int64_t g = 0; g < G; ++g) {
@@ -257,10 +274,10 @@ static void decode_avx512(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
             for (int64_t t = 0; t < L; ++t) {
                 if (t + PF_AHEAD < L) {  // prefetch PF_AHEAD rows ahead, as in the bf16 loop
                     const char* r = reinterpret_cast<const char*>(
-                        kp + tp[b * nb_max + (t + PF_AHEAD) / bs] * kb_stride + ((t + PF_AHEAD) % bs) * tok_stride + h * D);
+                        kp + tp[b * nb_max + bg.block(t + PF_AHEAD)] * kb_stride + bg.row(t + PF_AHEAD) * tok_stride + h * D);
                     for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
                 }
-                const scalar_t* kr = kp + tp[b * nb_max + t / bs] * kb_stride + (t % bs) * tok_stride + h * D;
+                const scalar_t* kr = kp + tp[b * nb_max + bg.block(t)] * kb_stride + bg.row(t) * tok_stride + h * D;
                 __m512 kv[NV];
                 for (int i = 0; i < NV; ++i) kv[i] = load16(kr + 16 * i);
                 for (int64_t g = 0; g < G; ++g) {
@@ -310,11 +327,11 @@ static void decode_avx512(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
             for (int64_t t = 0; t < Lv; ++t) {
                 if (t + PF_AHEAD < L) {  // prefetch the row PF_AHEAD tokens ahead (scattered blocks, see above)
                     const char* r = reinterpret_cast<const char*>(
-                        vp + tp[b * nb_max + (t + PF_AHEAD) / bs] * vb_stride + ((t + PF_AHEAD) % bs) * tok_stride + h * D);
+                        vp + tp[b * nb_max + bg.block(t + PF_AHEAD)] * vb_stride + bg.row(t + PF_AHEAD) * tok_stride + h * D);
                     for (int64_t off = 0; off < D * (int64_t)sizeof(scalar_t); off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
                 }
                 const int64_t ts = t < tail0 ? t : tail[t - tail0];   // the key's slot (tree nodes: compacted)
-                const scalar_t* vr = vp + tp[b * nb_max + ts / bs] * vb_stride + (ts % bs) * tok_stride + h * D;
+                const scalar_t* vr = vp + tp[b * nb_max + bg.block(ts)] * vb_stride + bg.row(ts) * tok_stride + h * D;
                 __m512 vv[NV];
                 for (int i = 0; i < NV; ++i) vv[i] = load16(vr + 16 * i);
                 for (int64_t g = 0; g < G; ++g) {
@@ -352,6 +369,7 @@ static void prefill_bf16(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::T
                          at::Tensor q_len, double scale) {
     constexpr int D = 16 * NV, P2 = D / 2, RT = 4, KT = 4, BLK = 8 * D;
     const int64_t S = seq_lens.size(0), Hq = q.size(1), bs = k_cache.size(1), Hkv = k_cache.size(2);
+    const BlockGeometry bg(bs);
     const int64_t G = Hq / Hkv, q_row = q.stride(0), nb_max = block_tables.size(1);
     const int64_t kb_stride = k_cache.stride(0), vb_stride = v_cache.stride(0), tok_stride = Hkv * D;
     const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
@@ -384,9 +402,9 @@ static void prefill_bf16(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::T
             const uint16_t* vrow[16];
             for (int64_t j = 0; j < 16; ++j) {
                 if (j < nk) {
-                    const int64_t t = t0 + j, blk = tp[s * nb_max + t / bs];
-                    krow[j] = kp + blk * kb_stride + (t % bs) * tok_stride;
-                    vrow[j] = vp + blk * vb_stride + (t % bs) * tok_stride;
+                    const int64_t t = t0 + j, blk = tp[s * nb_max + bg.block(t)];
+                    krow[j] = kp + blk * kb_stride + bg.row(t) * tok_stride;
+                    vrow[j] = vp + blk * vb_stride + bg.row(t) * tok_stride;
                 } else {
                     krow[j] = vrow[j] = nullptr;
                 }
@@ -549,6 +567,7 @@ static void decode_avx2(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Te
     constexpr int D = 8 * NV;
     constexpr int GMAX = 8;
     const int64_t B = q.size(0), Hq = q.size(1), bs = k_cache.size(1), Hkv = k_cache.size(2);
+    const BlockGeometry bg(bs);
     const int64_t G = Hq / Hkv, q_row = q.stride(0), nb_max = block_tables.size(1);
     const int64_t kb_stride = k_cache.stride(0), vb_stride = v_cache.stride(0), tok_stride = Hkv * D;
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -574,7 +593,7 @@ static void decode_avx2(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Te
             krow.resize(L);
             vrow.resize(L);
             for (int64_t t = 0; t < L; ++t) {
-                const int64_t blk = tp[b * nb_max + t / bs], in = (t % bs) * tok_stride + h * D;
+                const int64_t blk = tp[b * nb_max + bg.block(t)], in = bg.row(t) * tok_stride + h * D;
                 krow[t] = blk * kb_stride + in;
                 vrow[t] = blk * vb_stride + in;
             }

@@ -103,6 +103,16 @@ def test_kernel_declines_what_it_does_not_serve():
     assert cpu_kernels.paged_decode_attention(q.half(), cache.half(), tables, seq, 0.25) is None  # fp16
 
 
+def test_kernel_refuses_a_block_size_that_is_not_a_power_of_two():
+    """The kernels find a key's block and row by shift and mask (csrc/attention.cpp, BlockGeometry); a cache
+    whose blocks hold 12 tokens is refused with a message, not read at the wrong rows."""
+    q = torch.randn(1, 4, 64)
+    cache = torch.zeros(2, 2, 12, 2, 64)
+    tables, seq = torch.zeros(1, 2, dtype=torch.long), torch.full((1,), 20, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="power of two"):
+        cpu_kernels.paged_decode_attention(q, cache, tables, seq, 0.125)
+
+
 def _causal_reference(q, cache, tables, seq_lens, q_start, q_len, scale):
     """Float32 attention written out: each sequence's query rows are its last q_len positions."""
     out = torch.zeros(q.shape, dtype=torch.float32)
