@@ -790,16 +790,20 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
     }
 }
 
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots, at::Tensor k_cache, at::Tensor v_cache) {
+    TORCH_CHECK(inner_contiguous(k) && inner_contiguous(v), "k/v heads must be contiguous");
+    TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+    if (k.scalar_type() == at::kFloat) write_impl<float>(k_cache, v_cache, k, v, slots);
+    else if (k.scalar_type() == at::kBFloat16) write_impl<at::BFloat16>(k_cache, v_cache, k, v, slots);
+    else TORCH_CHECK(false, "write_kv: unsupported dtype");
+}
+
 // Writes the step's new K/V into their slots, then attends (a decode-only batch: one token each).
 void write_and_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& slots, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, double scale, const std::optional<at::Tensor>& key_mask,
                       const std::optional<at::Tensor>& key_start) {
-    TORCH_CHECK(inner_contiguous(k) && inner_contiguous(v), "k/v heads must be contiguous");
-    TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
-    if (k.scalar_type() == at::kFloat) write_impl<float>(k_cache, v_cache, k, v, slots);
-    else if (k.scalar_type() == at::kBFloat16) write_impl<at::BFloat16>(k_cache, v_cache, k, v, slots);
-    else TORCH_CHECK(false, "write_and_decode: unsupported dtype");
+    write_kv(k, v, slots, k_cache, v_cache);
     paged_decode(out, q, k_cache, v_cache, block_tables, seq_lens, scale, key_mask, key_start);
 }
 

@@ -18,6 +18,8 @@ const char* decode_kernel_name(DecodeKernel k);
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                   const std::optional<at::Tensor>& key_mask, const std::optional<at::Tensor>& key_start);
+// Writes k, v [T, Hkv, D] at their slots [T] of the caches.
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots, at::Tensor k_cache, at::Tensor v_cache);
 // Writes k, v [B, Hkv, D] at their slots, then paged_decode.
 void write_and_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& slots, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& block_tables,

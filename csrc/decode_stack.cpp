@@ -2,7 +2,8 @@
 //   x, res = norm(h)  or  add_norm(h, res)          the residual carried between layers
 //   qkv = linear(x); rope(qkv) in place; write k, v at their slots and attend (one call)
 //   h = o(attn); x, res = add_norm(h, res); h = down(silu_mul(gate_up(x)))
-// and finally add_norm(h, res) with the final norm. Each linear runs the kernel its Python method runs
+// and finally add_norm(h, res) with the final norm. A step with long prompt chunks may attend them tiled
+// (TiledPrompts), as the module path does where prompts are not attended token by token. Each linear runs the kernel its Python method runs
 // for the same rows (the method's LinearKernel says which), so both forwards give the same bits.
 #include "decode_stack.h"
 
@@ -57,7 +58,8 @@ static at::Tensor run_linear(const StackLinear& L, const at::Tensor& x, at::Tens
 
 at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& positions, const at::Tensor& slots,
                                 const at::Tensor& tables, const at::Tensor& seq_lens,
-                                const std::optional<at::Tensor>& key_mask) const {
+                                const std::optional<at::Tensor>& key_mask,
+                                const std::optional<c10::intrusive_ptr<TiledPrompts>>& tiled) const {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() == 4, "DecodeStack: incomplete layers");
     const int64_t n = h.size(0), q_size = nh_ * d_, kv_size = nkv_ * d_;
     // Buffers allocated once per step and reused by every layer (~300 small allocations fewer).
@@ -83,7 +85,20 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& positions, const
         auto q = qkv.narrow(1, 0, q_size).view({n, nh_, d_});
         auto k = qkv.narrow(1, q_size, kv_size).view({n, nkv_, d_});
         auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, nkv_, d_});
-        write_and_decode(o, q, k, v, slots, L.k_cache, L.v_cache, tables, seq_lens, scale_, key_mask, std::nullopt);
+        if (tiled.has_value()) {   // as the module path's attention (attention/backend.py) runs a tiled plan
+            const TiledPrompts& t = **tiled;
+            write_kv(k, v, slots, L.k_cache, L.v_cache);
+            TORCH_CHECK(paged_prefill(o, q, L.k_cache, L.v_cache, t.block_tables, t.seq_lens, t.q_start, t.q_len, scale_),
+                        "DecodeStack: the tiled prefill kernel does not serve this model or CPU");
+            if (t.short_idx.has_value()) {
+                auto qs = q.index_select(0, *t.short_idx);
+                auto os = at::empty_like(qs);
+                paged_decode(os, qs, L.k_cache, L.v_cache, tables, seq_lens, scale_, key_mask, std::nullopt);
+                o.index_copy_(0, *t.short_idx, os);
+            }
+        } else {
+            write_and_decode(o, q, k, v, slots, L.k_cache, L.v_cache, tables, seq_lens, scale_, key_mask, std::nullopt);
+        }
         h = run_linear(L.linears[1], o_flat, h_attn);
         add_rms_norm(x, sums[cur], h, res, L.post_norm, eps_);
         res = sums[cur];

@@ -27,6 +27,17 @@ struct StackLayer {
     std::vector<StackLinear> linears;  // qkv, o, gate_up, down
 };
 
+// A step's long prompt chunks for the tiled prefill kernel (attention.h, paged_prefill), built by
+// worker/cpu_decode.py from attention/backend.py's TiledPlan: the same plan the module path runs.
+struct TiledPrompts : torch::CustomClassHolder {
+    at::Tensor block_tables, seq_lens, q_start, q_len;   // [num_long, max_blocks], then [num_long] each
+    std::optional<at::Tensor> short_idx;                  // [num_short] rows attended token by token
+    TiledPrompts(at::Tensor block_tables, at::Tensor seq_lens, at::Tensor q_start, at::Tensor q_len,
+                 std::optional<at::Tensor> short_idx)
+        : block_tables(std::move(block_tables)), seq_lens(std::move(seq_lens)), q_start(std::move(q_start)),
+          q_len(std::move(q_len)), short_idx(std::move(short_idx)) {}
+};
+
 class DecodeStack : public torch::CustomClassHolder {
   public:
     DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
@@ -36,11 +47,15 @@ class DecodeStack : public torch::CustomClassHolder {
     void add_linear(int64_t kind, at::Tensor weight, std::optional<at::Tensor> aux, std::optional<at::Tensor> extra,
                     std::optional<at::Tensor> bias, int64_t group, int64_t out_features);
     int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-    // h [n, hidden] embedded tokens -> final-normed hidden states [n, hidden]; every token attends as a
-    // decode over its own prefix (tables [n, max_blocks], seq_lens [n]); K/V written at `slots`.
-    // key_mask [n] (token trees, or None): keys each token must not see (attention.h).
+    // h [n, hidden] embedded tokens -> final-normed hidden states [n, hidden]; K/V written at `slots`.
+    // Without `tiled`: every token attends as a decode over its own prefix (tables [n, max_blocks],
+    // seq_lens [n]); key_mask [n] (token trees, or None): keys each token must not see (attention.h).
+    // With `tiled` (a step with long prompt chunks, bf16 on AVX512-BF16): those chunks' rows attend through
+    // the tiled prefill kernel, and tables / seq_lens / key_mask describe only the other rows, tiled.short_idx
+    // in order (empty tensors and no short_idx when there are none).
     at::Tensor forward(at::Tensor h, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& tables,
-                       const at::Tensor& seq_lens, const std::optional<at::Tensor>& key_mask) const;
+                       const at::Tensor& seq_lens, const std::optional<at::Tensor>& key_mask,
+                       const std::optional<c10::intrusive_ptr<TiledPrompts>>& tiled) const;
 
   private:
     int64_t nh_, nkv_, d_;

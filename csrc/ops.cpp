@@ -48,6 +48,8 @@ TORCH_LIBRARY(tokenmill, m) {
           &tokenmill::int8_linear);
     // worker/cpu_decode.py: the layer loop as an object built once at load (decode_stack.h); the KV
     // caches it was given are written by forward
+    m.class_<tokenmill::TiledPrompts>("TiledPrompts")
+        .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>>());
     m.class_<tokenmill::DecodeStack>("DecodeStack")
         .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
         .def("add_layer", &tokenmill::DecodeStack::add_layer)

@@ -76,14 +76,29 @@ def test_loop_serves_prompt_chunks_where_prompts_are_attended_per_token(tiny_lla
     assert llm.engine.runner.decode_loop.max_tokens_served > MAX_TOKENS_AS_DECODES
 
 
-def test_tiled_prompt_chunks_stay_on_the_module_path(tiny_llama):
-    """Without per-token prompt attention, chunks of 16+ tokens take the tiled kernel, which the loop does
-    not run: those steps go to the module path and the loop serves only the few-token steps."""
-    llm = LLM(model=str(tiny_llama), dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=64,
+@pytest.fixture(scope="module")
+def tiny_llama_d64(tmp_path_factory, gguf_tokenizer):
+    """A tiny Llama with head_dim 64, a size the tiled prefill kernel serves."""
+    from tests.conftest import write_tiny_checkpoint
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_d64"), "llama", gguf_tokenizer, seed=5,
+                                 hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+
+
+def test_loop_serves_tiled_prompt_chunks(tiny_llama_d64, each_isa):
+    """Without per-token prompt attention, chunks of 16+ tokens take the tiled kernel; the loop runs that kernel
+    too (with the decodes and short chunks of the same step per token), so those steps stay in the loop and give
+    the module path's tokens. Where the tiled kernel does not serve (no AVX512-BF16), they go to the module path."""
+    llm = LLM(model=str(tiny_llama_d64), dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=64,
               enable_prefix_caching=False, batch_invariant=False, max_num_batched_tokens=48)
+    loop = llm.engine.runner.decode_loop
     fast, slow = generate_both_ways(llm, LONG_PROMPTS, n=16)
     assert fast == slow
-    assert llm.engine.runner.decode_loop.max_tokens_served <= MAX_TOKENS_AS_DECODES
+    if native.has_avx512_bf16():
+        assert loop.tiles_prompts and loop.tiled_steps_served >= 3   # 90 + 40 prompt tokens in 48-token steps
+        assert loop.max_tokens_served > MAX_TOKENS_AS_DECODES
+    else:
+        assert not loop.tiles_prompts and loop.tiled_steps_served == 0
+        assert loop.max_tokens_served <= MAX_TOKENS_AS_DECODES
 
 
 @pytest.mark.parametrize("bits,group_size,kind", [(4, 32, None), (8, -1, KernelKind.INT8)])

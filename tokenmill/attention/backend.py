@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tokenmill.attention.kv_quant import dequantize_kv, is_quantized, write_kv_int8
 from tokenmill.attention.cpu_kernels import paged_decode_attention, paged_prefill_attention, write_and_decode
-from tokenmill.attention.metadata import AttentionMetadata, PerTokenTables, TiledPlan
+from tokenmill.attention.metadata import AttentionMetadata, PerTokenTables, ShortRows, TiledPlan
 
 
 class AttentionBackend(Protocol):
@@ -153,13 +153,13 @@ def _cpu_kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attenti
     tiled (cpu_kernels.paged_prefill_attention, bf16), the other tokens each as a decode over its
     own prefix (paged_decode_attention). On the 64-request offline benchmark (bf16) prefill
     attention took 1.74 s as one SDPA call per request, 1.53 s token by token, and ~0.45 s tiled."""
-    plan = _tiled_plan(meta) if tiled_prefill and meta.key_start is None else None  # (no window in the tiled one)
+    plan = tiled_plan(meta) if tiled_prefill and meta.key_start is None else None  # (no window in the tiled one)
     if plan is not None:
         out = paged_prefill_attention(q, kv_cache, plan.block_tables, plan.seq_lens, plan.q_start, plan.q_len, scale)
         if out is not None:
             if plan.short is None:
                 return out
-            short_idx, short = plan.short
+            short_idx, short = plan.short.index, plan.short.tables
             o = paged_decode_attention(q.index_select(0, short_idx), kv_cache, short.block_tables, short.seq_lens,
                                        scale, short.key_mask)
             if o is not None:
@@ -178,7 +178,7 @@ def _hidden_keys(key_mask: torch.Tensor, q_pos: torch.Tensor, seq_len: int) -> t
     return bit & (j > 0) & (j < 64)
 
 
-def _tiled_plan(meta: AttentionMetadata) -> TiledPlan | None:
+def tiled_plan(meta: AttentionMetadata) -> TiledPlan | None:
     """The long requests (prompt chunks of TILED_PREFILL_MIN_TOKENS or more) for the tiled kernel and the
     other tokens per token, or None when no request is long. Built once per step (meta.derived)."""
     derived = meta.derived
@@ -198,7 +198,7 @@ def _tiled_plan(meta: AttentionMetadata) -> TiledPlan | None:
                 idx = [t for i in short for t in range(qsl[i], qsl[i + 1])]
                 req = torch.tensor([i for i in short for _ in range(counts[i])], device=dev)
                 short_idx = torch.tensor(idx, device=dev)
-                short_part = (short_idx, PerTokenTables(
+                short_part = ShortRows(short_idx, PerTokenTables(
                     meta.block_tables.index_select(0, req).contiguous(),
                     torch.tensor([lens[i] - counts[i] + 1 + j for i in short for j in range(counts[i])], device=dev),
                     None if meta.token_key_mask is None else meta.token_key_mask.index_select(0, short_idx)))

@@ -79,6 +79,12 @@ def write_and_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_map
     return out
 
 
+def tiled_prefill_serves(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `paged_prefill_attention` serves a CPU model of this dtype and head_dim (csrc/attention.cpp,
+    paged_prefill: bf16 caches, head_dim 64 or 128, an AVX512-BF16 CPU)."""
+    return dtype == torch.bfloat16 and head_dim in (64, 128) and native.has_avx512_bf16()
+
+
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                             scale: float, out: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -59,6 +59,14 @@ class PerTokenTables:
 
 
 @dataclass
+class ShortRows:
+    """The query rows of a tiled step that are attended token by token (decodes, short chunks)."""
+
+    index: torch.Tensor          # [num_short] int64, their rows in the step's tokens
+    tables: PerTokenTables       # [num_short, ...] their per-token tables, in index order
+
+
+@dataclass
 class TiledPlan:
     """A step with long prompt chunks: those requests for the tiled prefill kernel, the rest per token."""
 
@@ -66,8 +74,8 @@ class TiledPlan:
     seq_lens: torch.Tensor       # [num_long]
     q_start: torch.Tensor        # [num_long] first query row of each long request
     q_len: torch.Tensor          # [num_long]
-    short: "tuple[torch.Tensor, PerTokenTables] | None"
-    """(query row indices, their per-token tables) of the other requests' tokens, or None."""
+    short: ShortRows | None
+    """The other requests' tokens, or None."""
 
 
 @dataclass
