@@ -41,11 +41,12 @@ inline float ld(at::BFloat16 x) {
 }
 template <typename T> inline T st(float x) { return static_cast<T>(x); }   // round to nearest even for bf16
 
-// Rows are independent; run small calls (decode) on the calling thread: a parallel region costs more
-// than it saves below ~64K elements.
+// Rows are independent; small calls run on the calling thread: a parallel region costs a few us. From
+// ~16K elements on both threads pay (AMX host, bf16, 34 rows x 576: add_rms_norm 18.7 -> 13.0 us, RoPE
+// 32.0 -> 20.0 us; at 64K, the old threshold, a 30-stream decode step ran all its glue ops on one thread).
 template <typename F>
 inline void for_rows(int64_t n_rows, int64_t row_elems, const F& f) {
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(row_elems, 1));
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(row_elems, 1));
     at::parallel_for(0, n_rows, grain, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) f(i); });
 }
 

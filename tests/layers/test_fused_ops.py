@@ -141,3 +141,35 @@ def test_dense_linear_float32_one_row_is_the_gemv_else_f_linear():
     assert torch.equal(fused_ops.dense_linear(x, w, None, None, None), F.linear(x, w))
     torch.testing.assert_close(fused_ops.dense_linear(x[:1], w, None, None, None), F.linear(x[:1], w),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vector_glue_gives_the_scalar_bits(dtype, each_isa):
+    """RMSNorm, the residual add and RoPE run 16 lanes at a time on AVX-512 and element by element below it
+    (csrc/fused_ops.cpp): the same float32 products and roundings, so the same bits at every level. H = 584
+    leaves a scalar tail after the vector part; head_dim 48 gives each RoPE half a tail too."""
+    from tokenmill import native
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(13, 584, generator=g) * 3).to(dtype)
+    r = torch.randn(13, 584, generator=g).to(dtype)
+    w = (torch.rand(584, generator=g) + 0.5).to(dtype)
+    cos_sin = torch.randn(64, 48, generator=g)
+    pos = torch.randint(0, 64, (13,), generator=g)
+    qk = torch.randn(13, 5 * 48, generator=g).to(dtype)
+
+    def run():
+        out, s = fused_ops.add_rms_norm(x, r, w, 1e-5)
+        rot = qk.clone()
+        assert fused_ops.rope_inplace(rot, 5, 48, cos_sin, pos)
+        return fused_ops.rms_norm(x, w, 1e-5), out, s, rot
+
+    level = each_isa
+    got = run()
+    previous = native.module().set_max_isa("generic")
+    try:
+        scalar = run()
+    finally:
+        native.module().set_max_isa(previous)
+    assert native.isa() == level
+    for a, b in zip(got, scalar):
+        assert torch.equal(a, b)
