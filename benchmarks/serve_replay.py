@@ -72,7 +72,10 @@ def replay(args) -> dict:
         for o in outs:
             rid, n = o.request_id, o.outputs[0].num_tokens
             if n > seen[rid]:
-                (ttft if seen[rid] == 0 else gaps).append(now - (added[rid] if seen[rid] == 0 else last[rid]))
+                if seen[rid] == 0:
+                    ttft.append(now - added[rid])
+                else:
+                    gaps.append(now - last[rid])
                 out_tokens += n - seen[rid]
                 seen[rid], last[rid] = n, now
             if o.finished and pending:

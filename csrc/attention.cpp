@@ -27,8 +27,8 @@ namespace tokenmill {
 // lanes and compacts instead, see decode_avx512.)
 // Where token t of a sequence sits: block t / bs of its table, row t % bs of that block. bs is a power of
 // two (CacheConfig checks it), so both are a shift and a mask: the decode loops computed them by 64-bit
-// division for every key of every task, ~4 divisions per (key, KV head), which was a third of a batch
-// decode call's time with the keys in cache.
+// division for every key of every task, ~4 divisions per (key, KV head): per-token prompt attention with
+// the keys in cache went 3.65-3.83 -> 2.88-3.31 ns per (head, row, key) on the AMX host without them.
 struct BlockGeometry {
     int shift;
     int64_t mask;

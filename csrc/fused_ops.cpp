@@ -81,8 +81,8 @@ static int64_t silu_mul_avx512(const T* g, const T* u, T* o, int64_t d) {
 }
 
 // The vector parts of the norms, the residual sum and RoPE: the scalar tails' arithmetic 16 lanes at a time
-// (the same float32 products, sums and roundings, so the same bits); each returns how far it got. Scalar,
-// these were ~12% of a 30-stream decode step (bf16 rounding element by element).
+// (the same float32 products, sums and roundings, so the same bits); each returns how far it got. Scalar
+// and on one thread, a 34-row decode step's glue ops took 4.2 ms of ~28 (AMX host, bf16); now 2.1.
 template <typename T>
 static int64_t norm_avx512(const T* x, const T* w, T* out, int64_t H, float r) {
     const __m512 rv = _mm512_set1_ps(r);
