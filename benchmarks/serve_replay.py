@@ -53,6 +53,7 @@ def replay(args) -> dict:
     ttft, gaps = [], []
     kinds: dict[str, list[float]] = {"decode-only": [], "with a prompt chunk": []}
     out_tokens = 0
+    steps: list[list[float]] = []
 
     def admit(now: float) -> None:
         i = pending.pop()
@@ -83,6 +84,7 @@ def replay(args) -> dict:
         if core.num_steps > steps_before:  # the step ran the model
             rec = core.recent_steps[-1]
             kinds["with a prompt chunk" if rec.tokens.num_prefill else "decode-only"].append(rec.forward_ms)
+            steps.append([rec.tokens.num_decode, rec.tokens.num_prefill, rec.tokens.num_draft, rec.forward_ms])
     wall = time.perf_counter() - t0
     res = {"out_tok_s": out_tokens / wall, "wall_s": wall,
            "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p90_ms": percentile(ttft, 90) * 1e3,
@@ -92,6 +94,8 @@ def replay(args) -> dict:
         res[f"{k}: steps"] = len(v)
         res[f"{k}: mean forward ms"] = statistics.fmean(v) if v else 0.0
     core.close()
+    if args.steps_out:
+        Path(args.steps_out).write_text(json.dumps(steps))
     return res
 
 
@@ -104,6 +108,7 @@ def main() -> None:
     ap.add_argument("--dataset", default=None, help="ShareGPT file (default: ../shared/data's, as vs_vllm.py)")
     ap.add_argument("--old-tree", type=Path, default=None, help="another checkout, run in its own processes")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--steps-out", default=None, help="write [decode, prefill, draft tokens, forward ms] per step (JSON)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.dataset is None:  # this tree's default, also for an old checkout elsewhere

@@ -39,6 +39,15 @@ struct BlockGeometry {
     int64_t row(int64_t t) const { return t & mask; }
 };
 
+// The batch's rows, most keys first (ties in batch order): the decode loops hand out (row, KV head) tasks in
+// this order (parallel_tasks), so the long sequences start first and the short ones fill the gaps.
+static std::vector<int64_t> longest_first(const int64_t* seq_lens, int64_t B) {
+    std::vector<int64_t> order(B);
+    for (int64_t b = 0; b < B; ++b) order[b] = b;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return seq_lens[a] > seq_lens[b]; });
+    return order;
+}
+
 static inline void hide_keys(float* s, int64_t rows, int64_t stride, int64_t L, int64_t mask) {
     const uint64_t bits = static_cast<uint64_t>(mask);
     if (bits == 0) return;
@@ -215,12 +224,16 @@ static void decode_avx512(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
     int64_t work = 0;
     for (int64_t b = 0; b < B; ++b) work += sp[b];
     work *= Hq * D;
-    const int64_t num_tasks = B * Hkv;
-    const int64_t grain = work < (int64_t(1) << 18) ? num_tasks : 1;   // small calls: no parallel region
-    at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
+    // A task is one row's KV heads, read one after the other (their K/V share cache lines' neighbours and
+    // the prefetchers' streams), when there are rows enough to fill the threads; else one (row, KV head).
+    const int64_t hpt = B >= 2 * at::get_num_threads() ? Hkv : 1, tasks_per_b = Hkv / hpt;
+    const int64_t num_tasks = B * tasks_per_b;
+    const std::vector<int64_t> order = longest_first(sp, B);
+    parallel_tasks(num_tasks, work >= (int64_t(1) << 18), [&](const auto& next) {   // small calls: one thread
         std::vector<float> s;
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = task / Hkv, h = task % Hkv, L = sp[b];
+        for (int64_t task = next(); task >= 0; task = next())
+        for (int64_t h = (task % tasks_per_b) * hpt; h < (task % tasks_per_b + 1) * hpt; ++h) {
+            const int64_t b = order[task / tasks_per_b], L = sp[b];
             const int64_t Lp = (L + 15) / 16 * 16;
             s.assign(G * Lp, -INFINITY);
             for (int64_t t = 0; t < std::min<int64_t>(PF_AHEAD, L); ++t) {   // the rows the loops start on
@@ -579,16 +592,20 @@ static void decode_avx2(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Te
     int64_t work = 0;
     for (int64_t b = 0; b < B; ++b) work += sp[b];
     work *= Hq * D;
-    const int64_t num_tasks = B * Hkv;
-    const int64_t grain = work < (int64_t(1) << 18) ? num_tasks : 1;   // small calls: no parallel region
+    // A task is one row's KV heads, read one after the other (their K/V share cache lines' neighbours and
+    // the prefetchers' streams), when there are rows enough to fill the threads; else one (row, KV head).
+    const int64_t hpt = B >= 2 * at::get_num_threads() ? Hkv : 1, tasks_per_b = Hkv / hpt;
+    const int64_t num_tasks = B * tasks_per_b;
+    const std::vector<int64_t> order = longest_first(sp, B);
     const float fscale = static_cast<float>(scale);
-    at::parallel_for(0, num_tasks, grain, [&](int64_t begin, int64_t end) {
+    parallel_tasks(num_tasks, work >= (int64_t(1) << 18), [&](const auto& next) {   // small calls: one thread
         std::vector<float> s, acc(GMAX * D);
         std::vector<int64_t> krow, vrow;   // each key's row offset in the K and V caches
         alignas(32) float qf[GMAX * D];
         alignas(32) float kf[8 * D];
-        for (int64_t task = begin; task < end; ++task) {
-            const int64_t b = task / Hkv, h = task % Hkv, L = sp[b];
+        for (int64_t task = next(); task >= 0; task = next())
+        for (int64_t h = (task % tasks_per_b) * hpt; h < (task % tasks_per_b + 1) * hpt; ++h) {
+            const int64_t b = order[task / tasks_per_b], L = sp[b];
             const int64_t Lp = (L + 7) / 8 * 8;
             krow.resize(L);
             vrow.resize(L);
