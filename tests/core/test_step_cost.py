@@ -190,3 +190,38 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
             done_at = step
             break
     assert done_at is not None and done_at <= 1000 // 16 + 1     # at least 16 tokens a step
+
+
+LAW_E = StepCost(a=0.008, b=0.001, c=0.0005, e=0.001)   # + 1 ms per thousand keys read
+
+
+def test_each_prompt_chunk_is_priced_from_where_its_prompt_stands():
+    """A long prompt A is the oldest (promised 16 tokens a step); B, shorter, takes the rest of the allowance
+    and moves far ahead of A. Sized at A's position, B's late chunks (each token reading ~800 keys) ran steps
+    to 79 ms by the model against the 62.1 ms target; priced at B's own position, every step stays within it."""
+    from tokenmill.core.step_cost import chunk_kilo_keys
+
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, target_step_ms=62.1,
+                                  min_prefill_chunk=16), CacheConfig(block_size=4), 4096, 8192)
+    for d, p, k in [(1, 0, 0.1), (4, 0, 2.0), (16, 0, 8.0), (8, 64, 30.0), (16, 32, 5.0), (2, 200, 60.0),
+                    (12, 100, 90.0), (3, 16, 1.0), (16, 0, 20.0), (5, 50, 45.0)]:
+        s.step_cost.observe(d, p, LAW_E.predict(d, p, k), k)
+    assert (s.step_cost.cost.c, s.step_cost.cost.e) == pytest.approx((LAW_E.c, LAW_E.e), rel=1e-2)
+    run_decodes(s, 4)
+    s.add_request(Request("A", list(range(10, 2011)), SamplingParams(max_tokens=4), None, 4))
+    s.update(s.schedule(), {})                                   # A alone: it starts
+    s.add_request(Request("B", [7] * 900, SamplingParams(max_tokens=4), None, 4))
+    b_chunks = []
+    while s.requests["B"].num_output_tokens == 0:
+        out = s.schedule()
+        decodes = [r for r in out.scheduled if r.request_id.startswith("d")]
+        prompts = {r.request_id: r for r in out.scheduled if not r.request_id.startswith("d")}
+        keys = sum(chunk_kilo_keys(r.start_pos, r.num_new_tokens) for r in out.scheduled)
+        prefill = sum(r.num_new_tokens - 1 for r in prompts.values())
+        assert LAW_E.predict(len(decodes) + len(prompts), prefill, keys) <= 0.0621 * 1.02   # the fit's rounding
+        assert prompts["A"].num_new_tokens >= 16                   # the oldest keeps its minimum
+        if "B" in prompts:
+            b_chunks.append((prompts["B"].start_pos, prompts["B"].num_new_tokens))
+        s.update(out, {r.request_id: SamplerResult([9]) for r in out.scheduled if r.is_sampling})
+    first, late = b_chunks[0], b_chunks[-2]
+    assert late[0] > 600 and late[1] < first[1] / 2          # late chunks are smaller: each token reads more keys

@@ -106,6 +106,18 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class PrefillAllowance:
+    """What one step may spend on prompt chunks under the step-time target (Scheduler._prefill_allowance)."""
+    tokens: int
+    """Prompt tokens: the chunk of the first prompt in progress that fits beside the decodes, at least
+    min_prefill_chunk."""
+    room_s: float | None = None
+    """Seconds of the target the decodes leave, by the step-time model (None before it is fitted). A plan spends
+    them prompt by prompt, each priced from where it stands: a chunk late in a long prompt reads hundreds of keys
+    per token, and sized as if it started where the first prompt stands it ran steps 40% over the target."""
+
+
+@dataclass(frozen=True)
 class PrefillPlan:
     """One step's share of the prompt allowance (Scheduler._prefill_plan)."""
     take: dict[str, int]
@@ -209,9 +221,10 @@ class Scheduler:
         keys = sum(chunk_kilo_keys(s.start_pos, s.num_new_tokens) for s in out.scheduled)
         self.step_cost.observe(out.num_tokens - num_prefill, num_prefill, seconds, keys)
 
-    def _prefill_allowance(self) -> int | None:
-        """Prompt tokens this step may compute under the step-time target (None: no limit but the budget).
-        The target is target_step_ms, else step_time_factor x the predicted time of this step's decodes alone."""
+    def _prefill_allowance(self) -> PrefillAllowance | None:
+        """What this step may spend on prompts under the step-time target (None: no limit but the budget).
+        The target is target_step_ms, else step_time_factor x the predicted time of the decode step this one is
+        heading to (_heading_decode_step)."""
         target, factor, cost = self.config.target_step_ms, self.config.step_time_factor, self.step_cost.cost
         if target is None and (factor is None or not self.config.enable_chunked_prefill):
             return None
@@ -219,7 +232,7 @@ class Scheduler:
         if target is None and not decodes:
             return None  # a relative target with nothing decoding: no stream waits on this step
         if cost is None:  # not measured yet: the smallest chunks, which are safe and teach the model quickly
-            return self.config.min_prefill_chunk
+            return PrefillAllowance(self.config.min_prefill_chunk)
         num_decodes = sum(1 + len(r.spec_token_ids) for r in decodes)
         decode_keys = sum(chunk_kilo_keys(r.num_computed_tokens, 1 + len(r.spec_token_ids)) for r in decodes)
         chunking = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -227,8 +240,8 @@ class Scheduler:
             target = factor * self._heading_decode_step(num_decodes, decode_keys, chunking) * 1000.0
         # the next chunk starts where the first prompt in progress (running, else waiting) stands
         start = chunking[0].num_computed_tokens if chunking else 0
-        budget = cost.prefill_budget(num_decodes, target / 1000.0, decode_keys, start)
-        return max(self.config.min_prefill_chunk, budget)
+        room = cost.decode_room(num_decodes, target / 1000.0, decode_keys)
+        return PrefillAllowance(max(self.config.min_prefill_chunk, cost.chunk_tokens(room, start)), room)
 
     def _heading_decode_step(self, num_decodes: int, decode_keys: float, chunking: list[Request]) -> float:
         """Predicted seconds of a decode-only step for the batch this one is heading to: today's decodes (their
@@ -331,8 +344,9 @@ class Scheduler:
         if self.connector is not None:
             self._release_expired_holds()
 
-        prefill_left = self._prefill_allowance()
-        plan = None if prefill_left is None else self._prefill_plan(prefill_left)
+        allowance = self._prefill_allowance()
+        prefill_left = None if allowance is None else allowance.tokens
+        plan = None if allowance is None else self._prefill_plan(allowance)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -408,12 +422,14 @@ class Scheduler:
             out.kv = self.connector.take_step()
         return out
 
-    def _prefill_plan(self, allowance: int) -> PrefillPlan | None:
+    def _prefill_plan(self, allowance: PrefillAllowance) -> PrefillPlan | None:
         """How this step's prompt allowance is shared: the oldest prompt (the first chunking, else the first
         waiting) is promised min_prefill_chunk tokens, so nothing starves; the rest goes to the prompts with
         the fewest tokens left first, which is what lowers the median time to first token when one long prompt
-        would hold everyone behind it; what is left after them goes back to the oldest. None (first come, first
-        served) when a waiting request is special: a pull from a prefill worker, or samples of n > 1.
+        would hold everyone behind it; what is left after them goes back to the oldest. Each chunk also has to
+        fit in the seconds the decodes leave (allowance.room_s), priced from its own prompt's position: 54 tokens
+        at position 905 cost as much as ~120 at 0. None (first come, first served) when a waiting request is
+        special: a pull from a prefill worker, or samples of n > 1.
 
         Example: allowance 100, min_prefill_chunk 16; chunking A has 900 tokens left, waiting B 40 and C 30
         (queued in that order). A is promised 16, C takes 30 (29 of the allowance: its last token is a
@@ -426,18 +442,31 @@ class Scheduler:
         if not prompts:
             return PrefillPlan({}, [])
         left = {r.request_id: r.num_tokens - r.num_computed_tokens for r in prompts}
+        tokens, room, cost = allowance.tokens, allowance.room_s, self.step_cost.cost
+
+        def fit(start: int, n: int) -> int:
+            """At most n tokens from position start: those the room left holds (1e-9 s: rounding)."""
+            nonlocal room
+            if room is not None and cost is not None and n > 0:
+                n = min(n, cost.chunk_tokens(room + 1e-9, start))
+                room -= cost.chunk_cost(start, n)
+            return n
+
         oldest = prompts[0]
-        promised = min(left[oldest.request_id] - 1, self.config.min_prefill_chunk, allowance)
-        allowance -= promised
+        promised = min(left[oldest.request_id] - 1, self.config.min_prefill_chunk, tokens)
+        tokens -= promised
+        if room is not None and cost is not None:   # the promise holds whatever the room: nothing starves
+            room -= cost.chunk_cost(oldest.num_computed_tokens, promised)
         take: dict[str, int] = {}
         for r in sorted(prompts[1:], key=lambda r: left[r.request_id]):  # stable: ties stay in queue order
             need = left[r.request_id] - 1  # prefill tokens; the chunk's last token is sampled like a decode
-            if need > 0 and allowance == 0:
+            got = fit(r.num_computed_tokens, min(need, tokens))
+            if need > 0 and got == 0:
                 break
-            got = min(need, allowance)
             take[r.request_id] = 1 + got
-            allowance -= got
-        take[oldest.request_id] = 1 + promised + min(left[oldest.request_id] - 1 - promised, allowance)
+            tokens -= got
+        rest = fit(oldest.num_computed_tokens + promised, min(left[oldest.request_id] - 1 - promised, tokens))
+        take[oldest.request_id] = 1 + promised + rest
         admit = [r for r in prompts[len(chunking):] if r.request_id in take]
         admit.sort(key=lambda r: (r is not oldest, left[r.request_id]))  # the oldest first, then shortest first
         return PrefillPlan(take, admit)

@@ -35,22 +35,34 @@ class StepCost:
     def predict(self, num_decode_tokens: int, num_prefill_tokens: int, kilo_keys: float = 0.0) -> float:
         return self.a + self.b * num_decode_tokens + self.c * num_prefill_tokens + self.e * kilo_keys
 
+    def decode_room(self, num_decode_tokens: int, target_s: float, decode_kilo_keys: float = 0.0) -> float:
+        """Seconds of a target_s step left for prompt chunks once these decodes are in it (negative: none)."""
+        return target_s - self.a - self.b * num_decode_tokens - self.e * decode_kilo_keys
+
+    def chunk_cost(self, start: int, n: int) -> float:
+        """Seconds that n prompt tokens from position start add to a step: c n + e (the keys they read)."""
+        return self.c * n + self.e * chunk_kilo_keys(start, n)
+
+    def chunk_tokens(self, room_s: float, start: int) -> int:
+        """The most prompt tokens from position start whose chunk_cost fits in room_s (0 if none): the root of
+        (c + e start / 1000) n + (e / 2000) n^2 = room_s, the keys' n / 2 term left out."""
+        if room_s <= 0:
+            return 0
+        lin = self.c + self.e * start / 1000.0
+        quad = max(self.e, 0.0) / 2000.0
+        if quad > 0:
+            p = (-lin + math.sqrt(lin * lin + 4 * quad * room_s)) / (2 * quad)
+        elif lin > 0:
+            p = room_s / lin
+        else:
+            return 0
+        return max(0, int(p))
+
     def prefill_budget(self, num_decode_tokens: int, target_s: float, decode_kilo_keys: float = 0.0,
                        chunk_start: int = 0) -> int:
         """Prefill tokens that fit in a step of target_s next to these decodes, for a chunk starting at
         chunk_start (0 if none fit)."""
-        room = target_s - self.a - self.b * num_decode_tokens - self.e * decode_kilo_keys
-        if room <= 0:
-            return 0
-        lin = self.c + self.e * chunk_start / 1000.0
-        quad = max(self.e, 0.0) / 2000.0
-        if quad > 0:
-            p = (-lin + math.sqrt(lin * lin + 4 * quad * room)) / (2 * quad)
-        elif lin > 0:
-            p = room / lin
-        else:
-            return 0
-        return max(0, int(p))
+        return self.chunk_tokens(self.decode_room(num_decode_tokens, target_s, decode_kilo_keys), chunk_start)
 
 
 def chunk_kilo_keys(start: int, n: int) -> float:
