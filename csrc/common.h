@@ -51,13 +51,13 @@ inline void for_rows(int64_t n_rows, int64_t row_elems, const F& f) {
     at::parallel_for(0, n_rows, grain, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) f(i); });
 }
 
-// Tasks of uneven cost (attention over sequences of 30 to 1,000 keys, a GEMM's output chunks) on every
-// thread, each thread taking the next task from a shared counter: `body(next)` runs once per thread and
-// calls next() until it returns -1. Tasks come out in index order, so a caller that lists the heaviest
-// first gets a longest-first schedule. A static split into equal index ranges (at::parallel_for) left one
-// thread spinning at the region's end whenever its half held the long sequences, and a thread the OS
-// preempted for the server's event loop held up the other for as long. Serial when `parallel` is false
-// (small calls: a parallel region costs a few us) or inside another parallel region.
+// Tasks of uneven cost (attention over rows of 30 to 1,000 keys) on every thread, each thread taking the next
+// task from a shared counter: `body(next)` runs once per thread and calls next() until it returns -1. Tasks
+// come out in index order, so a caller that lists the heaviest first gets a longest-first schedule. A static
+// split into equal index ranges (at::parallel_for) left one thread spinning at the region's end whenever its
+// half held the long rows. Equal tasks that stream memory in order (the AMX GEMM's chunks) keep the static
+// split: interleaved, the prefetchers serve them worse (docs/native_kernels.md, "Threads"). Serial when
+// `parallel` is false (small calls: a parallel region costs a few us) or inside another parallel region.
 template <typename F>
 inline void parallel_tasks(int64_t num_tasks, bool parallel, const F& body) {
     const int64_t threads = parallel ? std::min<int64_t>(at::get_num_threads(), num_tasks) : 1;
