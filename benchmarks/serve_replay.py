@@ -10,6 +10,9 @@ Per run: output tok/s, TTFT in the engine (add_request to first token) p50 / p90
 tokens p50 / p99 (a step that gives it a token: its wall time since the previous one), and per kind of step
 (decode-only, or with a prompt chunk) the count and mean time, and how many of them the C++ layer loop
 served. With --old-tree each checkout runs in a fresh process, rounds interleaved, medians printed.
+--steps-out / --requests-out write each step (decode, prompt and draft tokens, forward ms) / each request
+(load index, prompt tokens, when it was added, its TTFT) as JSON, to see which steps and which requests make
+a percentile.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ def replay(args) -> dict:
     kinds: dict[str, list[float]] = {"decode-only": [], "with a prompt chunk": []}
     out_tokens = 0
     steps: list[list[float]] = []
+    requests: list[list[float]] = []
 
     def admit(now: float) -> None:
         i = pending.pop()
@@ -75,6 +79,7 @@ def replay(args) -> dict:
             if n > seen[rid]:
                 if seen[rid] == 0:
                     ttft.append(now - added[rid])
+                    requests.append([int(rid[1:]), len(prompts[int(rid[1:])]), added[rid] - t0, now - added[rid]])
                 else:
                     gaps.append(now - last[rid])
                 out_tokens += n - seen[rid]
@@ -96,6 +101,8 @@ def replay(args) -> dict:
     core.close()
     if args.steps_out:
         Path(args.steps_out).write_text(json.dumps(steps))
+    if args.requests_out:
+        Path(args.requests_out).write_text(json.dumps(requests))
     return res
 
 
@@ -109,6 +116,8 @@ def main() -> None:
     ap.add_argument("--old-tree", type=Path, default=None, help="another checkout, run in its own processes")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--steps-out", default=None, help="write [decode, prefill, draft tokens, forward ms] per step (JSON)")
+    ap.add_argument("--requests-out", default=None,
+                    help="write [load index, prompt tokens, added at s, TTFT s] per request (JSON)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.dataset is None:  # this tree's default, also for an old checkout elsewhere
