@@ -1,7 +1,7 @@
 """Requests -> token ids and SamplingParams; engine outputs -> OpenAI responses and SSE chunks.
 
-Runs on the event loop, tokenizing in worker threads (Rust tokenizers, no torch), and talks to
-the engine through AsyncEngine. Every way a request can be wrong becomes an OpenAIError (4xx)
+Runs on the event loop, tokenizing short texts there and long ones in worker threads (Rust tokenizers,
+no torch; INLINE_TOKENIZE_CHARS), and talks to the engine through AsyncEngine. Every way a request can be wrong becomes an OpenAIError (4xx)
 before the engine sees it, or from the ValueError the core raises when it refuses a request.
 
 Bounded work before refusing: a text longer than max_model_len times the longest vocabulary
@@ -35,6 +35,14 @@ from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 
 logger = logging.getLogger(__name__)
+
+INLINE_TOKENIZE_CHARS = 4096
+"""Texts up to this many characters are tokenized on the event loop, longer ones in a worker thread, so a long
+prompt cannot stall every stream. Tokenizing costs ~0.22 us per character with the default model's BPE (0.9 ms
+at 4,096; a ShareGPT prompt 0.17 ms on average), but the hop to a thread and back does not come cheap while the
+engine's threads hold both cores of a 2-core host: under the 32-stream serving load of benchmarks/vs_vllm.py it
+took 3.3 ms at the median and 52 ms at p90 (13-87 ms in the burst of 32 requests at the start), all of it in
+the request's time to first token (docs/benchmarks.md, "Where served TTFT goes")."""
 
 
 def utf8_safe(text: str) -> str:
@@ -129,6 +137,8 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.model_root = model_root
+        self.num_tokenized_in_thread = 0
+        """Texts tokenized in a worker thread (longer than INLINE_TOKENIZE_CHARS); tests read it."""
 
     # --- shared ------------------------------------------------------------------------------
 
@@ -163,7 +173,11 @@ class OpenAIServing:
             self._check_length(-(-len(text) // self._max_token_chars), max_tokens, what, is_lower_bound=True)
         tokenizer = self._tokenizer
         try:
-            ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+            if len(text) <= INLINE_TOKENIZE_CHARS:
+                ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            else:
+                self.num_tokenized_in_thread += 1
+                ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
         except Exception as e:  # noqa: BLE001 - e.g. lone surrogates the Rust side cannot encode
             raise OpenAIError(f"the {what} could not be tokenized: {e}", param=what) from e
         return ids
