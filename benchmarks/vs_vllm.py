@@ -10,6 +10,10 @@ Per engine (tokenmill; vLLM with its default thread binding; vLLM with every cor
 - **single stream**: `--single-requests` prompts one at a time, `--single-output-len` tokens each (TPOT):
   the seed-0 ShareGPT rows right after the load's, checked to lie before row 1000, where the corpora of
   `tokenmill build-datastore` and the draft heads begin (speculation is measured on prompts it never saw).
+With `--load-rounds N` the load runs N times per engine, the engines alternating (tokenmill, vLLM, tokenmill, ...:
+each server started afresh), and the ratios are taken per round, between runs minutes apart, then their median: on
+a host whose speed drifts by 10-20% within an hour, one run of each gives a ratio that moves as much as the
+engines differ (0.87x and 1.02x an hour apart on 12-06). The table shows the medians over the rounds.
 For tokenmill the single-stream requests alternate with the same request decoded offline (EngineCore in this
 process, the server's engine flags, no HTTP; the server idles meanwhile), so HTTP / offline compares pairs
 measured a minute apart, not runs minutes apart on a host whose bandwidth drifts. The ratio is the speed over all
@@ -186,6 +190,9 @@ def main() -> int:
     p.add_argument("--vllm-bindings", default=",".join(BINDINGS), help=f"comma list of {BINDINGS}")
     p.add_argument("--skip-tokenmill", action="store_true")
     p.add_argument("--single-only", action="store_true", help="only the single-stream rows (no load runs)")
+    p.add_argument("--load-rounds", type=int, default=1,
+                   help="run the load this many times per engine, engines alternating (tokenmill, vLLM, tokenmill, "
+                        "...); ratios are taken per round, between runs minutes apart, and their median printed")
     p.add_argument("--result-dir", default="bench_out/vs_vllm")
     args = p.parse_args()
     if args.single_requests < 1:
@@ -232,6 +239,17 @@ def main() -> int:
             r["threads_log"] = v.log_lines("hreads")[-3:]
             prompt_tokens[name] = chat_usage(v.base_url, check_msgs)["prompt_tokens"]
         results[name] = r
+    for _ in range(1, args.load_rounds if not args.single_only else 1):   # the load again, engines alternating
+        if "load" in results.get("tokenmill", {}):
+            with LaunchedServer(server_args, log_path=str(out / "tokenmill-server-rounds.log")) as tm:
+                results["tokenmill"].setdefault("load_rounds", [results["tokenmill"]["load"]]).append(
+                    measure_load(tm.base_url, load, args.concurrency)["load"])
+        for name, r in results.items():
+            if name.startswith("vllm") and "load" in r:
+                cfg = VLLMServerConfig(model_dir=Path(args.vllm_model), binding=name[len("vllm ("):-1],
+                                       venv=Path(args.vllm_venv) if args.vllm_venv else None)
+                with VLLMServer(cfg, free_port()) as v:
+                    r.setdefault("load_rounds", [r["load"]]).append(measure_load(v.base_url, load, args.concurrency)["load"])
     if len(set(prompt_tokens.values())) > 1:
         print(f"WARNING: the engines tokenized the same chat differently: {prompt_tokens}")
     rows = []
@@ -240,12 +258,15 @@ def main() -> int:
             rows.append([name, "absent: " + r["reason"]] + [""] * 8)
             continue
         m, s = r.get("load"), r["single"]
-        load_cols = [m["output_throughput"], m["ttft_ms"]["median"], m["itl_ms"]["median"], m["itl_ms"]["p99"],
-                     m["tpot_ms"]["median"]] if m else ["", "", "", "", ""]
+        ms = r.get("load_rounds", [m] if m else [])   # with --load-rounds: medians over the rounds
+        med = lambda f: statistics.median(f(x) for x in ms)  # noqa: E731
+        load_cols = [med(lambda x: x["output_throughput"]), med(lambda x: x["ttft_ms"]["median"]),
+                     med(lambda x: x["itl_ms"]["median"]), med(lambda x: x["itl_ms"]["p99"]),
+                     med(lambda x: x["tpot_ms"]["median"])] if ms else ["", "", "", "", ""]
         rows.append([name, *load_cols, s["tpot_ms"]["median"], 1e3 / s["tpot_ms"]["median"],
-                     r.get("offline_tpot_ms", ""), (m["failed"] if m else 0) + s["failed"]])
+                     r.get("offline_tpot_ms", ""), sum(x["failed"] for x in ms) + s["failed"]])
     print(f"\n{args.num_prompts} ShareGPT chat requests, {args.concurrency} concurrent streams, temperature 0, "
-          "ignore_eos; single stream: "
+          f"ignore_eos ({args.load_rounds} round(s), engines alternating; medians); single stream: "
           f"{args.single_requests} x {args.single_output_len} tokens (latencies in ms)")
     print(format_table(["engine", "out tok/s", "TTFT p50", "ITL p50", "ITL p99", "TPOT p50", "1-stream TPOT",
                         "1-stream tok/s", "offline TPOT (paired)", "failed"], rows))
@@ -277,10 +298,24 @@ def ratios(results: dict) -> dict[str, float]:
             out[f"{name}: single stream over HTTP / offline (speed over all pairs)"] = r["http_over_offline_speed"]
             out[f"{name}: single stream over HTTP / offline (median pair)"] = r["http_over_offline_speed_median_pair"]
     if peers and m and all("load" in r for r in peers):
-        best_tput = max(r["load"]["output_throughput"] for r in peers)
-        out["output throughput / vLLM's best"] = m["output_throughput"] / best_tput
-        out["ITL p99 / vLLM's best p99"] = m["itl_ms"]["p99"] / min(r["load"]["itl_ms"]["p99"] for r in peers)
-        out["TTFT p50 / vLLM's best p50"] = m["ttft_ms"]["median"] / min(r["load"]["ttft_ms"]["median"] for r in peers)
+        # per round (--load-rounds: the engines' runs of round i are minutes apart), then the median over rounds
+        rounds = tm.get("load_rounds", [m])
+        per_round: dict[str, list[float]] = {"output throughput / vLLM's best": [], "ITL p99 / vLLM's best p99": [],
+                                             "TTFT p50 / vLLM's best p50": [], "tokenmill ITL p99 / own median": []}
+        for i, mi in enumerate(rounds):
+            pi = [r.get("load_rounds", [r["load"]])[i] for r in peers if i < len(r.get("load_rounds", [r["load"]]))]
+            per_round["tokenmill ITL p99 / own median"].append(mi["itl_ms"]["p99"] / mi["itl_ms"]["median"])
+            if not pi:
+                continue
+            per_round["output throughput / vLLM's best"].append(
+                mi["output_throughput"] / max(x["output_throughput"] for x in pi))
+            per_round["ITL p99 / vLLM's best p99"].append(mi["itl_ms"]["p99"] / min(x["itl_ms"]["p99"] for x in pi))
+            per_round["TTFT p50 / vLLM's best p50"].append(
+                mi["ttft_ms"]["median"] / min(x["ttft_ms"]["median"] for x in pi))
+        for k, v in per_round.items():
+            out[k] = statistics.median(v)
+            if len(v) > 1:
+                out[f"{k} (rounds: {', '.join(f'{x:.3g}' for x in v)})"] = statistics.median(v)
     if peers:
         best_single = min(r["single"]["tpot_ms"]["median"] for r in peers)
         for name, r in ours.items():
