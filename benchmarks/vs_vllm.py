@@ -224,14 +224,15 @@ def main() -> int:
                 offline.close()
             results[name] = r
     reason = vllm_available(args.vllm_venv, args.vllm_model)
+    vllm_configs: dict[str, VLLMServerConfig] = {}   # result name -> how its server starts
     for binding in [b.strip() for b in args.vllm_bindings.split(",") if b.strip()]:
         name = f"vllm ({binding})"
         if reason is not None:
             results[name] = {"available": False, "reason": reason}
             continue
         print(f"{name}: starting (it compiles the model at start: minutes) ...", flush=True)
-        cfg = VLLMServerConfig(model_dir=Path(args.vllm_model), binding=binding,
-                               venv=Path(args.vllm_venv) if args.vllm_venv else None)
+        cfg = vllm_configs[name] = VLLMServerConfig(model_dir=Path(args.vllm_model), binding=binding,
+                                                    venv=Path(args.vllm_venv) if args.vllm_venv else None)
         with VLLMServer(cfg, free_port()) as v:  # NOTE: one engine on the cores at a time
             r = {} if args.single_only else measure_load(v.base_url, load, args.concurrency)
             r.update(measure_single(v.base_url, single))
@@ -244,12 +245,11 @@ def main() -> int:
             with LaunchedServer(server_args, log_path=str(out / "tokenmill-server-rounds.log")) as tm:
                 results["tokenmill"].setdefault("load_rounds", [results["tokenmill"]["load"]]).append(
                     measure_load(tm.base_url, load, args.concurrency)["load"])
-        for name, r in results.items():
-            if name.startswith("vllm") and "load" in r:
-                cfg = VLLMServerConfig(model_dir=Path(args.vllm_model), binding=name[len("vllm ("):-1],
-                                       venv=Path(args.vllm_venv) if args.vllm_venv else None)
-                with VLLMServer(cfg, free_port()) as v:
-                    r.setdefault("load_rounds", [r["load"]]).append(measure_load(v.base_url, load, args.concurrency)["load"])
+        for name, cfg in vllm_configs.items():
+            r = results[name]
+            with VLLMServer(cfg, free_port()) as v:
+                again = measure_load(v.base_url, load, args.concurrency)["load"]
+            r.setdefault("load_rounds", [r["load"]]).append(again)
     if len(set(prompt_tokens.values())) > 1:
         print(f"WARNING: the engines tokenized the same chat differently: {prompt_tokens}")
     rows = []

@@ -1,8 +1,9 @@
 """Requests -> token ids and SamplingParams; engine outputs -> OpenAI responses and SSE chunks.
 
 Runs on the event loop, tokenizing short texts there and long ones in worker threads (Rust tokenizers,
-no torch; INLINE_TOKENIZE_CHARS), and talks to the engine through AsyncEngine. Every way a request can be wrong becomes an OpenAIError (4xx)
-before the engine sees it, or from the ValueError the core raises when it refuses a request.
+no torch; INLINE_TOKENIZE_CHARS), and talks to the engine through AsyncEngine. Every way a request can be
+wrong becomes an OpenAIError (4xx) before the engine sees it, or from the ValueError the core raises when it
+refuses a request.
 
 Bounded work before refusing: a text longer than max_model_len times the longest vocabulary
 entry (in characters) cannot fit the context whatever it tokenizes to, so it is refused without
