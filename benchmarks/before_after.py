@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from invariance_cost import CHILD, prompts_file  # noqa: E402
+
+from tokenmill.bench.common import medians  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +38,7 @@ def main() -> None:
             res[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(name, res[name][-1], flush=True)
     for name in trees:
-        print(name, {k: round(statistics.median(x[k] for x in res[name]), 1) for k in res[name][0]})
+        print(name, medians(res[name]))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ def replay(args) -> dict:
     served0 = loop.steps_served if loop is not None else 0
     pending = list(range(len(load)))[::-1]
     added: dict[str, float] = {}
+    index_of: dict[str, int] = {}
     last: dict[str, float] = {}
     seen: dict[str, int] = {}
     ttft, gaps = [], []
@@ -66,6 +67,7 @@ def replay(args) -> dict:
                                                          ignore_eos=True))
         added[rid] = now
         seen[rid] = 0
+        index_of[rid] = i
 
     t0 = time.perf_counter()
     while pending and len(added) < args.concurrency:  # fill the streams
@@ -79,7 +81,8 @@ def replay(args) -> dict:
             if n > seen[rid]:
                 if seen[rid] == 0:
                     ttft.append(now - added[rid])
-                    requests.append([int(rid[1:]), len(prompts[int(rid[1:])]), added[rid] - t0, now - added[rid]])
+                    i = index_of[rid]
+                    requests.append([i, len(prompts[i]), added[rid] - t0, now - added[rid]])
                 else:
                     gaps.append(now - last[rid])
                 out_tokens += n - seen[rid]
@@ -141,8 +144,9 @@ def main() -> None:
             print(name, {k: round(v, 1) for k, v in res[name][-1].items()}, flush=True)
     print(f"\n{args.num_prompts} ShareGPT chats, {args.concurrency} streams, replies <= {args.max_output_len} tokens, "
           f"engine flags: {args.args!r}; medians of {args.rounds} round(s)")
+    from tokenmill.bench.common import medians
     for name in trees:
-        print(name, {k: round(statistics.median(x[k] for x in res[name]), 1) for k in res[name][0]})
+        print(name, medians(res[name]))
 
 
 if __name__ == "__main__":

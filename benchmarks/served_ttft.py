@@ -20,13 +20,12 @@ import json
 import math
 import os
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenmill.bench.common import SampleRequest, load_sharegpt  # noqa: E402
+from tokenmill.bench.common import SampleRequest, load_sharegpt, medians  # noqa: E402
 from tokenmill.bench.serve import LaunchedServer, discover_model, load_tokenizer, run_load  # noqa: E402
 
 LONG_PROMPT = 150
@@ -39,21 +38,14 @@ def q(xs: list[float], p: float) -> float:
 
 def one_run(server_args: list[str], load: list[SampleRequest], concurrency: int, tree: Path | None,
             log: Path) -> tuple[dict, list[list[float]]]:
-    env_before = os.environ.get("PYTHONPATH")
-    if tree is not None:   # the server subprocess imports the other checkout's package
-        os.environ["PYTHONPATH"] = str(tree)
-    try:
-        with LaunchedServer(server_args, log_path=str(log)) as s:
-            model = discover_model(s.base_url)
-            asyncio.run(run_load(s.base_url, model, [SampleRequest(load[0].prompt, load[0].prompt_token_ids, 8)],
-                                 math.inf, "poisson", None, chat=True, ignore_eos=True))
-            res, dur = asyncio.run(run_load(s.base_url, model, load, math.inf, "poisson", concurrency, chat=True,
-                                            ignore_eos=True))
-    finally:
-        if env_before is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = env_before
+    # the old checkout's server imports that tree's package
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+    with LaunchedServer(server_args, log_path=str(log), env=env) as s:
+        model = discover_model(s.base_url)
+        asyncio.run(run_load(s.base_url, model, [SampleRequest(load[0].prompt, load[0].prompt_token_ids, 8)],
+                             math.inf, "poisson", None, chat=True, ignore_eos=True))
+        res, dur = asyncio.run(run_load(s.base_url, model, load, math.inf, "poisson", concurrency, chat=True,
+                                        ignore_eos=True))
     failed = [r.error for r in res if not r.success]
     if failed:
         raise SystemExit(f"{len(failed)} requests failed: {failed[0]}")
@@ -97,7 +89,7 @@ def main() -> None:
     print(f"\nmedians of {args.rounds} round(s); TTFT in ms; groups: burst = the first {args.concurrency} requests, "
           f"long = later ones with >= {LONG_PROMPT} prompt tokens, rest = the other later ones")
     for name in trees:
-        print(name, {k: round(statistics.median(x[k] for x in res[name]), 1) for k in res[name][0]})
+        print(name, medians(res[name]))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import math
 import os
 import platform
 import random
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -146,6 +147,11 @@ def summarize(values: Sequence[float], percentiles: Iterable[float] = (50, 90, 9
 
 
 # ------------------------------------------------------------------- output
+def medians(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Per key, the median over runs of the same measurement (rounds of an A/B), rounded to 0.1."""
+    return {k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]}
+
+
 def format_table(headers: list[str], rows: list[list[Any]]) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, float):

@@ -203,13 +203,15 @@ def free_port() -> int:
 class LaunchedServer:
     """`tokenmill serve` as a subprocess on 127.0.0.1:<free port>; stopped on exit."""
 
-    def __init__(self, server_args: list[str], startup_timeout: float = 300.0, log_path: str | None = None) -> None:
+    def __init__(self, server_args: list[str], startup_timeout: float = 300.0, log_path: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """env: the server process's environment (default: this one's), e.g. PYTHONPATH set to another checkout."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1",
                "--port", str(self.port), *server_args]
         self.log = open(log_path, "w") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready(startup_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
