@@ -47,6 +47,7 @@ class FakeCore:
     def __init__(self, step_s: float = 0.0, fail_at_step: int | None = None) -> None:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = 64
+        self.vocab_size = FakeTokenizer.vocab_size
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int], float]] = {}
         self.thread_ids: set[int] = set()
         self.aborted: list[str] = []

@@ -28,6 +28,7 @@ import time
 import torch
 
 from tokenmill.bench.common import environment, format_table, set_threads, write_json
+from tokenmill.config import ModelArchConfig
 from tokenmill import native
 
 def _read_kernel():
@@ -73,7 +74,7 @@ def measure_matmul(n: int = 2048, repeats: int = 5) -> dict:
     return out
 
 
-def model_bytes(model: torch.nn.Module, arch, dtype_bytes: float) -> dict:
+def model_bytes(model: torch.nn.Module, arch: ModelArchConfig, dtype_bytes: float) -> dict:
     """Bytes of parameters read per decode step (see module docstring)."""
     weights = 0
     embed = 0
@@ -86,7 +87,7 @@ def model_bytes(model: torch.nn.Module, arch, dtype_bytes: float) -> dict:
     for name, b in model.named_buffers():   # packed quantized weights live in buffers
         if any(k in name for k in ("qweight", "scales", "qzeros", "weight_packed", "scale")):
             weights += b.numel() * b.element_size()
-    tied = getattr(arch, "tie_word_embeddings", False)
+    tied = arch.tie_word_embeddings
     per_step = weights + (embed if tied else embed // arch.vocab_size)
     return {"weight_bytes_per_step": per_step, "embedding_bytes": embed, "tied_embeddings": tied,
             "kv_bytes_per_token": arch.kv_bytes_per_token(dtype_bytes),

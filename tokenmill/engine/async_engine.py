@@ -47,6 +47,8 @@ class EngineCoreLike(Protocol):
 
     tokenizer: Tokenizer
     max_model_len: int
+    vocab_size: int
+    """Largest token id + 1 that the model accepts (its embedding rows)."""
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None,
@@ -387,7 +389,7 @@ class AsyncEngine:
             core = self._core_factory()
             self.tokenizer = core.tokenizer
             self.max_model_len = core.max_model_len
-            self.vocab_size = _vocab_size(core)
+            self.vocab_size = core.vocab_size
             self._core = core
             self._snapshot(core, time.time())
         except BaseException as e:  # noqa: BLE001 - reported to every waiter and /health
@@ -526,13 +528,6 @@ def name_os_thread(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass  # not Linux: the name is cosmetic
-
-
-def _vocab_size(core: EngineCoreLike) -> int:
-    """Largest token id + 1 that the model accepts (its embedding rows, else the tokenizer's count)."""
-    arch = getattr(core, "arch", None)
-    v = getattr(arch, "vocab_size", None)
-    return v if isinstance(v, int) else core.tokenizer.vocab_size
 
 
 def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:

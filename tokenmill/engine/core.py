@@ -192,6 +192,8 @@ class EngineCore:
         self.model = loaded.model
         self.arch: ModelArchConfig = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.vocab_size = self.arch.vocab_size
+        """Largest token id + 1 that the model accepts (its embedding rows; the tokenizer may count fewer)."""
         self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
                                  self.arch.max_position_embeddings)
         if mc.max_model_len and mc.max_model_len > self.arch.max_position_embeddings:

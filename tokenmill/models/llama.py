@@ -129,6 +129,10 @@ class LlamaForCausalLM(nn.Module):
 
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
+    lm_head: Linear | None
+    """The LM head; None when the checkpoint ties it to the embedding table (compute_logits then uses the
+    table, dense or quantized by quant/head.py)."""
+
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32,
                  backend: AttentionBackend | None = None) -> None:
         super().__init__()

@@ -106,14 +106,14 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
     tied_head = None
     if cfg.quantization_config:
         from tokenmill.quant.loading import load_quantized_weights  # lazy: only for quantized checkpoints
-        tied_head = load_quantized_weights(net, cfg, source.tensors(), path, getattr(source, "file_of", None))
+        tied_head = load_quantized_weights(net, cfg, source.tensors(), path, source.file_of)
     else:
         loaded = net.load_weights(source.tensors())
         expected = {n for n, _ in net.named_parameters()}
         missing = expected - loaded
         if missing:
             raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-    head = getattr(net, "lm_head", None)
+    head = net.lm_head
     if head is not None and head.weight is None:  # untied, quantized in the checkpoint: no fp16 head to use
         if quantize_lm_head not in ("auto", CHECKPOINT):
             raise ModelLoadError(f"{path}: the checkpoint's lm_head is quantized ({head.quant_bits} bits) and it has no "
@@ -204,6 +204,10 @@ class GGUFSource:
         except Exception as e:  # noqa: BLE001 - truncated or corrupt: ValueError / KeyError / struct.error / OSError
             raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
         self.fields: dict[str, Any] = self.reader.fields
+
+    def file_of(self, name: str) -> Path:
+        """The file a tensor came from: a GGUF model is one file."""
+        return self.path
 
     def config(self) -> ModelArchConfig:
         f = self.fields

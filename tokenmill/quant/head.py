@@ -21,6 +21,8 @@ still mean an fp16 / RTN head made from the checkpoint's fp16 embedding table.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -28,6 +30,9 @@ from tokenmill.layers.linear import Linear
 from tokenmill.quant.grid import QuantizedWeight
 from tokenmill.quant.kernels import dequantize_rows, install_quantized
 from tokenmill.quant.rtn import rtn_quantize_weight
+
+if TYPE_CHECKING:
+    from tokenmill.models.llama import LlamaForCausalLM  # every model class is one
 
 CHOICES = ("auto", "none", "int8", "int4")
 CHECKPOINT = "checkpoint"
@@ -87,24 +92,24 @@ def resolve_bits(choice: str, checkpoint_bits: int | None) -> int | None:
     return int(choice[3:])
 
 
-def quantize_lm_head(model: nn.Module, bits: int) -> None:
+def quantize_lm_head(model: LlamaForCausalLM, bits: int) -> None:
     """Quantize `model`'s LM head (for tied embeddings: the shared table) with RTN."""
     embed = model.model.embed_tokens
     dtype = embed.weight.dtype
-    if getattr(model, "lm_head", None) is None:  # tied
+    if model.lm_head is None:  # tied
         model.model.embed_tokens = QuantizedEmbedding(embed.weight.data, bits, dtype)
     else:
         head = model.lm_head
         install_quantized(head, quantize_table(head.weight.data, bits), dtype)
 
 
-def install_head_weight(model: nn.Module, qw: QuantizedWeight, keep_table: bool = False) -> None:
+def install_head_weight(model: LlamaForCausalLM, qw: QuantizedWeight, keep_table: bool = False) -> None:
     """Make `qw` (an already quantized [vocab, hidden] head, e.g. GPTQ's) the model's LM head:
     for tied embeddings one QuantizedEmbedding serves lookups and logits and the dense table is
     dropped (kept aside, fp16, only with keep_table: the quantizer needs it to save the checkpoint);
     an untied lm_head Linear gets the packed weights in place."""
     embed = model.model.embed_tokens
-    if getattr(model, "lm_head", None) is None:  # tied
+    if model.lm_head is None:  # tied
         dtype = embed.weight.dtype
         q = QuantizedEmbedding(qw, None, dtype)
         if keep_table:

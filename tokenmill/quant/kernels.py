@@ -41,7 +41,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.linear import KernelKind, LinearKernel
+from tokenmill.layers.linear import KernelKind, Linear, LinearKernel
 from tokenmill.quant import cpu_int4
 from tokenmill.quant.grid import QuantizedWeight
 
@@ -295,7 +295,7 @@ class Int8WeightOnlyMethod:
         return y.reshape(*lead, layer.out_features)
 
 
-def install_quantized(layer, qw: QuantizedWeight, dtype: torch.dtype | None = None, int4_layout: str | None = None,
+def install_quantized(layer: Linear, qw: QuantizedWeight, dtype: torch.dtype | None = None, int4_layout: str | None = None,
                       plan: KernelPlan = DEFAULT_PLAN) -> None:
     """Replace `layer.weight` [N, K] by the packed buffers of `qw` and set its quant method.
 
@@ -305,7 +305,7 @@ def install_quantized(layer, qw: QuantizedWeight, dtype: torch.dtype | None = No
     if (qw.out_features, qw.in_features) != (layer.out_features, layer.in_features):
         raise ValueError(f"quantized weight {tuple(qw.codes.shape)} does not fit layer "
                          f"[{layer.out_features}, {layer.in_features}]")
-    old = getattr(layer, "weight", None)
+    old = layer.weight  # None when a quantized weight is installed already
     device = old.device if old is not None else torch.device("cpu")
     if dtype is None:
         dtype = old.dtype if old is not None else torch.float32

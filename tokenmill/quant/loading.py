@@ -17,16 +17,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
-from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.linear import Linear
 from tokenmill.quant.formats import awq_shape_problem, from_awq_tensors, from_gptq_tensors, gptq_shape_problem
 from tokenmill.quant.grid import QuantizedWeight, concat_rows
 from tokenmill.quant.kernels import install_quantized
+
+if TYPE_CHECKING:
+    from tokenmill.models.llama import LlamaForCausalLM  # every model class is one
 
 _QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -75,7 +77,7 @@ def shape_problem(spec: CheckpointQuantSpec, tensors: dict[str, torch.Tensor], o
     return awq_shape_problem(tensors, out, cols)
 
 
-def load_quantized_weights(net: nn.Module, cfg, tensors: Iterable[tuple[str, torch.Tensor]], path: Path,
+def load_quantized_weights(net: LlamaForCausalLM, cfg, tensors: Iterable[tuple[str, torch.Tensor]], path: Path,
                            file_of: Callable[[str], Path | None] | None = None) -> QuantizedWeight | None:
     """Fill `net` from a quantized checkpoint: quantized linears get packed buffers and kernels,
     everything else loads as usual. Returns the quantized LM head of a model with tied embeddings
@@ -99,7 +101,7 @@ def load_quantized_weights(net: nn.Module, cfg, tensors: Iterable[tuple[str, tor
         else:
             dense.append((name, t))
     modules = dict(net.named_modules())
-    mapping = getattr(net, "packed_modules_mapping", {})
+    mapping = net.packed_modules_mapping
     parts: dict[str, dict[int, QuantizedWeight]] = {}
     tied_head: QuantizedWeight | None = None
     if cfg.quantization_config.get("lm_head") and "lm_head" not in quant:
@@ -111,7 +113,7 @@ def load_quantized_weights(net: nn.Module, cfg, tensors: Iterable[tuple[str, tor
             raise ModelLoadError(f"{where(prefix + '.' + next(iter(t)))}: {prefix} lacks {sorted(missing)}")
         parent, _, leaf = prefix.rpartition(".")
         target, shard = (f"{parent}.{mapping[leaf][0]}", mapping[leaf][1]) if leaf in mapping else (prefix, 0)
-        tied = prefix == "lm_head" and getattr(net, "lm_head", 1) is None
+        tied = prefix == "lm_head" and net.lm_head is None
         if tied:
             out, cols = cfg.vocab_size, cfg.hidden_size
         elif isinstance(modules.get(target), Linear):

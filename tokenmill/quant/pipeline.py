@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from tokenmill.quant.grid import QuantizedWeight, check_group_size
 from tokenmill.quant.kernels import install_quantized
 from tokenmill.quant.rtn import rtn_quantize_weight
 from tokenmill.quant.save import SAVE_DTYPE, round_unquantized_params
+
+if TYPE_CHECKING:
+    from tokenmill.models.llama import LlamaForCausalLM  # every model class is one
 
 METHODS = ("rtn", "gptq", "awq")
 
@@ -154,9 +158,9 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib_ids: torch.Tensor |
                           head_seconds=head_seconds)
 
 
-def head_weight(model: nn.Module) -> torch.Tensor:
+def head_weight(model: LlamaForCausalLM) -> torch.Tensor:
     """The dense [vocab, hidden] LM head: the lm_head Linear's weight, or the tied embedding table."""
-    head = getattr(model, "lm_head", None)
+    head = model.lm_head
     w = model.model.embed_tokens.weight if head is None else head.weight
     if w is None:
         raise ValueError("the LM head is already quantized")
@@ -185,7 +189,7 @@ def final_hidden_hessian(model: nn.Module, calib_ids: torch.Tensor, batch_size: 
     return acc
 
 
-def quantize_head(model: nn.Module, cfg: QuantConfig, calib_ids: torch.Tensor | None = None,
+def quantize_head(model: LlamaForCausalLM, cfg: QuantConfig, calib_ids: torch.Tensor | None = None,
                   progress: bool = False, last_block_out: torch.Tensor | None = None) -> QuantizedWeight:
     """Quantize the LM head (tied: the shared table) of a model whose decoder is already quantized,
     install it (quant/head.py) and return it. GPTQ (for the gptq and awq methods) with H from the

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from tokenmill.config import ModelArchConfig
 from tokenmill.layers.linear import Linear
 from tokenmill.quant.formats import to_awq_tensors, to_gptq_tensors
 from tokenmill.quant.grid import QuantizedWeight
+
+if TYPE_CHECKING:
+    from tokenmill.models.llama import LlamaForCausalLM  # every model class is one
 
 SAVE_DTYPE = torch.float16
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
@@ -61,12 +64,12 @@ def hf_config_dict(cfg: ModelArchConfig, qconfig: dict[str, Any] | None, dtype: 
     return d
 
 
-def _part_names(model: nn.Module) -> dict[tuple[str, int], str]:
+def _part_names(model: LlamaForCausalLM) -> dict[tuple[str, int], str]:
     """(packed module leaf, part index) -> checkpoint leaf, e.g. ("qkv_proj", 1) -> "k_proj"."""
-    return {v: k for k, v in getattr(model, "packed_modules_mapping", {}).items()}
+    return {v: k for k, v in model.packed_modules_mapping.items()}
 
 
-def checkpoint_tensors(model: nn.Module, weights: dict[str, QuantizedWeight], fmt: str,
+def checkpoint_tensors(model: LlamaForCausalLM, weights: dict[str, QuantizedWeight], fmt: str,
                        dtype: torch.dtype = SAVE_DTYPE) -> dict[str, torch.Tensor]:
     """The model's tensors under checkpoint names, quantized linears in `fmt` layout."""
     from tokenmill.quant.head import QuantizedEmbedding
@@ -79,7 +82,7 @@ def checkpoint_tensors(model: nn.Module, weights: dict[str, QuantizedWeight], fm
             raise ValueError(f"{name} is a quantized table without its fp16 original; a model whose embedding "
                              "was quantized at load time cannot be saved")
         out[f"{name}.weight"] = q.checkpoint_table.to(dtype).contiguous()
-    if getattr(model, "lm_head", 1) is None and "lm_head" in weights:  # tied: the head exists only as weights
+    if model.lm_head is None and "lm_head" in weights:  # tied: the head exists only as weights
         packed = to_gptq_tensors(weights["lm_head"]) if fmt == "gptq" else to_awq_tensors(weights["lm_head"])
         out.update({f"lm_head.{k}": v.contiguous() for k, v in packed.items()})
     for name, mod in model.named_modules():
