@@ -17,11 +17,14 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from tokenmill.engine.core import EngineStats
 
 logger = logging.getLogger("tokenmill.metrics")
 
@@ -104,17 +107,17 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
-def stat_value(stats: Any, field: str) -> float | None:
-    """stats.field, or stats.a[b] for "a.b"; None when the core does not report it."""
+def stat_value(stats: EngineStats, field: str) -> float | None:
+    """stats.field, or stats.a[b] for "a.b" (a dict of counters: None while the core reports no such key)."""
     head, _, key = field.partition(".")
-    value = getattr(stats, head, None)
+    value = getattr(stats, head)  # NOTE: a row's field by name; test_metrics checks every row names a field
     if key:
-        value = value.get(key) if isinstance(value, dict) else None
+        value = value.get(key)
     return None if value is None else float(value)
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, get_stats: Callable[[], Any], model_name: str) -> None:
+    def __init__(self, get_stats: Callable[[], EngineStats | None], model_name: str) -> None:
         self._get_stats = get_stats
         self._model_name = model_name
 
@@ -134,7 +137,7 @@ class _EngineStatsCollector(Collector):
                 c = CounterMetricFamily(row.name, row.documentation, labels=["model_name"])
                 c.add_metric([self._model_name], value)
                 yield c
-        spec = getattr(stats, "spec_decode", None) or {}
+        spec = stats.spec_decode
         for prefix, name, label, doc in LABELED_SPEC_COUNTERS:  # e.g. vLLM's per-position acceptance counter
             series = sorted((int(k[len(prefix):]), v) for k, v in spec.items() if k.startswith(prefix))
             if series:
@@ -178,7 +181,7 @@ class LatencyWindow:
 class EngineMetrics:
     """One registry per server (no global state): engine gauges/counters plus latency histograms."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], Any]) -> None:
+    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats | None]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineStatsCollector(get_stats, model_name))
         labels = {"model_name": model_name}
@@ -239,10 +242,10 @@ class EngineMetrics:
 class StatLogger:
     """vLLM-style periodic line: throughput since the last line, running/waiting, KV usage, prefix hits."""
 
-    def __init__(self, get_stats: Callable[[], Any], interval_s: float = 10.0) -> None:
+    def __init__(self, get_stats: Callable[[], EngineStats | None], interval_s: float = 10.0) -> None:
         self._get_stats = get_stats
         self.interval_s = interval_s
-        self._last: Any = None
+        self._last: EngineStats | None = None
         self._last_time = time.monotonic()
         self._was_idle = True
 
@@ -255,13 +258,9 @@ class StatLogger:
         last, dt = self._last, max(now - self._last_time, 1e-9)
         self._last, self._last_time = stats, now
 
-        def delta(name: str) -> float:
-            cur = getattr(stats, name, 0) or 0
-            return cur - ((getattr(last, name, 0) or 0) if last is not None else 0)
-
-        prompt_tps = delta("num_prompt_tokens") / dt
-        gen_tps = delta("num_generation_tokens") / dt
-        queries, hits = getattr(stats, "prefix_cache_queries", 0) or 0, getattr(stats, "prefix_cache_hits", 0) or 0
+        prompt_tps = (stats.num_prompt_tokens - (last.num_prompt_tokens if last is not None else 0)) / dt
+        gen_tps = (stats.num_generation_tokens - (last.num_generation_tokens if last is not None else 0)) / dt
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         is_idle = prompt_tps == 0 and gen_tps == 0 and not stats.num_running and not stats.num_waiting
         if is_idle and self._was_idle:
             return None

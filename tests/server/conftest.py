@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tokenmill.engine.core import EngineStats
+
 REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO.parent / "shared" / "data"
 API_KEY = "tm-test-key"
@@ -104,6 +106,15 @@ def server(tmp_path_factory) -> ServerProcess:
     srv = start_server(tmp_path_factory.mktemp("server"), *DEFAULT_ARGS)
     yield srv
     srv.stop()
+
+
+def engine_stats(**fields) -> EngineStats:
+    """An idle engine's EngineStats (a pool of 10 free blocks), with `fields` set: what a fake core reports."""
+    idle = dict(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks_total=10, num_blocks_free=10,
+                num_blocks_cached_free=0, block_size=16, kv_bytes_per_token=0.0, num_allocated_slots=0,
+                num_filled_slots=0, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+                num_prompt_tokens=0, num_generation_tokens=0)
+    return EngineStats(**{**idle, **fields})
 
 
 def metric_values(text: str) -> dict[str, float]:

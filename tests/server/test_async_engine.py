@@ -7,27 +7,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass
-
 import pytest
 
+from tests.server.conftest import engine_stats
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-
-
-@dataclass
-class FakeStats:
-    num_running: int
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_blocks_total: int = 8
-    num_blocks_free: int = 8
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
 
 
 class FakeTokenizer:
@@ -44,7 +29,7 @@ class FakeTokenizer:
 class FakeCore:
     """One token per step per request (token id = position); finishes at max_tokens."""
 
-    def __init__(self, step_s: float = 0.0, fail_at_step: int | None = None) -> None:
+    def __init__(self, step_s: float = 0.0, fail_at_step: int | None = None, pause_after: int | None = None) -> None:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = 64
         self.vocab_size = FakeTokenizer.vocab_size
@@ -56,6 +41,9 @@ class FakeCore:
         self.fail_at_step = fail_at_step
         self.num_generation_tokens = 0
         self.num_stats_calls = 0
+        self.pause_after = pause_after
+        """Steps after this many wait for `resume` (a reader can then take exactly the first outputs)."""
+        self.resume = threading.Event()
 
     def _mark(self) -> None:
         self.thread_ids.add(threading.get_ident())
@@ -81,6 +69,8 @@ class FakeCore:
         self.num_steps += 1
         if self.fail_at_step is not None and self.num_steps >= self.fail_at_step:
             raise RuntimeError("boom")
+        if self.pause_after is not None and self.num_steps > self.pause_after:
+            assert self.resume.wait(30), "the test never resumed the core"
         time.sleep(self.step_s)
         outs = []
         for rid, (prompt, params, toks, arrival) in list(self.requests.items()):
@@ -100,7 +90,7 @@ class FakeCore:
     def stats(self):
         self._mark()
         self.num_stats_calls += 1
-        return FakeStats(num_running=len(self.requests), num_generation_tokens=self.num_generation_tokens)
+        return engine_stats(num_running=len(self.requests), num_generation_tokens=self.num_generation_tokens)
 
     def check_integrity(self):
         self._mark()
@@ -201,13 +191,15 @@ def test_slow_reader_skips_to_newest_cumulative_output():
 
 
 def test_slow_reader_gets_deltas_joined_nothing_lost_nothing_repeated():
-    core = FakeCore()
+    core = FakeCore(pause_after=1)
 
     async def main():
         engine = await _started(core)
         stream = await engine.add_request([1], SamplingParams(max_tokens=20, output_kind="delta"))
-        first = await stream.__anext__()  # read one, then lag while the engine runs the rest
-        await asyncio.sleep(0.3)
+        first = await stream.__anext__()  # the first token alone: the core waits before its second step
+        core.resume.set()
+        while not stream.is_done_in_engine:  # lag until the engine has handed over all 19 other tokens
+            await asyncio.sleep(0.01)
         rest = [o async for o in stream]
         await engine.shutdown()
         return first, rest

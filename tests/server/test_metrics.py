@@ -1,26 +1,21 @@
 """metrics.py without a server: the stats collector, spec-decode rows, and the periodic log line."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import fields
 
 from prometheus_client import generate_latest
 
-from tokenmill.metrics import EngineMetrics, StatLogger
+from tests.server.conftest import engine_stats as Stats
+from tokenmill.engine.core import EngineStats
+from tokenmill.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, EngineMetrics, StatLogger
 
 
-@dataclass
-class Stats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_blocks_total: int = 10
-    num_blocks_free: int = 10
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    spec_decode: dict[str, float] = field(default_factory=dict)
+def test_every_row_reads_a_field_of_engine_stats():
+    names = {f.name: f for f in fields(EngineStats)}
+    for row in ENGINE_GAUGES + ENGINE_COUNTERS:
+        head, _, key = row.field.partition(".")
+        assert head in names, row
+        assert not key or names[head].type.startswith("dict"), row  # "a.b" reads key b of a dict field
 
 
 def _scrape(metrics: EngineMetrics) -> str:

@@ -34,6 +34,7 @@ from tokenmill.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.distributed.kv_connector import KVTransferRequest
+    from tokenmill.engine.core import EngineStats
     from tokenmill.metrics import EngineMetrics
     from tokenmill.tokenizer import Tokenizer
 
@@ -56,7 +57,7 @@ class EngineCoreLike(Protocol):
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
-    def stats(self) -> Any: ...
+    def stats(self) -> EngineStats: ...
     def snapshot(self, since_step: int = 0) -> Any: ...
     def check_integrity(self) -> None: ...
 
@@ -224,7 +225,7 @@ class AsyncEngine:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._ready_waiters: list[asyncio.Future] = []
-        self._stats: Any = None
+        self._stats: EngineStats | None = None
         self._stats_time = 0.0
         self._last_step_time = 0.0
         self.num_stats_snapshots = 0
@@ -269,7 +270,7 @@ class AsyncEngine:
         if self._error is not None:
             raise EngineDeadError(f"engine failed: {self._error}") from self._error
 
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats | None:
         """Latest EngineStats snapshot taken by the engine thread (None before loading): at most
         STATS_REFRESH_S old while requests run, current when idle."""
         return self._stats
