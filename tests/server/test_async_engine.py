@@ -181,7 +181,8 @@ def test_slow_reader_skips_to_newest_cumulative_output():
     async def main():
         engine = await _started(core)
         stream = await engine.add_request([1], SamplingParams(max_tokens=20))
-        await asyncio.sleep(0.3)  # the engine runs all 20 steps meanwhile
+        while not stream.is_done_in_engine:  # the engine runs all 20 steps meanwhile
+            await asyncio.sleep(0.01)
         outs = [o async for o in stream]
         await engine.shutdown()
         return outs
@@ -222,7 +223,8 @@ def test_stats_are_not_recomputed_after_every_step():
         streams = [await engine.add_request([1], SamplingParams(max_tokens=40)) for _ in range(4)]
         for s in streams:
             _ = [o async for o in s]
-        await asyncio.sleep(0.2)  # idle: one last snapshot
+        while engine.stats().num_generation_tokens < 160:  # idle: one last snapshot
+            await asyncio.sleep(0.01)
         stats = engine.stats()
         await engine.shutdown()
         return stats, engine.num_stats_snapshots
