@@ -10,7 +10,9 @@
 With --old-tree the servers of the two checkouts alternate, round by round (the old one runs with PYTHONPATH set
 to its tree, so build its extension there first). Per run: output tok/s, TTFT p50 over all requests, and p10 / p50
 / p90 per group; medians over the rounds at the end. JSON rows [load index, prompt tokens, sent at s, TTFT s]
-per run in --result-dir.
+per run in --result-dir. From the server's /metrics, means over the load on its own clock: its TTFT (request
+tokenized -> the end of the step that gave its first token) and of it the queue (-> first scheduled: the step in flight,
+then room in a step) and prefill (-> first token) times; the client's mean TTFT beside them.
 """
 from __future__ import annotations
 
@@ -23,10 +25,12 @@ import shlex
 import sys
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenmill.bench.common import SampleRequest, load_sharegpt, medians  # noqa: E402
-from tokenmill.bench.serve import LaunchedServer, discover_model, load_tokenizer, run_load  # noqa: E402
+from tokenmill.bench.serve import LaunchedServer, discover_model, load_tokenizer, metric_values, run_load  # noqa: E402
 
 LONG_PROMPT = 150
 
@@ -44,8 +48,10 @@ def one_run(server_args: list[str], load: list[SampleRequest], concurrency: int,
         model = discover_model(s.base_url)
         asyncio.run(run_load(s.base_url, model, [SampleRequest(load[0].prompt, load[0].prompt_token_ids, 8)],
                              math.inf, "poisson", None, chat=True, ignore_eos=True))
+        before = metric_values(httpx.get(s.base_url + "/metrics", timeout=30).text)
         res, dur = asyncio.run(run_load(s.base_url, model, load, math.inf, "poisson", concurrency, chat=True,
                                         ignore_eos=True))
+        after = metric_values(httpx.get(s.base_url + "/metrics", timeout=30).text)
     failed = [r.error for r in res if not r.success]
     if failed:
         raise SystemExit(f"{len(failed)} requests failed: {failed[0]}")
@@ -56,6 +62,14 @@ def one_run(server_args: list[str], load: list[SampleRequest], concurrency: int,
     groups = {"burst": [x[3] for x in burst], "long": [x[3] for x in later if x[1] >= LONG_PROMPT],
               "rest": [x[3] for x in later if x[1] < LONG_PROMPT]}
     out = {"out_tok_s": sum(r.output_tokens for r in res) / dur, "ttft_p50_ms": q([x[3] for x in rows], 0.5)}
+    # the server's own clock, means over the load: its TTFT (arrival after tokenizing -> end of the first token's
+    # step) = queue (-> first scheduled: the step in flight, then room in a step) + prefill (-> first token)
+    out["client TTFT mean"] = sum(x[3] for x in rows) / len(rows) * 1e3
+    for name, metric in (("server TTFT mean", "time_to_first_token"), ("queue mean", "request_queue_time"),
+                         ("prefill mean", "request_prefill_time")):
+        count, total = (f"tokenmill:{metric}_seconds_{k}" for k in ("count", "sum"))
+        n = after.get(count, math.nan) - before.get(count, math.nan)  # nan: an older tree without the histogram
+        out[name] = (after.get(total, math.nan) - before.get(total, math.nan)) / n * 1e3 if n else math.nan
     for g, xs in groups.items():
         out[f"{g} n"] = len(xs)
         for p in (0.1, 0.5, 0.9):

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from tokenmill.engine.core import EngineStats
+    from tokenmill.outputs import RequestMetrics
 
 logger = logging.getLogger("tokenmill.metrics")
 
@@ -199,6 +200,12 @@ class EngineMetrics:
         self.request_queue_time = hist("tokenmill:request_queue_time_seconds",
                                        "Histogram of time spent waiting before first scheduled, in seconds.",
                                        _REQUEST_BUCKETS)
+        self.request_prefill_time = hist("tokenmill:request_prefill_time_seconds",
+                                         "Histogram of time from first scheduled to first token, in seconds.",
+                                         _REQUEST_BUCKETS)
+        self.request_decode_time = hist("tokenmill:request_decode_time_seconds",
+                                        "Histogram of time from first token to last token, in seconds.",
+                                        _REQUEST_BUCKETS)
         self.request_prompt_tokens = hist("tokenmill:request_prompt_tokens",
                                           "Number of prompt tokens per finished request.", _TOKEN_BUCKETS)
         self.request_generation_tokens = hist("tokenmill:request_generation_tokens",
@@ -222,11 +229,15 @@ class EngineMetrics:
         self.inter_token_latency.observe(seconds)
         self.itl_window.observe(seconds)
 
-    def observe_finished(self, *, e2e: float, queue_time: float | None, num_prompt_tokens: int,
+    def observe_finished(self, *, e2e: float, timings: RequestMetrics | None, num_prompt_tokens: int,
                          num_generation_tokens: int, finish_reasons: list[str]) -> None:
+        """timings: the engine's clock for the request (queue, prefill and decode times; None: not reported)."""
         self.e2e_request_latency.observe(e2e)
-        if queue_time is not None:
-            self.request_queue_time.observe(queue_time)
+        for hist, seconds in ((self.request_queue_time, timings.queue_time if timings else None),
+                              (self.request_prefill_time, timings.prefill_time if timings else None),
+                              (self.request_decode_time, timings.decode_time if timings else None)):
+            if seconds is not None:
+                hist.observe(seconds)
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generation_tokens)
         for reason in set(finish_reasons):

@@ -78,9 +78,24 @@ class RequestMetrics:
 
     @property
     def queue_time(self) -> float | None:
+        """Arrival to first scheduled: waiting for the step in flight, then for room in a step."""
         if self.first_scheduled_time is None:
             return None
         return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled to first token: the steps that computed the prompt (several when it was chunked)."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """First token to last token."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tokenmill.bench.serve import metric_values  # noqa: F401 - the server tests import it from here
 from tokenmill.engine.core import EngineStats
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,19 +116,6 @@ def engine_stats(**fields) -> EngineStats:
                 num_filled_slots=0, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
                 num_prompt_tokens=0, num_generation_tokens=0)
     return EngineStats(**{**idle, **fields})
-
-
-def metric_values(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}, plus bare names summed over their label sets."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        out[key] = float(value)
-        bare = key.split("{", 1)[0]
-        out[bare] = out.get(bare, 0.0) + float(value) if bare != key else float(value)
-    return out
 
 
 def load_sharegpt_prompts(n: int, max_chars: int = 240) -> list[str]:

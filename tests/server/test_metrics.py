@@ -8,6 +8,7 @@ from prometheus_client import generate_latest
 from tests.server.conftest import engine_stats as Stats
 from tokenmill.engine.core import EngineStats
 from tokenmill.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, EngineMetrics, StatLogger
+from tokenmill.outputs import RequestMetrics
 
 
 def test_every_row_reads_a_field_of_engine_stats():
@@ -60,15 +61,22 @@ def test_latency_histograms_and_finish_reasons():
     metrics = EngineMetrics("m", lambda: None)
     metrics.observe_ttft(0.2)
     metrics.observe_itl(0.05)
-    metrics.observe_finished(e2e=1.0, queue_time=0.1, num_prompt_tokens=7, num_generation_tokens=3,
+    timings = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.25, first_token_time=1.75, last_token_time=2.75)
+    metrics.observe_finished(e2e=2.0, timings=timings, num_prompt_tokens=7, num_generation_tokens=3,
                              finish_reasons=["length", "stop"])
+    metrics.observe_finished(e2e=0.5, timings=RequestMetrics(arrival_time=1.0), num_prompt_tokens=7,
+                             num_generation_tokens=0, finish_reasons=["abort"])  # aborted while queued
     metrics.observe_aborted()
     text = _scrape(metrics)
-    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds"):
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
         assert f'tokenmill:{name}_count{{model_name="m"}} 1.0' in text, name
-    for reason in ("length", "stop", "abort"):
-        assert f'tokenmill:request_success_total{{finished_reason="{reason}",model_name="m"}} 1.0' in text
+    assert 'tokenmill:e2e_request_latency_seconds_count{model_name="m"} 2.0' in text
+    # the queued-then-aborted request has no queue, prefill or decode time: one sample each, from `timings`
+    for name, seconds in (("queue", 0.25), ("prefill", 0.5), ("decode", 1.0)):
+        assert f'tokenmill:request_{name}_time_seconds_count{{model_name="m"}} 1.0' in text, name
+        assert f'tokenmill:request_{name}_time_seconds_sum{{model_name="m"}} {seconds}' in text, name
+    for reason, n in (("length", 1), ("stop", 1), ("abort", 2)):
+        assert f'tokenmill:request_success_total{{finished_reason="{reason}",model_name="m"}} {n}.0' in text
 
 
 def test_stat_line_reports_interval_throughput_and_stays_quiet_when_idle():

@@ -241,6 +241,19 @@ class LaunchedServer:
         self.stop()
 
 
+def metric_values(text: str) -> dict[str, float]:
+    """Prometheus text (a server's /metrics) -> {'name{labels}': value}, plus bare names summed over their label sets."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        out[key] = float(value)
+        bare = key.split("{", 1)[0]
+        out[bare] = out.get(bare, 0.0) + float(value) if bare != key else float(value)
+    return out
+
+
 def discover_model(base_url: str, api_key: str | None = None) -> str:
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None

@@ -515,8 +515,7 @@ def _observe(metrics: EngineMetrics, state: _StreamState, out: RequestOutput, no
         state.num_tokens = num_tokens
         state.last_token_time = now
     if out.finished:
-        queue_time = out.metrics.queue_time if out.metrics is not None else None
-        metrics.observe_finished(e2e=now - state.arrival_time, queue_time=queue_time,
+        metrics.observe_finished(e2e=now - state.arrival_time, timings=out.metrics,
                                  num_prompt_tokens=len(out.prompt_token_ids), num_generation_tokens=num_tokens,
                                  finish_reasons=[c.finish_reason or "abort" for c in out.outputs])
 
