@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import re
 import shlex
 import statistics
 import sys
@@ -27,16 +26,13 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenmill.bench.common import SampleRequest, environment, format_table, load_sharegpt, write_json  # noqa: E402
-from tokenmill.bench.serve import LaunchedServer, calculate_metrics, discover_model, load_tokenizer, run_load  # noqa: E402
+from tokenmill.bench.serve import (LaunchedServer, calculate_metrics, discover_model, load_tokenizer, run_load,  # noqa: E402
+                                   scrape_metrics)
 
 
 def step_counters(base_url: str) -> tuple[float, float]:
-    text = httpx.get(base_url + "/metrics", timeout=30).text
-    vals = []
-    for name in ("engine_steps", "engine_step_seconds"):
-        m = re.search(rf"^tokenmill:{name}_total\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
-        vals.append(float(m.group(1)) if m else math.nan)
-    return vals[0], vals[1]
+    m = scrape_metrics(base_url)
+    return m.get("tokenmill:engine_steps_total", math.nan), m.get("tokenmill:engine_step_seconds_total", math.nan)
 
 
 class Pages:

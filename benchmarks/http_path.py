@@ -18,19 +18,17 @@ import argparse
 import asyncio
 import math
 import os
-import re
 import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenmill.bench.common import SampleRequest, environment, format_table, load_sharegpt, write_json  # noqa: E402
-from tokenmill.bench.serve import LaunchedServer, calculate_metrics, discover_model, load_tokenizer, run_load  # noqa: E402
+from tokenmill.bench.serve import (LaunchedServer, calculate_metrics, discover_model, load_tokenizer, run_load,  # noqa: E402
+                                   scrape_metrics)
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -49,12 +47,9 @@ def thread_cpu(pid: int) -> dict[str, float]:
 
 
 def counters(base_url: str) -> dict[str, float]:
-    text = httpx.get(base_url + "/metrics", timeout=30).text
-    out = {}
-    for name in ("engine_steps", "engine_step_seconds", "engine_forward_seconds", "generation_tokens"):
-        m = re.search(rf"^tokenmill:{name}_total\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
-        out[name] = float(m.group(1)) if m else float("nan")
-    return out
+    m = scrape_metrics(base_url)
+    return {name: m.get(f"tokenmill:{name}_total", math.nan)
+            for name in ("engine_steps", "engine_step_seconds", "engine_forward_seconds", "generation_tokens")}
 
 
 def served(server: LaunchedServer, reqs: list[SampleRequest], streams: int) -> dict:

@@ -25,12 +25,10 @@ import shlex
 import sys
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenmill.bench.common import SampleRequest, load_sharegpt, medians  # noqa: E402
-from tokenmill.bench.serve import LaunchedServer, discover_model, load_tokenizer, metric_values, run_load  # noqa: E402
+from tokenmill.bench.serve import LaunchedServer, discover_model, load_tokenizer, run_load, scrape_metrics  # noqa: E402
 
 LONG_PROMPT = 150
 
@@ -48,10 +46,10 @@ def one_run(server_args: list[str], load: list[SampleRequest], concurrency: int,
         model = discover_model(s.base_url)
         asyncio.run(run_load(s.base_url, model, [SampleRequest(load[0].prompt, load[0].prompt_token_ids, 8)],
                              math.inf, "poisson", None, chat=True, ignore_eos=True))
-        before = metric_values(httpx.get(s.base_url + "/metrics", timeout=30).text)
+        before = scrape_metrics(s.base_url)
         res, dur = asyncio.run(run_load(s.base_url, model, load, math.inf, "poisson", concurrency, chat=True,
                                         ignore_eos=True))
-        after = metric_values(httpx.get(s.base_url + "/metrics", timeout=30).text)
+        after = scrape_metrics(s.base_url)
     failed = [r.error for r in res if not r.success]
     if failed:
         raise SystemExit(f"{len(failed)} requests failed: {failed[0]}")

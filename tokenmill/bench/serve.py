@@ -254,6 +254,12 @@ def metric_values(text: str) -> dict[str, float]:
     return out
 
 
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """A running server's /metrics, as metric_values."""
+    import httpx
+    return metric_values(httpx.get(base_url.rstrip("/") + "/metrics", timeout=30).text)
+
+
 def discover_model(base_url: str, api_key: str | None = None) -> str:
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
