@@ -302,6 +302,9 @@ def test_many_concurrent_streams():
             return last
 
         outs = await asyncio.gather(*[one(i) for i in range(200)])
+        total = sum(1 + i % 7 for i in range(200))
+        while engine.stats().num_generation_tokens < total:  # the engine thread's idle snapshot, taken after the
+            await asyncio.sleep(0.01)                        # last step: the streams may end before it
         stats = engine.stats()
         await engine.shutdown()
         return outs, stats
