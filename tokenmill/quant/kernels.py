@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -212,17 +213,7 @@ class Int4WeightOnlyMethod:
                             self.max_kernel_rows)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])                                         # [M, K]
-        if layer.col_perm is not None:
-            x2 = x2[:, layer.col_perm]
-        if self.path(x2.shape[0], x2) == "kernel":
-            y = self.run_kernel(layer, x2)
-        else:
-            y = F.linear(x2, self.dequantize(layer, x2.dtype))
-        if layer.bias is not None:
-            y = y + layer.bias
-        return y.reshape(*lead, layer.out_features)
+        return _weight_only_apply(self, layer, x, lambda x2: self.path(x2.shape[0], x2))
 
 
 class Int8WeightOnlyMethod:
@@ -282,17 +273,26 @@ class Int8WeightOnlyMethod:
         return y
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])                                         # [M, K]
-        if layer.col_perm is not None:
-            x2 = x2[:, layer.col_perm]
-        if self.path(layer, x2) == "kernel":
-            y = self.run_kernel(layer, x2)
-        else:
-            y = F.linear(x2, self.dequantize(layer, x2.dtype))
-        if layer.bias is not None:
-            y = y + layer.bias
-        return y.reshape(*lead, layer.out_features)
+        return _weight_only_apply(self, layer, x, lambda x2: self.path(layer, x2))
+
+
+def _weight_only_apply(method: Int4WeightOnlyMethod | Int8WeightOnlyMethod, layer, x: torch.Tensor,
+                       path: Callable[[torch.Tensor], str]) -> torch.Tensor:
+    """`layer(x)` for a weight-only method: act-order columns gathered first (the packed codes hold the permuted
+    column order), then `method.run_kernel` where `path(x2)` says "kernel", else dequantize-then-matmul; the bias
+    added last on both paths. `path` is the one part that differs: each method decides from the rows and dtype
+    of the gathered [M, K] activations x2 by its own rule."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])                                         # [M, K]
+    if layer.col_perm is not None:
+        x2 = x2[:, layer.col_perm]
+    if path(x2) == "kernel":
+        y = method.run_kernel(layer, x2)
+    else:
+        y = F.linear(x2, method.dequantize(layer, x2.dtype))
+    if layer.bias is not None:
+        y = y + layer.bias
+    return y.reshape(*lead, layer.out_features)
 
 
 def install_quantized(layer: Linear, qw: QuantizedWeight, dtype: torch.dtype | None = None, int4_layout: str | None = None,

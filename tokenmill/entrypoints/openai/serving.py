@@ -125,6 +125,25 @@ class SSEStream:
 
 
 @dataclass
+class _TopLogprob:
+    """One ranked alternative: its text and JSON-safe log-probability."""
+
+    text: str
+    logprob: float | None
+
+
+@dataclass
+class _TokenLogprobs:
+    """One sampled token of a choice as both OpenAI logprob formats read it (OpenAIServing._token_logprobs)."""
+
+    text: str
+    logprob: float | None
+    """JSON-safe (_lp); None where the engine kept no entry for the token."""
+    top: list[_TopLogprob]
+    """Alternatives best first (by the engine's rank), decoded."""
+
+
+@dataclass
 class _Finals:
     """Final outputs of all prompts of one HTTP request, by prompt index."""
 
@@ -357,21 +376,33 @@ class OpenAIServing:
             return lp.decoded_token
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, c: CompletionOutput, start: int, end: int, offset: int) -> dict[str, Any]:
-        """OpenAI's legacy logprobs object for tokens [start, end) of a choice; offset: text before them."""
-        tokens, token_logprobs, top, text_offset = [], [], [], []
+    def _token_logprobs(self, c: CompletionOutput, start: int, end: int,
+                        top_n: int | None) -> list[_TokenLogprobs]:
+        """Tokens [start, end) of a choice with their log-probabilities, in the engine's terms, for both OpenAI
+        formats. A token missing from its position's entry has logprob None (and no alternatives where the engine
+        kept no entry there at all); top_n: how many ranked alternatives to decode (None: all the entry holds)."""
+        out = []
         all_lps = c.logprobs or []
         for j in range(start, min(end, len(c.token_ids))):
             tid = c.token_ids[j]
             entry = all_lps[j] if j < len(all_lps) else {}
             sampled = entry.get(tid)
-            text = self._token_text(tid, sampled)
-            tokens.append(text)
-            token_logprobs.append(_lp(sampled.logprob) if sampled is not None else None)
-            top.append({self._token_text(t, lp): _lp(lp.logprob)
-                        for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)})
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+            top = [_TopLogprob(self._token_text(t, lp), _lp(lp.logprob))
+                   for t, lp in (ranked if top_n is None else ranked[:top_n])]
+            logprob = _lp(sampled.logprob) if sampled is not None else None
+            out.append(_TokenLogprobs(self._token_text(tid, sampled), logprob, top))
+        return out
+
+    def _completion_logprobs(self, c: CompletionOutput, start: int, end: int, offset: int) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object for tokens [start, end) of a choice; offset: text before them."""
+        tokens, token_logprobs, top, text_offset = [], [], [], []
+        for t in self._token_logprobs(c, start, end, None):
+            tokens.append(t.text)
+            token_logprobs.append(t.logprob)
+            top.append({alt.text: alt.logprob for alt in t.top})
             text_offset.append(offset)
-            offset += len(text)
+            offset += len(t.text)
         return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
 
     def _stream_completion(self, req: CompletionRequest, model: str, request_id: str, created: int,
@@ -434,21 +465,13 @@ class OpenAIServing:
                                       kv_transfer_params=out.kv_transfer_params).model_dump(), None
 
     def _chat_logprobs(self, c: CompletionOutput, start: int, end: int, top_n: int) -> list[dict[str, Any]]:
-        content = []
-        all_lps = c.logprobs or []
-        for j in range(start, min(end, len(c.token_ids))):
-            tid = c.token_ids[j]
-            entry = all_lps[j] if j < len(all_lps) else {}
-            sampled = entry.get(tid)
-            text = self._token_text(tid, sampled)
-            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top_n]
-            top = []
-            for t, lp in ranked:
-                s = self._token_text(t, lp)
-                top.append({"token": s, "logprob": _lp(lp.logprob), "bytes": list(s.encode("utf-8", "replace"))})
-            content.append({"token": text, "logprob": _lp(sampled.logprob) if sampled is not None else _MIN_LOGPROB,
-                            "bytes": list(text.encode("utf-8", "replace")), "top_logprobs": top})
-        return content
+        """The chat format's `content` list for tokens [start, end) of a choice: a token without an entry gets
+        the clamped floor (the format has no null logprob), and at most top_n alternatives each."""
+        return [{"token": t.text, "logprob": t.logprob if t.logprob is not None else _MIN_LOGPROB,
+                 "bytes": list(t.text.encode("utf-8", "replace")),
+                 "top_logprobs": [{"token": alt.text, "logprob": alt.logprob,
+                                   "bytes": list(alt.text.encode("utf-8", "replace"))} for alt in t.top]}
+                for t in self._token_logprobs(c, start, end, top_n)]
 
     def _stream_chat(self, req: ChatCompletionRequest, model: str, request_id: str, created: int,
                            stream: RequestStream, include_usage: bool, top_n: int,
