@@ -35,19 +35,10 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, tempera
     eng = llm.engine
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
                              seed=None if temperature == 0 else i) for i in range(len(prompts))]
-    propose_s = [0.0]
+    speculator = eng.executor.runner.speculator  # in-process: it times its own proposer
     steps_with_drafts = [0]
-    inner = None
-    if eng.spec is not None:
-        inner = eng.spec.proposer.propose
-
-        def timed(reqs, ks):
-            t0 = time.perf_counter()
-            out = inner(reqs, ks)
-            propose_s[0] += time.perf_counter() - t0
-            return out
-        eng.spec.proposer.propose = timed
-        eng.spec.reset_stats()
+    if speculator is not None:
+        speculator.reset_stats()
     tokens: list[list[int]] = []
     step_s: list[float] = []
     t_start = time.perf_counter()
@@ -59,7 +50,7 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, tempera
             ids.append(rid)
         done: dict[str, list[int]] = {}
         while len(done) < len(ids):
-            has_drafts = eng.spec is not None and any(r.spec_token_ids for r in eng.scheduler.running)
+            has_drafts = any(r.spec_token_ids for r in eng.scheduler.running)
             t0 = time.perf_counter()
             outs = eng.step()
             step_s.append(time.perf_counter() - t0)
@@ -69,11 +60,9 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, tempera
                     done[o.request_id] = o.outputs[0].token_ids
         tokens.extend(done[i] for i in ids)
     wall = time.perf_counter() - t_start
-    if inner is not None:
-        eng.spec.proposer.propose = inner
     llm.check_integrity()
-    spec = dict(llm.stats().spec_decode) if eng.spec is not None else {}
-    return {"tokens": tokens, "wall": wall, "steps": step_s, "propose_s": propose_s[0],
+    spec = dict(llm.stats().spec_decode)
+    return {"tokens": tokens, "wall": wall, "steps": step_s, "propose_s": spec.get("draft_seconds", 0.0),
             "drafted": steps_with_drafts[0] / max(len(step_s), 1), "spec": spec}
 
 
@@ -152,7 +141,7 @@ def main() -> None:
             for name, llm in engines.items():
                 if name == "plain":
                     continue
-                llm.engine.spec.adaptive.adaptive = b > 1 or args.adaptive_single
+                llm.engine.executor.runner.speculator.adaptive.adaptive = b > 1 or args.adaptive_single
                 r = run(llm, wave, b, n_tok, t)
                 # plain again right after: the ratio is against the mean of the plain runs around it (noisy host)
                 after = run(engines["plain"], wave, b, n_tok, t)

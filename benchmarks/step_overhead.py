@@ -56,7 +56,8 @@ from tokenmill import LLM, SamplingParams
 batch, steps = int(sys.argv[1]), int(sys.argv[2])
 llm = LLM("smollm2-135m", dtype="bfloat16", max_model_len=512, max_num_seqs=64, enable_prefix_caching=False)
 engine = llm.engine
-runner = engine.runner
+# NOTE: checkouts before the executor seam (0b07fa0 and older) hold the runner on the engine itself.
+runner = engine.executor.runner if hasattr(engine, "executor") else engine.runner
 """ + TIMERS + r"""prompts = [f"Write a short story about a robot number {i} who learns to paint." for i in range(batch)]
 params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
 for i, p in enumerate(prompts):
@@ -82,7 +83,8 @@ import json, sys, time
 from tokenmill import LLM, SamplingParams
 kind, steps = sys.argv[1], int(sys.argv[2])
 llm = LLM("smollm2-135m", dtype="bfloat16", max_model_len=4096, enable_prefix_caching=False)
-engine, runner = llm.engine, llm.engine.runner
+engine = llm.engine
+runner = engine.executor.runner if hasattr(engine, "executor") else engine.runner  # older checkouts: engine.runner
 """ + TIMERS + r"""params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True, logprobs=5, output_kind=kind)
 engine.add_request("r", engine.tokenizer.encode("Tell me a very long story."), params)
 engine.step()

@@ -139,6 +139,10 @@ class ModelConfig:
     tensor_parallel_size: int = 1
     """Split the model over this many processes on this host (torch.distributed gloo; distributed/tensor_parallel.py):
     heads, MLP columns and the LM head's vocabulary are divided; it must divide the query and KV head counts."""
+    distributed_executor_backend: str = "uni"
+    """Where the model runner runs (worker/executor.py): uni (in the engine's process) or mp (a spawned process,
+    driven over a pipe; the engine's process keeps the scheduler, detokenizing and the server). Tensor parallelism
+    always spawns its ranks."""
     tensor_parallel_gloo_only: bool = False
     """Tensor parallelism: send every all-reduce through gloo, not the shared-memory fast path between the ranks
     (for comparison; the fast path is the default)."""
@@ -156,6 +160,8 @@ class ModelConfig:
             raise ValueError(f"quantize_lm_head must be one of auto, none, int8, int4; got {self.quantize_lm_head!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.distributed_executor_backend not in ("uni", "mp"):
+            raise ValueError(f"distributed_executor_backend must be uni or mp, got {self.distributed_executor_backend!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 

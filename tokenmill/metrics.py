@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from tokenmill.engine.core import EngineStats
+    from tokenmill.engine.stats import EngineStats
     from tokenmill.outputs import RequestMetrics
 
 logger = logging.getLogger("tokenmill.metrics")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_manager import BlockCopy
-from tokenmill.core.scheduler import SamplerResult, Scheduler
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.step_io import SamplerResult, StepOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -34,7 +35,7 @@ def test_forks_share_prompt_blocks_then_copy_partial_block():
     assert [(s.request_id, s.fork_of, s.num_new_tokens, s.block_ids) for s in out.forked] == \
         [("p#1", "p#0", 0, [0, 1]), ("p#2", "p#0", 0, [0, 1])]
     sched.kv.pool.check_integrity({0: 3, 1: 3})
-    sched.update(out, fake_results(out))
+    sched.update(out, StepOutput(fake_results(out)))
     assert [r.output_token_ids for r in [leader, *forks]] == [[7], [8], [9]]
     assert all(r.num_computed_tokens == 6 for r in [leader, *forks])
     # decode: position 6 lies in shared block 1; the first two writers copy it, the last writes in place
@@ -52,10 +53,10 @@ def test_fork_waits_for_the_last_prompt_chunk():
     for expected in (4, 4):
         out = sched.schedule()
         assert out.scheduled[0].num_new_tokens == expected and not out.forked
-        sched.update(out, {})
+        sched.update(out, StepOutput({}))
     out = sched.schedule()
     assert [s.request_id for s in out.forked] == ["p#1"] and out.forked[0].block_ids == [0, 1, 2]
-    sched.update(out, fake_results(out))
+    sched.update(out, StepOutput(fake_results(out)))
     sched.check_integrity()
 
 
@@ -86,12 +87,12 @@ def test_preempted_fork_recomputes_and_keeps_its_tokens():
     fork = make_request("p#1", list(range(6)), max_tokens=6)
     sched.add_request(leader, forks=[fork])
     out = sched.schedule()
-    sched.update(out, fake_results(out))
+    sched.update(out, StepOutput(fake_results(out)))
     num_preempted = 0
     for _ in range(8):
         out = sched.schedule()
         num_preempted += len(out.preempted_ids)
-        sched.update(out, fake_results(out))
+        sched.update(out, StepOutput(fake_results(out)))
         sched.check_integrity()
         if not sched.has_unfinished():
             break

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.scheduler import SamplerResult, Scheduler, SchedulerOutput, StepTokens
+from tokenmill.core.scheduler import Scheduler, SchedulerOutput, TokenSplit
+from tokenmill.core.step_io import SamplerResult, StepOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -27,7 +28,7 @@ def make_request(rid: str, tokens: list[int], max_tokens: int = 8) -> Request:
 def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
     """schedule() + update() with `token` sampled for every request that reached its last token."""
     out = sched.schedule()
-    sched.update(out, {s.request_id: SamplerResult([token]) for s in out.scheduled if s.is_sampling})
+    sched.update(out, StepOutput({s.request_id: SamplerResult([token]) for s in out.scheduled if s.is_sampling}))
     sched.check_integrity()
     return out
 
@@ -46,11 +47,11 @@ def test_budget_left_by_running_decodes_goes_to_a_waiting_prompt_chunk():
     out = step(sched)
     assert summary(out) == [("a", 1, 3, [0]), ("b", 9, 0, [1, 2, 3])]
     assert out.num_tokens == 10
-    assert out.token_split() == StepTokens(num_decode=1, num_prefill=9, num_draft=0)
+    assert out.token_split() == TokenSplit(num_decode=1, num_prefill=9, num_draft=0)
     assert summary(step(sched)) == [("a", 1, 4, [0, 4]), ("b", 9, 9, [1, 2, 3, 5, 6])]
     out = step(sched)
     assert summary(out) == [("a", 1, 5, [0, 4]), ("b", 2, 18, [1, 2, 3, 5, 6])]
-    assert out.token_split() == StepTokens(num_decode=1, num_prefill=2, num_draft=0)  # b's last chunk
+    assert out.token_split() == TokenSplit(num_decode=1, num_prefill=2, num_draft=0)  # b's last chunk
     b = sched.requests["b"]                  # the last chunk reached b's last token: it was sampled
     assert (b.num_computed_tokens, b.output_token_ids) == (20, [7])
     assert out.num_tokens == 3 and not sched.waiting
@@ -134,11 +135,11 @@ def test_draft_tokens_are_cut_to_the_remaining_budget():
     out = sched.schedule()
     assert summary(out) == [("a", 3, 2, [0, 2]), ("b", 2, 2, [1])]
     assert [s.num_spec_tokens for s in out.scheduled] == [2, 1]
-    assert out.token_split() == StepTokens(num_decode=2, num_prefill=0, num_draft=3)
+    assert out.token_split() == TokenSplit(num_decode=2, num_prefill=0, num_draft=3)
     assert [s.token_ids for s in out.scheduled] == [[7, 110, 111], [7, 210]]
     assert b.spec_token_ids == [210] and [s.is_sampling for s in out.scheduled] == [True, True]
     # a accepts 1 of 2 drafts (+1 bonus); b rejects its draft: rejected slots are rolled back
-    sched.update(out, {"a": SamplerResult([110, 8]), "b": SamplerResult([9])})
+    sched.update(out, StepOutput({"a": SamplerResult([110, 8]), "b": SamplerResult([9])}))
     assert (a.num_computed_tokens, a.num_tokens, a.spec_token_ids) == (4, 5, [])
     assert (b.num_computed_tokens, b.num_tokens, b.spec_token_ids) == (3, 4, [])
 

@@ -6,7 +6,7 @@ import pytest
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_cost import StepCost, StepCostModel
-from tokenmill.core.step_io import SamplerResult
+from tokenmill.core.step_io import SamplerResult, StepOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -47,7 +47,7 @@ def run_decodes(s: Scheduler, n: int) -> None:
         s.add_request(Request(f"d{i}", [5, 6, 7], SamplingParams(max_tokens=100), None, 100))
     while s.waiting:
         out = s.schedule()
-        s.update(out, {r.request_id: SamplerResult([9]) for r in out.scheduled if r.is_sampling})
+        s.update(out, StepOutput({r.request_id: SamplerResult([9]) for r in out.scheduled if r.is_sampling}))
     assert len(s.running) == n
 
 
@@ -58,7 +58,7 @@ def test_a_prompt_beside_16_decodes_gets_the_modelled_chunk():
     out = s.schedule()
     chunks = {r.request_id: r.num_new_tokens for r in out.scheduled}
     assert chunks["long"] == 33 and sum(chunks.values()) == 16 + 33     # 32 prefill tokens + 1: 40 ms by the model
-    s.update(out, {})
+    s.update(out, StepOutput({}))
     out = s.schedule()                                                    # the rest keeps the same size
     assert {r.request_id: r.num_new_tokens for r in out.scheduled}["long"] == 33
 
@@ -162,14 +162,14 @@ def test_shorter_prompts_take_the_allowance_first_and_the_oldest_keeps_its_minim
     s.add_request(Request("A", list(range(10, 1011)), SamplingParams(max_tokens=4), None, 4))
     out = s.schedule()
     assert {r.request_id: r.num_new_tokens for r in out.scheduled}["A"] == 101  # alone: the whole allowance
-    s.update(out, {})
+    s.update(out, StepOutput({}))
     s.add_request(Request("B", [3] * 40, SamplingParams(max_tokens=4), None, 4))
     s.add_request(Request("C", [4] * 30, SamplingParams(max_tokens=4), None, 4))
     out = s.schedule()
     chunks = [(r.request_id, r.num_new_tokens) for r in out.scheduled if not r.request_id.startswith("d")]
     assert chunks == [("A", 33), ("C", 30), ("B", 40)]       # C admitted before B, which was queued first
     assert all(r.is_sampling for r in out.scheduled if r.request_id in "BC")
-    s.update(out, {r.request_id: SamplerResult([9]) for r in out.scheduled if r.is_sampling})
+    s.update(out, StepOutput({r.request_id: SamplerResult([9]) for r in out.scheduled if r.is_sampling}))
     out = s.schedule()                                       # B and C decode now; A has the allowance again
     assert {r.request_id: r.num_new_tokens for r in out.scheduled}["A"] == 1 + s.step_cost.cost.prefill_budget(6, 0.0621)
 
@@ -183,7 +183,7 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
         s.add_request(Request(f"s{step}", [5] * 120, SamplingParams(max_tokens=1), None, 1))  # more than fits
         out = s.schedule()
         a = s.requests["A"]
-        s.update(out, {r.request_id: SamplerResult([9]) for r in out.scheduled if r.is_sampling})
+        s.update(out, StepOutput({r.request_id: SamplerResult([9]) for r in out.scheduled if r.is_sampling}))
         for r in [r for r in s.running if r.request_id.startswith("s") and r.num_output_tokens]:
             s.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
         if a.num_output_tokens:
@@ -209,7 +209,7 @@ def test_each_prompt_chunk_is_priced_from_where_its_prompt_stands():
     assert (s.step_cost.cost.c, s.step_cost.cost.e) == pytest.approx((LAW_E.c, LAW_E.e), rel=1e-2)
     run_decodes(s, 4)
     s.add_request(Request("A", list(range(10, 2011)), SamplingParams(max_tokens=4), None, 4))
-    s.update(s.schedule(), {})                                   # A alone: it starts
+    s.update(s.schedule(), StepOutput())                                   # A alone: it starts
     s.add_request(Request("B", [7] * 900, SamplingParams(max_tokens=4), None, 4))
     b_chunks = []
     while s.requests["B"].num_output_tokens == 0:
@@ -222,6 +222,6 @@ def test_each_prompt_chunk_is_priced_from_where_its_prompt_stands():
         assert prompts["A"].num_new_tokens >= 16                   # the oldest keeps its minimum
         if "B" in prompts:
             b_chunks.append((prompts["B"].start_pos, prompts["B"].num_new_tokens))
-        s.update(out, {r.request_id: SamplerResult([9]) for r in out.scheduled if r.is_sampling})
+        s.update(out, StepOutput({r.request_id: SamplerResult([9]) for r in out.scheduled if r.is_sampling}))
     first, late = b_chunks[0], b_chunks[-2]
     assert late[0] > 600 and late[1] < first[1] / 2          # late chunks are smaller: each token reads more keys

@@ -91,6 +91,23 @@ def test_disaggregated_greedy_equals_colocated(tiny_llama, pair):
     idle_and_whole(prefill, decode)
 
 
+def test_a_speculative_decode_worker_equals_colocated(tiny_llama):
+    """Speculation lives in the decode worker's runner: its n-gram drafts are made and verified on the pulled K/V,
+    and the greedy tokens are the colocated plain engine's."""
+    hub = InProcessHub()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 1}
+    prefill = engine(tiny_llama, "prefill", hub.endpoint(1))
+    decode = engine(tiny_llama, "decode", hub.endpoint(2), speculative_config=spec)
+    ps = [[9] * 6, [1, 5, 6, 7, 8, 5, 6, 7] * 3, prompts(1, seed=3)[0]]   # the tiny model repeats itself on these
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got = prefill_then_decode(prefill, decode, ps, params)
+    assert got == colocated(tiny_llama, ps, params)
+    sd = decode.stats().spec_decode
+    assert sd["num_draft_tokens"] > 0 and sd["num_accepted_tokens"] > 0
+    assert decode.stats().kv_transfer["num_loads"] == 3
+    idle_and_whole(prefill, decode)
+
+
 def test_decode_side_prefix_hit_pulls_only_missing_blocks(tiny_llama, pair):
     prefill, decode = pair
     shared = prompts(1, seed=1, lo=20, hi=21)[0]       # 20 tokens: 5 full blocks

@@ -6,7 +6,7 @@ import time
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.step_io import SamplerResult
+from tokenmill.core.step_io import SamplerResult, StepOutput
 from tokenmill.distributed.kv_connector import (ConnectorEvents, HoldForDecode, KVConnectorScheduler, LoadPlan,
                                                 PullFromPrefill)
 from tokenmill.request import Request, RequestStatus
@@ -63,7 +63,7 @@ def test_prefill_side_holds_then_releases_or_expires():
     r = req("p", 9, HoldForDecode(), max_tokens=1)
     s.add_request(r)
     out = s.schedule()
-    s.update(out, {"p": SamplerResult([5])})
+    s.update(out, StepOutput({"p": SamplerResult([5])}))
     assert r.is_finished and s.kv.held == {"p": s.kv.held["p"]} and len(s.kv.held["p"]) == 3
     assert s.connector.has_pending_work
     s.check_integrity()

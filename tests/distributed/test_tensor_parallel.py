@@ -10,6 +10,7 @@ from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.tensor_parallel import check_tensor_parallel
 from tokenmill.engine.core import EngineCore
+from tokenmill.worker.tp_executor import TPExecutor
 from tests.distributed.test_disaggregation import drain, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -22,7 +23,7 @@ def run(path, ps, tp, params=GREEDY, **kw):
             e.add_request(f"r{i}", p, params)
         out = {k: o.outputs[0].token_ids for k, o in drain(e).items()}
         e.check_integrity()
-        g = e.tp_executor.group if e.tp_executor else None
+        g = e.executor.group if isinstance(e.executor, TPExecutor) else None
         reduces = (g.num_all_reduces, g.num_shm_all_reduces) if g else (0, 0)
         return out, reduces, e.stats()
     finally:
@@ -50,6 +51,68 @@ def test_tp3_equals_tp1_on_the_default_model(real_model_path):
     want, _, _ = run(real_model_path, ps, 1, max_model_len=256)
     got, (reduces, shm), _ = run(real_model_path, ps, 3, max_model_len=256)
     assert got == want and reduces == shm > 0
+
+
+def test_tp2_with_ngram_speculation_equals_tp1_without(tiny_llama):
+    """Rank 0's runner drafts and verifies; rank 1 follows the broadcast steps, drafts included."""
+    ps = [[9] * 6, [1, 5, 6, 7, 8, 5, 6, 7] * 3] + prompts(2, seed=5, lo=20, hi=30)  # the first two repeat
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(block_size=4, num_gpu_blocks_override=40, max_num_batched_tokens=32)
+    want, _, _ = run(tiny_llama, ps, 1, params, **kw)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 1}
+    got, (reduces, _), stats = run(tiny_llama, ps, 2, params, speculative_config=spec, **kw)
+    assert got == want and reduces > 0
+    assert stats.spec_decode["num_draft_tokens"] > 0 and stats.spec_decode["num_accepted_tokens"] > 0
+
+
+def test_tp_refuses_speculation_it_cannot_split(tiny_llama):
+    with pytest.raises(ValueError, match="n-gram chains"):
+        EngineCore(EngineConfig.from_kwargs(model=str(tiny_llama), tensor_parallel_size=2, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 3, "tree": {"max_nodes": 6, "max_width": 2}}))
+
+
+def test_a_rank_that_dies_while_starting_is_reported_at_once(tiny_llama, tmp_path):
+    """A rank that exits before the group forms (here: its model file is gone) fails the start within seconds,
+    with its exit code, its stderr and the main-guard hint, not after the store's 300 s timeout."""
+    import shutil
+    import time
+    from tokenmill.worker.process import WorkerDiedError
+    from tokenmill.worker.tp_executor import TPExecutor
+    from tokenmill.worker.executor import RunnerOptions, load_target, plan_kv_cache
+    from tokenmill.config import ModelConfig
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_llama, copy)
+    cfg = EngineConfig.from_kwargs(model=str(copy), dtype="float32", tensor_parallel_size=2, block_size=4,
+                                   num_gpu_blocks_override=8)
+    loaded = load_target(cfg.model, load_tokenizer=False)
+    opts = RunnerOptions.from_config(cfg, plan_kv_cache(loaded.config, cfg, 64, 1 << 30), 64)
+    shutil.rmtree(copy)   # rank 1 loads it after spawn: it fails and exits
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"(?s)rank 1 .*exited with code 1 while starting.*model.*__main__"):
+        TPExecutor(loaded.model, opts, timeout_s=300)
+    assert time.monotonic() - t0 < 60
+    assert isinstance(ModelConfig(), ModelConfig)
+
+
+def test_a_rank_killed_between_steps_fails_the_next_step(tiny_llama):
+    import os
+    import signal
+    import time
+    from tokenmill.worker.process import WorkerDiedError
+    e = EngineCore(EngineConfig.from_kwargs(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2))
+    try:
+        e.add_request("a", [1, 2, 3, 4], GREEDY)
+        e.step()
+        rank1 = e.executor.workers[0].proc
+        os.kill(rank1.pid, signal.SIGKILL)
+        rank1.join(5)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 1 .*code -9 during a step"):
+            for _ in range(3):
+                e.step()
+        assert time.monotonic() - t0 < 5
+    finally:
+        e.close()
 
 
 def test_a_size_that_does_not_divide_is_refused(tiny_llama):

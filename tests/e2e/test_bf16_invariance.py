@@ -93,5 +93,5 @@ def test_tree_speculation_vs_plain(reference, tmp_path, source):
     assert [o.outputs[0].token_ids for o in outs] == batched[:8]
     assert llm.stats().spec_decode["num_accepted_tokens"] > 0
     if source == "datastore":
-        assert llm.engine.runner.num_paths_compacted > 0
+        assert llm.engine.executor.runner.num_paths_compacted > 0
     llm.check_integrity()

@@ -168,4 +168,4 @@ def test_qwen3_and_llama3_checkpoints_match_hf(request, arch_fixture):
         assert ours.config.rope_scaling["rope_type"] == "llama3" and ours.config.rope_theta == 500000.0
     llm = assert_matches_hf(ours, hf, path, PROMPTS, 64, arch_fixture)
     if arch_fixture == "tiny_qwen3":  # no C++ loop for QK-norm layers: declared, so none is built
-        assert llm.engine.runner.decode_loop is None
+        assert llm.engine.executor.runner.decode_loop is None

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tokenmill.bench.serve import metric_values  # noqa: F401 - the server tests import it from here
-from tokenmill.engine.core import EngineStats
+from tokenmill.engine.stats import EngineStats
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO.parent / "shared" / "data"

@@ -6,7 +6,7 @@ from dataclasses import fields
 from prometheus_client import generate_latest
 
 from tests.server.conftest import engine_stats as Stats
-from tokenmill.engine.core import EngineStats
+from tokenmill.engine.stats import EngineStats
 from tokenmill.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, EngineMetrics, StatLogger
 from tokenmill.outputs import RequestMetrics
 

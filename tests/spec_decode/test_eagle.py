@@ -145,7 +145,7 @@ def test_runner_hands_the_true_features(tiny_llama, trained_head):
     path, *_ = trained_head
     cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     seen: list[tuple[list[int], int, torch.Tensor]] = []
     write = runner.feature_sink
 
@@ -194,7 +194,7 @@ def test_drafts_are_the_heads_teacher_forced_predictions(tiny_llama, trained_hea
     path, head, *_ = trained_head
     cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 1, "adaptive": False}
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
-    prop = llm.engine.spec.proposer
+    prop = llm.engine.executor.runner.speculator.proposer
     inner, log = prop.propose, []
 
     def spy(reqs, ks):
@@ -303,7 +303,7 @@ def test_dynamic_tree_nodes_are_the_heads_top_guesses(tiny_llama, trained_head):
     for name, cfg in (("chain", base), ("tree", {**base, "tree": {"max_nodes": 3, "max_width": 1}})):
         llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
         seen = []
-        prop = llm.engine.spec.proposer
+        prop = llm.engine.executor.runner.speculator.proposer
         inner = prop.propose
 
         def spy(reqs, ks, inner=inner, seen=seen):

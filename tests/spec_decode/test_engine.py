@@ -171,7 +171,7 @@ def test_tree_branches_past_the_first_child(tiny_llama, greedy_reference, tmp_pa
            "tree": {"max_nodes": 8, "max_width": 2}}
     llm = LLM(str(tiny_llama), speculative_config=cfg, **TIGHT)
     assert run(llm, PROMPTS, params) == ref
-    assert llm.engine.runner.num_paths_compacted > 0
+    assert llm.engine.executor.runner.num_paths_compacted > 0
     assert llm.stats().spec_decode["num_accepted_tokens"] > 0
 
 

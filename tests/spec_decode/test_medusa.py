@@ -62,15 +62,15 @@ def test_proposer_drafts_the_heads_top_guesses(tiny_llama, trained_medusa):
     cfg = {"method": "medusa", "model": str(path), "num_speculative_tokens": 3, "adaptive": False,
            "tree": {"max_nodes": 6, "max_width": 2}}
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
-    prop = llm.engine.spec.proposer
+    prop = llm.engine.executor.runner.speculator.proposer
     prompt = PROMPTS[2]
     from tokenmill.core.step_io import StepTokens
-    from tokenmill.request import Request
+    from tokenmill.spec_decode.proposer import DraftRequest
     with torch.no_grad():
         f = _target(tiny_llama)(torch.tensor(prompt), torch.arange(len(prompt)))
         top = heads.draft_vocab[heads(f[-1:]).topk(2, dim=-1).indices][:, 0]              # [K, 2]
     prop.write([StepTokens("x", 0, prompt, [0])], f)             # the runner's hook after the prompt's prefill
-    req = Request("x", prompt + [7], SamplingParams(temperature=0, max_tokens=8), None, 8)
+    req = DraftRequest("x", prompt, prompt + [7], [0], SamplingParams(temperature=0, max_tokens=8), None, 8)
     proposal = prop.propose([req], [6])
     for tok, par, path_ in zip(proposal.token_ids[0], proposal.parents[0], prop.paths):
         assert tok == int(top[len(path_) - 1, path_[-1]])
@@ -159,7 +159,7 @@ def test_heads_with_a_datastore_grow_one_tree(tiny_llama, trained_medusa, greedy
     cfg = {"method": "medusa", "model": str(path), "num_speculative_tokens": 3, "adaptive": False,
            "datastore": str(tmp_path / "ds.npz"), "datastore_min_share": 0.0, "tree": {"max_nodes": 8}}
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT)
-    assert llm.engine.spec.proposer.lookup is not None
+    assert llm.engine.executor.runner.speculator.proposer.lookup is not None
     assert run(llm, PROMPTS, params) == ref
     spec = llm.stats().spec_decode
     assert spec["num_accepted_tokens"] > 0 and spec["mean_draft_size"] > 3

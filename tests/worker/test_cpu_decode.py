@@ -18,7 +18,7 @@ PROMPTS = [[5, 9, 200, 31, 7], [1, 2, 3], list(range(40, 75))]
 
 def generate_both_ways(llm: LLM, prompts=PROMPTS, n: int = 24) -> tuple[list[list[int]], list[list[int]]]:
     """Greedy tokens with the loop, then with the module path only (the runner's loop switched off)."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     loop = runner.decode_loop
     assert loop is not None
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -37,10 +37,10 @@ def generate_both_ways(llm: LLM, prompts=PROMPTS, n: int = 24) -> tuple[list[lis
 def test_loop_matches_module_path(tiny_llama, dtype):
     llm = LLM(model=str(tiny_llama), dtype=dtype, max_model_len=256, num_gpu_blocks_override=64,
               enable_prefix_caching=False)
-    assert llm.engine.runner.decode_loop.max_rows == ANY_ROWS  # dense kernels: any step size
+    assert llm.engine.executor.runner.decode_loop.max_rows == ANY_ROWS  # dense kernels: any step size
     fast, slow = generate_both_ways(llm)
     assert fast == slow
-    assert llm.engine.runner.decode_loop.max_tokens_served >= len(PROMPTS)  # batched decodes, not one at a time
+    assert llm.engine.executor.runner.decode_loop.max_tokens_served >= len(PROMPTS)  # batched decodes, not one at a time
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -59,7 +59,7 @@ def test_loop_serves_a_batch_of_twenty(tiny_llama):
     prompts = [[3 + i, 17, 40 + i] for i in range(20)]
     fast, slow = generate_both_ways(llm, prompts, n=8)
     assert fast == slow
-    assert llm.engine.runner.decode_loop.max_tokens_served >= 20
+    assert llm.engine.executor.runner.decode_loop.max_tokens_served >= 20
 
 
 LONG_PROMPTS = [list(range(10, 100)), list(range(200, 240)), [5, 6, 7]]
@@ -73,7 +73,7 @@ def test_loop_serves_prompt_chunks_where_prompts_are_attended_per_token(tiny_lla
               enable_prefix_caching=False, batch_invariant=True, max_num_batched_tokens=48)
     fast, slow = generate_both_ways(llm, LONG_PROMPTS, n=16)
     assert fast == slow
-    assert llm.engine.runner.decode_loop.max_tokens_served > MAX_TOKENS_AS_DECODES
+    assert llm.engine.executor.runner.decode_loop.max_tokens_served > MAX_TOKENS_AS_DECODES
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_loop_serves_tiled_prompt_chunks(tiny_llama_d64, each_isa):
     the module path's tokens. Where the tiled kernel does not serve (no AVX512-BF16), they go to the module path."""
     llm = LLM(model=str(tiny_llama_d64), dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=64,
               enable_prefix_caching=False, batch_invariant=False, max_num_batched_tokens=48)
-    loop = llm.engine.runner.decode_loop
+    loop = llm.engine.executor.runner.decode_loop
     fast, slow = generate_both_ways(llm, LONG_PROMPTS, n=16)
     assert fast == slow
     if native.has_avx512_bf16():
@@ -112,7 +112,7 @@ def test_loop_matches_module_path_quantized(tiny_llama, tmp_path, bits, group_si
               enable_prefix_caching=False, quantize_lm_head="none")
     model = llm.engine.model
     if kind is KernelKind.INT8 and not native.has_avx512_bf16():   # the int8 kernel is AVX512-BF16 code
-        assert llm.engine.runner.decode_loop is None
+        assert llm.engine.executor.runner.decode_loop is None
         pytest.skip("the int8 C++ decode loop needs AVX512-BF16 (docs/native_kernels.md)")
     kinds = {lin.kernel().kind for layer in model.decoder_layout().layers
              for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)}
@@ -127,8 +127,8 @@ def test_loop_matches_module_path_quantized(tiny_llama, tmp_path, bits, group_si
 def test_loop_serves_biases_and_declines_int8_kv(tiny_qwen2, tiny_llama):
     """Qwen2's q/k/v biases go through the dense rule in both forwards; an int8 KV cache runs the module path."""
     llm = LLM(model=str(tiny_qwen2), dtype="bfloat16", max_model_len=128, num_gpu_blocks_override=32)
-    assert llm.engine.runner.decode_loop is not None
+    assert llm.engine.executor.runner.decode_loop is not None
     fast, slow = generate_both_ways(llm, [[5, 6, 7, 8]], n=12)
     assert fast == slow
     llm = LLM(model=str(tiny_llama), max_model_len=128, num_gpu_blocks_override=32, kv_cache_dtype="int8")
-    assert llm.engine.runner.decode_loop is None
+    assert llm.engine.executor.runner.decode_loop is None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from tokenmill.config import CacheConfig, KVCacheGroup, SchedulerConfig
 from tokenmill.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from tokenmill.core.step_cost import StepCostModel, chunk_kilo_keys
-from tokenmill.core.step_io import BlockCopy, NewRequestData, SamplerResult, ScheduledChunk, StepInput
+from tokenmill.core.step_io import BlockCopy, NewRequestData, ScheduledChunk, StepInput, StepOutput
 from tokenmill.distributed.kv_connector import (ConnectorEvents, ConnectorStep, HoldForDecode, KVConnectorScheduler,
                                                 KVLoad, PullFromPrefill)
 from tokenmill.request import Request, RequestStatus
@@ -55,7 +55,7 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
-class StepTokens:
+class TokenSplit:
     """A step's token budget, split by what the tokens are for."""
 
     num_decode: int
@@ -91,9 +91,9 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    def token_split(self) -> StepTokens:
+    def token_split(self) -> TokenSplit:
         """E.g. two decodes with 3 drafts each, a 40-token chunk mid-prompt and the last 7 of another prompt:
-        StepTokens(num_decode=2, num_prefill=47, num_draft=6)."""
+        TokenSplit(num_decode=2, num_prefill=47, num_draft=6)."""
         decode = prefill = draft = 0
         for s in self.scheduled:
             real = s.num_new_tokens - s.num_spec_tokens
@@ -102,7 +102,7 @@ class SchedulerOutput:
                 decode += 1
             else:
                 prefill += real
-        return StepTokens(decode, prefill, draft)
+        return TokenSplit(decode, prefill, draft)
 
 
 @dataclass(frozen=True)
@@ -523,7 +523,8 @@ class Scheduler:
             replace = False
             if view is None or req.num_tokens < view.num_tokens:  # (beam search takes tokens back: a new row)
                 new.append(NewRequestData(rid, list(req.prompt_token_ids), list(req.output_token_ids),
-                                          req.sampling_params, req.eos_token_id, list(tables[0]), tables[1:]))
+                                          req.sampling_params, req.eos_token_id, list(tables[0]), tables[1:],
+                                          req.max_tokens))
                 views[rid] = _RunnerView(req.num_tokens, [len(t) for t in tables])
             else:
                 new_tokens = req.all_token_ids[view.num_tokens:]
@@ -549,11 +550,13 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ update
-    def update(self, sched: SchedulerOutput, results: dict[str, SamplerResult]) -> list[Request]:
+    def update(self, sched: SchedulerOutput, output: StepOutput) -> list[Request]:
         """Advance progress counters, append accepted tokens, roll back rejected drafts, apply
-        token-level stop conditions. Returns requests that received new tokens."""
+        token-level stop conditions, store the runner's drafts for the next step on requests that go on.
+        Returns requests that received new tokens."""
         changed: list[Request] = []
         now = time.time()
+        results = output.results
         for s in sched.scheduled + sched.forked:
             req = s.request
             if req.is_finished:
@@ -577,6 +580,9 @@ class Scheduler:
                     # Tokens after a stop are discarded; their K/V beyond num_tokens is garbage.
                     req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
                     break
+            drafts = output.drafts.get(req.request_id)
+            if drafts is not None and not req.is_finished:  # its next step is a decode: 1 + k tokens
+                req.set_drafts(drafts.token_ids, drafts.parents)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now

@@ -43,6 +43,9 @@ class NewRequestData:
     """The block table of KV-cache group 0 (of every layer, for a model with one group)."""
     group_block_ids: list[list[int]] = field(default_factory=list)
     """The tables of groups 1.. (models with sliding-window layers: core/kv_cache_manager.py)."""
+    max_tokens: int = 1 << 30
+    """Outputs the request may have in all (its own max_tokens, or what max_model_len leaves): the runner's
+    proposer never drafts past it."""
 
 
 @dataclass(slots=True)
@@ -140,6 +143,28 @@ class SamplerResult:
     accepted_nodes: list[int] | None = None
     """A verified token tree: the accepted nodes, root to deepest (their K/V are then moved into consecutive
     slots by the runner). None for chains and plain sampling."""
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """Draft tokens a runner proposes for a request's next step (speculative decoding, spec_decode/)."""
+
+    token_ids: list[int]
+    parents: list[int] | None = None
+    """A token tree: draft i's parent draft (-1: the request's last token), parents first; None: a chain."""
+
+
+@dataclass
+class StepOutput:
+    """What a runner returns for one step (worker/executor.py's `Executor.execute`)."""
+
+    results: dict[str, SamplerResult] = field(default_factory=dict)
+    """request id -> what it sampled (requests that sampled this step)."""
+    drafts: dict[str, Drafts] = field(default_factory=dict)
+    """request id -> drafts for its next step, from the runner's proposer; the scheduler stores them on the
+    request (unless it finished) and schedules them under the one rule."""
+    spec_metrics: dict[str, float] | None = None
+    """The runner's speculative-decoding counters so far (cumulative), or None without speculation."""
 
 
 class SamplingRow(Protocol):

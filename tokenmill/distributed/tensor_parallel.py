@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from typing import Callable
 
 import torch
 from torch import nn
@@ -62,11 +63,15 @@ class SharedMemoryAllReduce:
     Waiting spins with sched_yield, so ranks sharing a core hand it over. Relies on x86's ordering of stores
     (the data is visible before the flag that announces it)."""
 
-    def __init__(self, data: torch.Tensor, flags: torch.Tensor, rank: int) -> None:
+    def __init__(self, data: torch.Tensor, flags: torch.Tensor, rank: int,
+                 check_peers: Callable[[], None] | None = None) -> None:
+        """check_peers: called every few thousand spins of a wait; raises when a peer process has died (rank 0
+        passes it, so a rank that dies inside a step does not leave it spinning forever)."""
         self.data = data    # [2, size, max_elems] float32, shared
         self.flags = flags  # [2, size] int64, shared: row 0 written generation, row 1 read generation
         self.rank = rank
         self.generation = 0
+        self.check_peers = check_peers
 
     @staticmethod
     def create(size: int, max_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +84,12 @@ class SharedMemoryAllReduce:
 
     def _wait(self, row: int, generation: int) -> None:
         flags = self.flags[row]
+        spins = 0
         while bool((flags < generation).any()):
             os.sched_yield()
+            spins += 1
+            if self.check_peers is not None and spins % 4096 == 0:
+                self.check_peers()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel()

@@ -34,7 +34,7 @@ from tokenmill.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.distributed.kv_connector import KVTransferRequest
-    from tokenmill.engine.core import EngineStats
+    from tokenmill.engine.stats import EngineStats
     from tokenmill.metrics import EngineMetrics
     from tokenmill.tokenizer import Tokenizer
 

@@ -1,10 +1,12 @@
-"""The engine core: owns the scheduler and the model runner and runs one step at a time.
+"""The engine core: owns the scheduler, an executor (worker/executor.py) and the output processor, and runs one
+step at a time:
 
-    step(): scheduler.schedule() -> runner.execute(sched.step) -> scheduler.update(results)
-            -> detokenize, stop strings -> RequestOutputs
+    step(): scheduler.schedule() -> executor.execute(sched.step) -> scheduler.update(output)
+            -> output_processor.process(changed): detokenize, stop strings -> RequestOutputs
 
-A request asking for n samples becomes n child requests ("<id>#<i>"); child i of a seeded
-request uses seed + i, so it equals a separate request with that seed.
+Speculation lives in the runner behind the executor: drafts come back in the StepOutput and the scheduler stores
+them on their requests. A request asking for n samples becomes n child requests ("<id>#<i>"); child i of a
+seeded request uses seed + i, so it equals a separate request with that seed.
 """
 from __future__ import annotations
 
@@ -13,164 +15,27 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.attention.backend import TorchPagedAttention
-
-from tokenmill.config import EngineConfig, ModelArchConfig, plan_kv_groups
-from tokenmill.core.kv_cache_manager import BlockMap
-from tokenmill.core.scheduler import Scheduler, StepTokens
+from tokenmill.config import EngineConfig, ModelArchConfig
+from tokenmill.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.distributed.kv_connector import HoldForDecode, KVConnectorScheduler, KVTransferRequest, PullFromPrefill
-
-if TYPE_CHECKING:
-    from tokenmill.distributed.kv_transfer import KVTransport
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.output_processor import Emitted, OutputProcessor, ParentRequest
+from tokenmill.engine.stats import STEP_LOG_LEN, EngineSnapshot, EngineStats, RequestView, StepRecord
 from tokenmill.errors import InvalidRequest
-from tokenmill.models.loader import load_model
-from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured.manager import StructuredOutputManager
-from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
+from tokenmill.worker.executor import RunnerOptions, available_memory_bytes, build_executor, load_target, plan_kv_cache
+
+if TYPE_CHECKING:
+    from tokenmill.distributed.kv_transfer import KVTransport
 
 logger = logging.getLogger("tokenmill")
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    """Fraction of blocks referenced by requests (cached-but-free blocks count as free)."""
-    num_blocks_total: int
-    num_blocks_free: int
-    """Allocatable blocks (never used, evicted, or cached but unreferenced); used + free = total."""
-    num_blocks_cached_free: int
-    """Free blocks that still serve prefix-cache hits until evicted."""
-    block_size: int
-    kv_bytes_per_token: float
-    """KV-cache bytes one token occupies in all layers (int8: values + packed scales)."""
-    num_allocated_slots: int
-    """Slots in blocks held by requests; a shared block counts once."""
-    num_filled_slots: int
-    """Distinct slots holding a computed token; allocated - filled = slots not holding a token."""
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    spec_decode: dict[str, float] = field(default_factory=dict)
-    num_blocks_used: int = 0
-    """Blocks referenced by at least one request."""
-    num_blocks_shared: int = 0
-    """Used blocks held by more than one request (prefix hits, n > 1 samples, beams)."""
-    num_blocks_used_by_kind: dict[str, int] = field(default_factory=dict)
-    """Used blocks per kind of KV-cache group: "global", "window W" (sliding-window models)."""
-    num_blocks_slid_out: int = 0
-    """Blocks windowed groups returned to the pool because no later query could see them."""
-    num_unfilled_slots: int = 0
-    """Allocated slots not holding a token (internal fragmentation)."""
-    kv_pool_tokens: int = 0
-    """Pool size in tokens: num_blocks_total * block_size."""
-    kv_pool_bytes: int = 0
-    kv_cache_dtype: str = ""
-    kv_transfer: dict[str, float] = field(default_factory=dict)
-    """Disaggregation counters (distributed/kv_connector.ConnectorStats), empty for a colocated engine."""
-    num_steps: int = 0
-    """Engine steps that ran the model."""
-    step_seconds: float = 0.0
-    """Wall seconds inside those steps (scheduling, the forward, sampling, detokenizing, outputs)."""
-    forward_seconds: float = 0.0
-    """Of step_seconds, the model runner's part (inputs, the forward, the LM head, sampling)."""
-    num_grammar_masks: int = 0
-    """Structured outputs: allowed-token masks computed (one per sampled position under a grammar, drafts too)."""
-    num_grammar_violations: int = 0
-    """Tokens kept that their grammar did not allow: 0 unless a mask failed to apply (a bug)."""
-
-
-STEP_LOG_LEN = 512
-"""Steps EngineCore.recent_steps remembers (the dashboard reads them a few times a second)."""
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One step that ran the model, as the dashboard's step chart draws it."""
-
-    index: int
-    """EngineStats.num_steps after this step (1 for the first)."""
-    time: float
-    """Wall clock (time.time()) when its forward ended."""
-    tokens: StepTokens
-    num_running: int
-    num_waiting: int
-    num_preempted: int
-    """Requests preempted while scheduling this step."""
-    forward_ms: float
-
-
-@dataclass(frozen=True)
-class RequestView:
-    """A request in the scheduler, for a person looking at the engine."""
-
-    request_id: str
-    status: str
-    """RequestStatus name: WAITING, RUNNING, PREEMPTED, WAITING_FOR_REMOTE_KV."""
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_computed_tokens: int
-    num_cached_tokens: int
-    """Prompt tokens found in the prefix cache when it was admitted."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Everything the dashboard draws, taken between two steps so the parts agree."""
-
-    stats: EngineStats
-    blocks: BlockMap
-    steps: list[StepRecord]
-    """Remembered steps with index > the caller's since_step, oldest first."""
-    requests: list[RequestView]
-    max_num_batched_tokens: int
-    max_num_seqs: int
-
-
-@dataclass
-class _Emitted:
-    """What one sample's outputs have carried so far (for delta outputs)."""
-
-    num_tokens: int = 0
-    num_chars: int = 0
-    cumulative_logprob: float = 0.0
-    finished: bool = False
-
-
-@dataclass
-class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    detoks: list[IncrementalDetokenizer]
-    arrival_time: float
-    emitted: list[_Emitted] = field(default_factory=list)
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
 
 
 class EngineCore:
@@ -183,9 +48,9 @@ class EngineCore:
         torch.manual_seed(mc.seed)
         if os.environ.get("TOKENMILL_NUM_THREADS"):
             torch.set_num_threads(int(os.environ["TOKENMILL_NUM_THREADS"]))
+        self._check_layout(config)
         t0 = time.time()
-        loaded = load_model(mc.model, dtype=mc.torch_dtype, device=mc.device, quantize_lm_head=mc.quantize_lm_head,
-                            backend=TorchPagedAttention(tiled_prefill=not mc.attends_prompts_per_token))
+        loaded = load_target(mc)
         if mc.batch_invariant and mc.bf16_linears_vary_with_batch:
             logger.warning("batch_invariant: prompts are attended per token, but this CPU's bf16 linears are not "
                            "batch-invariant, so outputs still depend on batching")
@@ -199,73 +64,39 @@ class EngineCore:
         if mc.max_model_len and mc.max_model_len > self.arch.max_position_embeddings:
             raise ValueError(f"max_model_len {mc.max_model_len} exceeds the model's context length "
                              f"{self.arch.max_position_embeddings}")
-        tp = mc.tensor_parallel_size
-        if tp > 1:
+        if mc.tensor_parallel_size > 1:
             from tokenmill.distributed.tensor_parallel import check_tensor_parallel
-            check_tensor_parallel(self.arch, tp)
-            if config.speculative is not None or config.kv_transfer is not None or self.device.type != "cpu":
-                raise ValueError("tensor_parallel_size > 1 runs on CPU without speculative decoding or KV transfer here")
-        cc = config.cache
-        kv_dtype = torch.int8 if cc.kv_cache_dtype == "int8" else mc.torch_dtype
-        groups = plan_kv_groups(self.arch.layer_windows())
-        if len(groups) > 1 and (tp > 1 or config.kv_transfer is not None):
+            check_tensor_parallel(self.arch, mc.tensor_parallel_size)
+        self.kv_spec = plan_kv_cache(self.arch, config, self.max_model_len, available_memory_bytes(self.device))
+        groups = list(self.kv_spec.groups)
+        if groups and (mc.tensor_parallel_size > 1 or config.kv_transfer is not None):
             raise ValueError("models with sliding-window layers (several KV-cache groups) run without tensor "
                              "parallelism or KV transfer here")
-        # A block holds one group's layers (all of them for a one-group model).
-        spec = KVCacheSpec(0, cc.block_size, len(groups[0].layers), self.arch.num_key_value_heads // tp,
-                           self.arch.head_dim, kv_dtype, tuple(groups) if len(groups) > 1 else ())
-        if cc.num_gpu_blocks_override is not None:
-            num_blocks = cc.num_gpu_blocks_override
-        else:
-            budget = cc.kv_cache_memory_bytes or int(available_memory_bytes(self.device) * cc.kv_cache_memory_fraction)
-            num_blocks = budget // spec.bytes_per_block
-            # No point holding more than max_num_seqs full-length sequences (in every group).
-            useful = config.scheduler.max_num_seqs * -(-self.max_model_len // cc.block_size)
-            num_blocks = min(num_blocks, useful * len(groups))
-        if num_blocks < 1:
-            raise ValueError("the KV-cache budget holds no block; raise kv_cache_memory_bytes")
-        self.kv_spec = dataclasses.replace(spec, num_blocks=num_blocks)
         kvt = config.kv_transfer
         self.kv_connector = KVConnectorScheduler(kvt.kv_role, kvt.hold_timeout_s) if kvt is not None else None
-        self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len, self.kv_connector,
-                                   groups if len(groups) > 1 else None)
-        self.spec = None
-        if config.speculative is not None:  # lazy import: engines without speculation never load it
-            from tokenmill.spec_decode.decoder import SpeculativeDecoder
-            from tokenmill.spec_decode.proposer import ProposerContext
-            ctx = ProposerContext(self.model, self.arch, mc.model, mc.torch_dtype, self.device, self.kv_spec,
-                                  self.scheduler.kv.get_block_ids, config.scheduler.max_num_seqs, self.max_model_len,
-                                  mc.seed)
-            self.spec = SpeculativeDecoder(config.speculative, ctx)
-        self.tp_executor = None
-        """The other ranks' processes when the model is split (tensor_parallel_size > 1)."""
-        if tp > 1:  # rank 0 of a model split over tp processes; the others are spawned by the executor
-            from tokenmill.worker.tp_executor import TPExecutor
-            self.runner = self.tp_executor = TPExecutor(
-                self.model, mc.model, mc.torch_dtype, self.kv_spec, mc.seed, tp, cc.kv_cache_dtype,
-                torch.get_num_threads(), max_num_tokens=None if mc.tensor_parallel_gloo_only
-                else config.scheduler.max_num_batched_tokens)
-        else:
-            self.runner = ModelRunner(self.model, self.arch, self.kv_spec, self.device, seed=mc.seed,
-                                      verifier=self.spec.verify if self.spec else None,
-                                      feature_sink=self.spec.proposer.feature_sink if self.spec else None,
-                                      prompts_per_token=mc.attends_prompts_per_token)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_spec.num_blocks, self.max_model_len,
+                                   self.kv_connector, groups or None)
+        self.executor = build_executor(config, loaded, RunnerOptions.from_config(config, self.kv_spec,
+                                                                                 self.max_model_len))
+        self.spec_metrics: dict[str, float] = {}
+        """The runner's speculative-decoding counters as of the last step (empty without speculation)."""
         self.kv_worker = None
         if kvt is not None:  # lazy import: colocated engines never load torch.distributed
             from tokenmill.distributed.kv_transfer import GlooTransport, KVConnectorWorker
+            caches = self.executor.local_kv_caches()
+            if caches is None:
+                raise ValueError("KV transfer needs the KV cache in the engine's process "
+                                 "(distributed_executor_backend uni, tensor_parallel_size 1)")
             if kv_transport is None:
                 kv_transport = GlooTransport(kvt.kv_host, kvt.kv_port, serve=kvt.serves_kv,
                                              timeout_s=kvt.transfer_timeout_s)
-            self.kv_worker = KVConnectorWorker(self.runner.kv_caches, kv_transport, self.kv_connector.stats,
-                                               kvt.transfer_timeout_s)
+            self.kv_worker = KVConnectorWorker(caches, kv_transport, self.kv_connector.stats, kvt.transfer_timeout_s)
             if kv_transport.address is not None:
                 logger.info("KV endpoint (role %s) at %s:%d", kvt.kv_role, *kv_transport.address)
-        self.parents: dict[str, _Parent] = {}
-        self.child_to_parent: dict[str, str] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self.sequences: dict[str, Request] = {}
         """Raw sequences (beam search): scheduled like requests, never detokenized or emitted."""
         self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
         self.num_steps = 0
         self.step_seconds = 0.0
         self.forward_seconds = 0.0
@@ -275,15 +106,31 @@ class EngineCore:
                                                   [self.eos_token_id] if self.eos_token_id is not None else []) \
             if self.tokenizer is not None else None
         """Grammar matchers of requests with structured_outputs (tokenmill.structured); None without a tokenizer."""
+        nb = self.kv_spec.num_blocks
         logger.info("loaded %s in %.1fs: %d KV blocks of %d tokens (%.1f MiB)", loaded.path.name, time.time() - t0,
-                    num_blocks, cc.block_size, num_blocks * self.kv_spec.bytes_per_block / 2**20)
+                    nb, self.kv_spec.block_size, nb * self.kv_spec.bytes_per_block / 2**20)
+
+    @staticmethod
+    def _check_layout(config: EngineConfig) -> None:
+        """What the executors cannot combine, refused before anything is started."""
+        mc = config.model
+        tp = mc.tensor_parallel_size
+        if tp > 1 and mc.device != "cpu":
+            raise ValueError("tensor_parallel_size > 1 runs on CPU here")
+        if tp > 1 and config.kv_transfer is not None:
+            raise ValueError("tensor_parallel_size > 1 runs without KV transfer here")
+        spec = config.speculative
+        if tp > 1 and spec is not None and (spec.method != "ngram" or spec.tree is not None):
+            raise ValueError("with tensor_parallel_size > 1, speculative decoding takes n-gram chains (method "
+                             "ngram, no tree): the other methods run the target's shards on rank 0 alone, and a "
+                             "verified tree's accepted path is moved in rank 0's KV cache only")
 
     # ------------------------------------------------------------------ intake
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None, kv_transfer: KVTransferRequest | None = None) -> None:
         """kv_transfer (disaggregation): HoldForDecode on a prefill worker, PullFromPrefill on a decode worker."""
-        if request_id in self.parents:
+        if self.outputs.knows(request_id):
             raise InvalidRequest(f"request_id {request_id!r} is already in use", "request_id")
         if not prompt_token_ids:
             raise InvalidRequest("prompt is empty: at least one token is required", "prompt")
@@ -337,9 +184,8 @@ class EngineCore:
             children.append(req)
             detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                                  params.skip_special_tokens, params.include_stop_str_in_output))
-            self.child_to_parent[cid] = request_id
-        self.parents[request_id] = _Parent(request_id, prompt, list(prompt_token_ids), children, detoks, arrival,
-                                           [_Emitted() for _ in children])
+        self.outputs.add(ParentRequest(request_id, prompt, list(prompt_token_ids), children, detoks, arrival,
+                                       [Emitted() for _ in children]))
         if grammar is not None:
             self.structured.add([c.request_id for c in children], grammar)
         # Samples 2..n fork from the first once its prompt is computed (shared blocks, CoW).
@@ -374,19 +220,13 @@ class EngineCore:
             self.scheduler.kv.forget(probe.request_id)
 
     def abort_request(self, request_id: str) -> None:
-        parent = self.parents.pop(request_id, None)
-        if parent is None:
-            return
-        for req in parent.children:
-            self.child_to_parent.pop(req.request_id, None)
-            if not req.is_finished:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
+        self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or (disaggregation) held K/V or transfers still to serve."""
         if self.kv_worker is not None and (self.kv_connector.has_pending_work or self.kv_worker.has_pending_io):
             return True
-        return bool(self.parents or self.sequences)
+        return self.outputs.has_unfinished or bool(self.sequences)
 
     # ------------------------------------------------------- raw sequences
     # Beam search (engine/beam_search.py) drives these: token-level control over sequences that
@@ -394,7 +234,7 @@ class EngineCore:
     def add_sequence(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      output_token_ids: list[int] = (), cache_salt: str | None = None) -> None:
         """Schedule a sequence that continues `prompt_token_ids + output_token_ids`."""
-        if seq_id in self.sequences or seq_id in self.parents:
+        if seq_id in self.sequences or self.outputs.knows(seq_id):
             raise InvalidRequest(f"sequence id {seq_id!r} is already in use", "request_id")
         req = self._new_sequence(seq_id, prompt_token_ids, output_token_ids, params,
                                  params.max_tokens or self.max_model_len, cache_salt)
@@ -453,127 +293,37 @@ class EngineCore:
             if sched.is_empty and not sched.finished_ids:  # only transfers in flight: wait for one, do not spin
                 self.kv_worker.wait(0.005)
         if self.structured is not None and self.structured.matchers:
-            self.structured.forget(sched.finished_ids)
-            masks = self.structured.step_masks(sched)
-            if masks:
-                sched.step = dataclasses.replace(sched.step, token_masks=masks)
+            sched = self.structured.constrain(sched)
         t0 = time.perf_counter()
-        results = self.runner.execute(sched.step) if self.spec is None else self.spec.execute(self.runner, sched)
+        output = self.executor.execute(sched.step)
         if not sched.is_empty:
-            forward_s = time.perf_counter() - t0
-            self.scheduler.observe_step(sched, forward_s)
-            self.num_steps += 1
-            self.forward_seconds += forward_s
-            self.recent_steps.append(StepRecord(self.num_steps, time.time(), sched.token_split(),
-                                                len(self.scheduler.running), len(self.scheduler.waiting),
-                                                len(sched.preempted_ids), forward_s * 1000.0))
-        changed = self.scheduler.update(sched, results)
+            self._record_step(sched, time.perf_counter() - t0)
+        if output.spec_metrics is not None:
+            self.spec_metrics = output.spec_metrics
+        changed = self.scheduler.update(sched, output)
         if self.structured is not None and self.structured.matchers:
             for rid in self.structured.consume(changed):  # a complete grammar ends its sample, as EOS would
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        touched: dict[str, None] = {}
-        for req in changed:
-            pid = self.child_to_parent.get(req.request_id)
-            if pid is None:
-                if req.request_id in self.sequences:
-                    continue  # a raw sequence: its owner reads its tokens
-                raise AssertionError(f"step changed {req.request_id!r}, which the engine does not know")
-            parent = self.parents[pid]
-            detok = parent.detoks[req.sample_index]
-            new = req.output_token_ids[detok.num_decoded:]
-            self.num_generation_tokens += len(new)
-            if req.status == RequestStatus.FINISHED_STOPPED and new and (
-                    new[-1] == req.eos_token_id or new[-1] in req.sampling_params.stop_token_ids):
-                new = new[:-1]  # a stop token ends the text without appearing in it
-            stop = detok.update(new)
-            if stop is not None and not req.is_finished:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-                req.stop_reason = stop
-            elif stop is not None:
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-            touched[pid] = None
-        if self.spec is not None:  # drafts for the next step, once this step's stops are applied
-            self.spec.propose(self.scheduler)
-        outputs = []
-        for pid in touched:
-            parent = self.parents[pid]
-            finished = all(r.is_finished for r in parent.children)
-            kind = parent.children[0].sampling_params.output_kind
-            if kind == "final" and not finished:
-                continue
-            out = self._make_delta(parent, finished) if kind == "delta" else self._make_output(parent, finished)
-            outputs.append(out)
-            if finished:
-                del self.parents[pid]
-                for req in parent.children:
-                    self.child_to_parent.pop(req.request_id, None)
+        outputs = self.outputs.process(changed, self._held_kv if self.kv_worker is not None else None,
+                                       self.sequences)
         if not sched.is_empty:
             self.step_seconds += time.perf_counter() - t_step
         return outputs
 
-    def _decoded_logprobs(self, lps: list) -> list:
-        for d in lps:
-            for tok, lp in d.items():
-                if lp.decoded_token is None:
-                    lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
-        return lps
+    def _record_step(self, sched: SchedulerOutput, forward_s: float) -> None:
+        self.scheduler.observe_step(sched, forward_s)
+        self.num_steps += 1
+        self.forward_seconds += forward_s
+        self.recent_steps.append(StepRecord(self.num_steps, time.time(), sched.token_split(),
+                                            len(self.scheduler.running), len(self.scheduler.waiting),
+                                            len(sched.preempted_ids), forward_s * 1000.0))
 
-    def _metrics(self, parent: _Parent, finished: bool) -> RequestMetrics:
-        first = [r.first_token_time for r in parent.children if r.first_token_time]
-        sched = [r.first_scheduled_time for r in parent.children if r.first_scheduled_time]
-        last = [r.last_token_time for r in parent.children if r.last_token_time]
-        return RequestMetrics(arrival_time=parent.arrival_time, first_scheduled_time=min(sched, default=None),
-                              first_token_time=min(first, default=None), last_token_time=max(last, default=None),
-                              finished_time=time.time() if finished else None,
-                              num_generation_tokens=max(r.num_output_tokens for r in parent.children))
-
-    def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
-        """Everything so far (output_kind "cumulative" or "final")."""
-        comps = []
-        for req, detok in zip(parent.children, parent.detoks):
-            lps = None
-            if req.sampling_params.logprobs is not None:
-                lps = self._decoded_logprobs(req.logprobs[:len(req.output_token_ids)])
-            comps.append(CompletionOutput(
-                index=req.sample_index, text=detok.visible_text(req.is_finished), token_ids=list(req.output_token_ids),
-                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason, logprobs=lps,
-                cumulative_logprob=sum(d[t].logprob for d, t in zip(lps, req.output_token_ids)) if lps else None))
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps, finished,
-                             self._metrics(parent, finished), num_cached_tokens=parent.children[0].num_cached_tokens,
-                             kv_transfer_params=self._held_params(parent, finished))
-
-    def _held_params(self, parent: _Parent, finished: bool) -> dict | None:
+    def _held_kv(self, req: Request) -> dict | None:
         """A finished prefill-side request whose K/V are held: where a decode worker pulls them from."""
-        req = parent.children[0]
-        if not finished or not isinstance(req.kv_transfer, HoldForDecode) or \
-                req.request_id not in self.kv_connector.held:
+        if not isinstance(req.kv_transfer, HoldForDecode) or req.request_id not in self.kv_connector.held:
             return None
         host, port = self.kv_worker.transport.address
         return PullFromPrefill(host, port, req.request_id, len(req.prompt_token_ids)).to_params()
-
-    def _make_delta(self, parent: _Parent, finished: bool) -> RequestOutput:
-        """Only what is new since the last output (output_kind "delta"): work in proportion to the new
-        tokens and text, not to the length so far."""
-        comps = []
-        for req, detok, sent in zip(parent.children, parent.detoks, parent.emitted):
-            n = req.num_output_tokens
-            new_ids = req.output_token_ids[sent.num_tokens:n]
-            visible = detok.visible_len(req.is_finished)
-            text = detok.text[sent.num_chars:visible] if visible > sent.num_chars else ""
-            if not new_ids and not text and (sent.finished or not req.is_finished):
-                continue
-            lps = None
-            cum = None
-            if req.sampling_params.logprobs is not None:
-                lps = self._decoded_logprobs(req.logprobs[sent.num_tokens:n])
-                sent.cumulative_logprob += sum(d[t].logprob for d, t in zip(lps, new_ids))
-                cum = sent.cumulative_logprob
-            sent.num_tokens, sent.num_chars, sent.finished = n, max(visible, sent.num_chars), req.is_finished
-            comps.append(CompletionOutput(req.sample_index, text, list(new_ids), req.status.finish_reason,
-                                          req.stop_reason, lps, cum, n))
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps, finished,
-                             self._metrics(parent, finished), num_cached_tokens=parent.children[0].num_cached_tokens,
-                             is_delta=True, kv_transfer_params=self._held_params(parent, finished))
 
     # ------------------------------------------------------------ accounting
     def stats(self) -> EngineStats:
@@ -588,8 +338,7 @@ class EngineCore:
             num_allocated_slots=mem.num_allocated_slots, num_filled_slots=mem.num_filled_slots,
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-            spec_decode=self.spec.metrics() if self.spec is not None else {},
+            num_generation_tokens=self.outputs.num_generation_tokens, spec_decode=dict(self.spec_metrics),
             num_blocks_used=mem.num_blocks_used, num_blocks_shared=mem.num_blocks_shared,
             num_blocks_used_by_kind=mem.num_blocks_used_by_kind, num_blocks_slid_out=kv.num_blocks_slid_out,
             num_unfilled_slots=mem.num_unfilled_slots, kv_pool_tokens=mem.num_blocks_total * spec.block_size,
@@ -612,8 +361,7 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop the processes this engine started (tensor-parallel ranks, the KV transport's threads)."""
-        if self.tp_executor is not None:
-            self.tp_executor.close()
+        self.executor.shutdown()
         if self.kv_worker is not None:
             self.kv_worker.transport.close()
 

@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchRunner
-from tokenmill.engine.core import EngineCore, EngineStats
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.stats import EngineStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 

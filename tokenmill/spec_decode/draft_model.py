@@ -12,7 +12,7 @@ range, handed out afresh on every call:
 Per request the proposer remembers how many real tokens have their draft K/V in mirrored
 blocks (`num_computed`); each call first catches up from there (the accepted tokens of the last
 step plus the newest one, or the whole prompt the first time), then runs γ - 1 one-token steps.
-A preempted request (its blocks were freed) starts over from 0. Draft tokens are sampled from
+A row the runner rebuilt (preemption freed its blocks) starts over from 0 (`restart`). Draft tokens are sampled from
 q = the draft's distribution after the request's own sampling parameters (penalties,
 temperature, top-k/p, min-p), which the rejection sampler needs; seeded requests draw from a
 generator of their own, separate from the target's.
@@ -32,14 +32,12 @@ import torch
 from tokenmill.attention.metadata import forward_context
 from tokenmill.config import ModelArchConfig
 from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits
-from tokenmill.request import Request
-from tokenmill.core.step_io import StepTokens
-from tokenmill.spec_decode.proposer import Proposal
+from tokenmill.core.step_io import StepInput, StepTokens
+from tokenmill.spec_decode.proposer import DraftRequest, Proposal
 from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
-    from tokenmill.core.scheduler import SchedulerOutput
     from tokenmill.spec_decode.proposer import ProposerContext
 
 
@@ -116,15 +114,15 @@ def advance(meta: SamplingMetadata, tokens: torch.Tensor, num_generated: list[in
                 meta.min_tokens_mask[i] = False
 
 
-def mirror_block_copies(kv_caches: list[torch.Tensor], sched: "SchedulerOutput") -> None:
+def mirror_block_copies(kv_caches: list[torch.Tensor], step: StepInput) -> None:
     """Copy-on-write copies the target makes this step, made in a mirrored draft pool too."""
-    copies = sched.block_copies
+    copies = step.block_copies
     if copies:
         from tokenmill.worker.kv_cache_ops import copy_blocks
         copy_blocks(kv_caches, copies)
 
 
-def draft_loop(reqs: list[Request], ks: list[int], meta: SamplingMetadata, logits: torch.Tensor,
+def draft_loop(reqs: list[DraftRequest], ks: list[int], meta: SamplingMetadata, logits: torch.Tensor,
                sample: Callable[[torch.Tensor, SamplingMetadata], tuple[torch.Tensor, torch.Tensor | None]],
                step: Callable[[list[int], list[int], int, list[int]], torch.Tensor],
                ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor] | None]:
@@ -159,17 +157,16 @@ def draft_loop(reqs: list[Request], ks: list[int], meta: SamplingMetadata, logit
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, device: torch.device, gamma_max: int, max_num_seqs: int,
-                 block_table: Callable[[str], list[int]], seed: int = 0) -> None:
+                 seed: int = 0) -> None:
         self.block_size = block_size
         self.num_mirrored_blocks = num_blocks
         scratch = max_num_seqs * (-(-(gamma_max + 1) // block_size) + 1)
         spec = KVCacheSpec(num_blocks + scratch, block_size, arch.num_hidden_layers, arch.num_key_value_heads,
                            arch.head_dim, kv_dtype)
         self.runner = ModelRunner(model, arch, spec, device, seed=seed + 1)
-        self.block_table = block_table
         self.feature_sink = None  # drafts from its own layers
-        self.num_computed: dict[str, tuple[int, int]] = {}
-        """request id -> (num_preemptions when recorded, real tokens with draft K/V in mirrored blocks)."""
+        self.num_computed: dict[str, int] = {}
+        """request id -> real tokens with draft K/V in mirrored blocks."""
 
     @classmethod
     def from_context(cls, config: "SpeculativeConfig", ctx: "ProposerContext") -> "DraftModelProposer":
@@ -183,20 +180,23 @@ class DraftModelProposer:
         kv = ctx.kv_spec
         return dict(num_blocks=kv.num_blocks, block_size=kv.block_size,
                     kv_dtype=kv.dtype if kv.dtype.is_floating_point else ctx.dtype, device=ctx.device,
-                    gamma_max=config.max_draft_tokens, max_num_seqs=ctx.max_num_seqs,
-                    block_table=ctx.block_table, seed=ctx.seed)
+                    gamma_max=config.max_draft_tokens, max_num_seqs=ctx.max_num_seqs, seed=ctx.seed)
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.num_computed.pop(rid, None)
         self.runner.forget(request_ids)
 
-    def on_schedule(self, sched: "SchedulerOutput") -> None:
-        mirror_block_copies(self.runner.kv_caches, sched)
+    def restart(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.num_computed.pop(rid, None)
+
+    def on_step(self, step: StepInput) -> None:
+        mirror_block_copies(self.runner.kv_caches, step)
 
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
+    def propose(self, requests: list[DraftRequest], num_tokens: list[int]) -> Proposal:
         bs = self.block_size
         active = [(r, k) for r, k in zip(requests, num_tokens) if k > 0]
         if not active:
@@ -205,11 +205,8 @@ class DraftModelProposer:
         tables: list[list[int]] = []
         catch_up: list[StepTokens] = []
         for r, k in active:
-            seen_preemptions, done = self.num_computed.get(r.request_id, (r.num_preemptions, 0))
-            if seen_preemptions != r.num_preemptions:
-                done = 0
-            real = self.block_table(r.request_id)
-            done = min(done, len(real) * bs, r.num_tokens - 1)
+            real = r.block_ids
+            done = min(self.num_computed.get(r.request_id, 0), len(real) * bs, r.num_tokens - 1)
             num_needed = -(-(r.num_tokens + k - 1) // bs)   # positions up to num_tokens + k - 2
             extra = max(0, num_needed - len(real))
             table = real + list(range(next_scratch, next_scratch + extra))
@@ -217,7 +214,7 @@ class DraftModelProposer:
             assert next_scratch <= self.runner.kv_spec.num_blocks, "draft scratch blocks exhausted"
             tables.append(table)
             catch_up.append(StepTokens(r.request_id, done, r.all_token_ids[done:], table))
-            self.num_computed[r.request_id] = (r.num_preemptions, min(r.num_tokens, len(real) * bs))
+            self.num_computed[r.request_id] = min(r.num_tokens, len(real) * bs)
 
         reqs = [r for r, _ in active]
         ks = [k for _, k in active]

@@ -26,11 +26,10 @@ import torch
 
 from tokenmill.attention.metadata import forward_context
 from tokenmill.layers.sampler import SamplingMetadata
-from tokenmill.request import Request
 from tokenmill.core.step_io import StepTokens
 from tokenmill.spec_decode.draft_model import DraftModelProposer, draft_loop
 from tokenmill.spec_decode.eagle_head import EagleHead, load_eagle_head, target_tables
-from tokenmill.spec_decode.proposer import Proposal, draft_budget
+from tokenmill.spec_decode.proposer import DraftRequest, Proposal, draft_budget
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig, TreeConfig
@@ -104,12 +103,17 @@ class EagleProposer(DraftModelProposer):
         for rid in request_ids:
             self.store.forget(rid)
 
+    def restart(self, request_ids: list[str]) -> None:
+        super().restart(request_ids)
+        for rid in request_ids:  # its features come again as the rebuilt row is recomputed
+            self.store.forget(rid)
+
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
+    def propose(self, requests: list[DraftRequest], num_tokens: list[int]) -> Proposal:
         bs = self.block_size
         next_scratch = self.num_mirrored_blocks
-        reqs: list[Request] = []
+        reqs: list[DraftRequest] = []
         ks: list[int] = []
         tables: list[list[int]] = []
         catch_up: list[StepTokens] = []
@@ -118,11 +122,8 @@ class EagleProposer(DraftModelProposer):
             if k <= 0:
                 continue
             n = r.num_tokens
-            seen_preemptions, done = self.num_computed.get(r.request_id, (r.num_preemptions, 0))
-            if seen_preemptions != r.num_preemptions:
-                done = 0
-            real = self.block_table(r.request_id)
-            done = min(done, len(real) * bs, n - 2)
+            real = r.block_ids
+            done = min(self.num_computed.get(r.request_id, 0), len(real) * bs, n - 2)
             got = self.store.take(r.request_id, done, n - 1)
             if got is None:   # no feature for position n - 2 (cannot happen after a target step)
                 continue
@@ -138,7 +139,7 @@ class EagleProposer(DraftModelProposer):
             tables.append(table)
             catch_up.append(StepTokens(r.request_id, first, r.all_token_ids[first + 1:n], table))
             feats.append(f)
-            self.num_computed[r.request_id] = (r.num_preemptions, n - 1)
+            self.num_computed[r.request_id] = n - 1
         if not reqs:
             return Proposal([[] for _ in requests], None)
 
@@ -161,7 +162,7 @@ class EagleProposer(DraftModelProposer):
         drafts, probs = draft_loop(reqs, ks, meta, logits, self._sample, step)
         return Proposal([drafts.get(r.request_id, []) for r in requests], probs)
 
-    def _draft_tree(self, reqs: list[Request], budgets: list[int], tables: list[list[int]],
+    def _draft_tree(self, reqs: list[DraftRequest], budgets: list[int], tables: list[list[int]],
                     root_feats: list[torch.Tensor], logits: torch.Tensor,
                     fhat: torch.Tensor) -> list[tuple[list[int], list[int]]]:
         """A dynamic tree per request (EAGLE-2's expansion, Li et al. 2024, from the paper's description): each

@@ -38,8 +38,7 @@ from torch import nn
 
 from tokenmill.core.step_io import StepTokens
 from tokenmill.layers.linear import Linear
-from tokenmill.request import Request
-from tokenmill.spec_decode.proposer import Proposal, draft_budget
+from tokenmill.spec_decode.proposer import DraftRequest, Proposal, draft_budget
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
@@ -213,7 +212,7 @@ class MedusaProposer:
             self.latest[s.request_id] = (s.start_pos + s.num_new_tokens - 1, hidden[off - 1].clone())
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
+    def propose(self, requests: list[DraftRequest], num_tokens: list[int]) -> Proposal:
         drafts: list[list[int]] = [[] for _ in requests]
         parents: list[list[int]] = [[] for _ in requests]
         rows, feats = [], []
@@ -241,7 +240,7 @@ class MedusaProposer:
                 parents[i].append(index[path[:-1]] if len(path) > 1 else -1)
         return Proposal(drafts, None, parents)
 
-    def _hybrid(self, requests: list[Request], num_tokens: list[int], rows: list[int], top) -> Proposal:
+    def _hybrid(self, requests: list[DraftRequest], num_tokens: list[int], rows: list[int], top) -> Proposal:
         from tokenmill.spec_decode.ngram import ngram_tree
         lk = self.lookup
         row_of = {i: j for j, i in enumerate(rows)}
@@ -263,5 +262,8 @@ class MedusaProposer:
         for rid in request_ids:
             self.latest.pop(rid, None)
 
-    def on_schedule(self, sched: object) -> None:
+    def restart(self, request_ids: list[str]) -> None:
+        self.forget(request_ids)
+
+    def on_step(self, step: object) -> None:
         pass

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tokenmill.request import Request
-from tokenmill.spec_decode.proposer import Proposal, draft_budget
+from tokenmill.spec_decode.proposer import DraftRequest, Proposal, draft_budget
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig, TreeConfig
@@ -188,7 +187,7 @@ class NgramProposer:
             out = ngram_propose(tokens, 1, 1, k)
         return out
 
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
+    def propose(self, requests: list[DraftRequest], num_tokens: list[int]) -> Proposal:
         if self.tree is None:
             return Proposal([self.draft(r.all_token_ids, k) for r, k in zip(requests, num_tokens)], None)
         drafts, parents = [], []
@@ -203,5 +202,8 @@ class NgramProposer:
     def forget(self, request_ids: list[str]) -> None:
         pass
 
-    def on_schedule(self, sched: object) -> None:
+    def restart(self, request_ids: list[str]) -> None:
+        self.forget(request_ids)
+
+    def on_step(self, step: object) -> None:
         pass

@@ -1,17 +1,21 @@
-"""The proposer interface and its registry (lazy imports, so n-gram users never load a draft model)."""
+"""The proposer interface and its registry (lazy imports, so n-gram users never load a draft model).
+
+Proposers live in the runner (spec_decode/decoder.py): they draft from the runner's rows, never from the
+scheduler's requests, so speculation runs wherever the runner runs (another process, tensor-parallel rank 0).
+"""
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.config import ModelArchConfig, SpeculativeConfig
-    from tokenmill.core.scheduler import SchedulerOutput
+    from tokenmill.core.step_io import StepInput
     from tokenmill.worker.model_runner import FeatureSink, KVCacheSpec
 
 
@@ -29,14 +33,54 @@ class ProposerContext:
     device: torch.device
     kv_spec: "KVCacheSpec"
     """The target's KV pool (a draft mirrors its block ids)."""
-    block_table: Callable[[str], list[int]]
-    """Request id -> the target's block ids for it, as the scheduler holds them."""
     max_num_seqs: int
     max_model_len: int
     seed: int
 
 
-def draft_budget(req: Request, gamma: int, max_model_len: int) -> int:
+@dataclass(slots=True)
+class DraftRequest:
+    """A runner row as a proposer sees it right after the row sampled: its tokens including the ones just
+    sampled (the scheduler has not confirmed them yet), its target block table and sampling parameters.
+    It is what the runner's sampling-metadata builder reads too (core/step_io.SamplingRow)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    all_token_ids: list[int]
+    """Prompt + outputs, the tokens this step sampled included."""
+    block_ids: list[int]
+    """The target's block table (KV-cache group 0), as the step that just ran used it."""
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    max_tokens: int
+    """Outputs the request may have in all."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def has_stopped(self) -> bool:
+        """Its last token ends it (EOS or a stop token past min_tokens, or max_tokens reached): no drafts.
+        Stop strings are the engine's to find; drafts of a request that stops there are dropped unused."""
+        p = self.sampling_params
+        if self.num_output_tokens >= self.max_tokens:
+            return True
+        if self.num_output_tokens < p.min_tokens or not self.output_token_ids:
+            return False
+        last = self.all_token_ids[-1]
+        return (last == self.eos_token_id and not p.ignore_eos) or last in p.stop_token_ids
+
+
+def draft_budget(req: DraftRequest, gamma: int, max_model_len: int) -> int:
     """Draft depth request `req` may carry: γ, but never past max_tokens (the k accepted drafts plus the
     bonus are all outputs) nor past max_model_len (positions num_tokens - 1 .. num_tokens - 1 + k)."""
     return max(0, min(gamma, req.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens))
@@ -57,17 +101,22 @@ class Proposer(Protocol):
     feature_sink: "FeatureSink | None"
     """Given to the target's runner: receives every step's final hidden states (EAGLE), or None."""
 
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> Proposal:
-        """Drafts for running requests whose next step is a decode. `num_tokens[i]` caps request
+    def propose(self, requests: list[DraftRequest], num_tokens: list[int]) -> Proposal:
+        """Drafts for rows that just sampled (their next step is a decode). `num_tokens[i]` caps request
         i's draft (0 = none): its tokens, or a tree's nodes (a tree proposer caps the depth by
-        `draft_budget`). Drafts continue `all_token_ids`; they must not mutate requests."""
+        `draft_budget`). Drafts continue `all_token_ids`."""
         ...
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop per-request state of requests that left the engine."""
         ...
 
-    def on_schedule(self, sched: "SchedulerOutput") -> None:
+    def restart(self, request_ids: list[str]) -> None:
+        """These rows were rebuilt (preemption freed their blocks, or a beam took tokens back): drop what was
+        computed for them, keep their random streams."""
+        ...
+
+    def on_step(self, step: "StepInput") -> None:
         """Called before the target runs a step (a draft cache mirrors its block copies)."""
         ...
 

@@ -16,6 +16,8 @@ parent's row, so the verifier rejects it there).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import TYPE_CHECKING, Iterable
 
@@ -59,6 +61,14 @@ class StructuredOutputManager:
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self.matchers.pop(rid, None)
+
+    def constrain(self, sched: "SchedulerOutput") -> "SchedulerOutput":
+        """The step with its allowed-token masks (StepInput.token_masks); matchers of finished requests dropped."""
+        self.forget(sched.finished_ids)
+        masks = self.step_masks(sched)
+        if masks:
+            sched.step = dataclasses.replace(sched.step, token_masks=masks)
+        return sched
 
     def step_masks(self, sched: "SchedulerOutput") -> dict[str, bytes]:
         if not self.matchers:

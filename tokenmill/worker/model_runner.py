@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -29,11 +30,15 @@ from tokenmill.attention.kv_quant import cache_head_dim
 from tokenmill.attention.metadata import AttentionMetadata, forward_context, tree_depths, tree_key_masks
 from tokenmill.config import KVCacheGroup, ModelArchConfig
 from tokenmill.core.step_io import (NewRequestData, SamplerResult, SamplingRow, ScheduledChunk, StepInput,
-                                    StepTokens)
+                                    StepOutput, StepTokens)
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, masks_from_bytes
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import cpu_decode
 from tokenmill.worker.kv_cache_ops import add_forked_samples, compact_accepted_path, copy_blocks
+
+if TYPE_CHECKING:
+    from tokenmill.spec_decode.decoder import SpeculativeDecoder
+    from tokenmill.spec_decode.proposer import DraftRequest
 
 
 @dataclass
@@ -72,11 +77,14 @@ class RequestState:
     block_ids: list[int]
     group_block_ids: list[list[int]]
     """KV-cache groups 1.. (sliding-window models): their tables."""
+    max_tokens: int
+    """Outputs the request may have in all (NewRequestData.max_tokens)."""
 
     @classmethod
     def new(cls, d: NewRequestData) -> "RequestState":
         return cls(d.request_id, list(d.prompt_token_ids), list(d.prompt_token_ids) + list(d.output_token_ids),
-                   d.sampling_params, d.eos_token_id, list(d.block_ids), [list(t) for t in d.group_block_ids])
+                   d.sampling_params, d.eos_token_id, list(d.block_ids), [list(t) for t in d.group_block_ids],
+                   d.max_tokens)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -120,10 +128,6 @@ class StepInputs:
     """Groups 1.. : the same step over their own block tables (and windows)."""
 
 
-Verifier = Callable[[torch.Tensor, list[StepTokens], list[RequestState], SamplingMetadata, "torch.Generator | None"],
-                    "dict[str, SamplerResult]"]
-"""(logits [sum(1 + k_i), V], the sampling requests, their rows, sampling metadata, the global generator) ->
-results, for a step where some requests carry drafts (spec_decode/rejection_sampler.py)."""
 FeatureSink = Callable[[list[StepTokens], torch.Tensor], None]
 """(the step's requests in input order, final hidden states [num_tokens, hidden]) -> None (EAGLE's store).
 After a verification step it gets only the tokens that stay (`kept_rows`)."""
@@ -167,15 +171,16 @@ module path's ~95 us of Python per layer (docs/architecture.md, "Mixed steps")."
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, kv_spec: KVCacheSpec,
-                 device: torch.device, seed: int = 0, verifier: Verifier | None = None,
-                 feature_sink: FeatureSink | None = None, use_decode_loop: bool = True,
-                 prompts_per_token: bool = False) -> None:
-        """verifier: verifies steps with drafts (speculative decoding); feature_sink: receives every
-        step's final hidden states (a proposer drafting from the target's features); use_decode_loop: False
-        keeps every step on the module path (a tensor-parallel shard: its layers all-reduce, which the C++
-        loop does not); prompts_per_token: the model's attention backend attends prompt chunks token by token
-        (ModelConfig.attends_prompts_per_token), so steps with prompt chunks of any length get per-token
-        metadata too and the C++ loop serves them like decodes."""
+                 device: torch.device, seed: int = 0, speculator: "SpeculativeDecoder | None" = None,
+                 use_decode_loop: bool = True, prompts_per_token: bool = False, samples: bool = True) -> None:
+        """speculator: speculative decoding (spec_decode/decoder.py): it verifies steps with drafts, gets every
+        step's final hidden states when its proposer drafts from the target's features, and proposes drafts for
+        the rows that sampled; use_decode_loop: False keeps every step on the module path (a tensor-parallel
+        shard: its layers all-reduce, which the C++ loop does not); prompts_per_token: the model's attention
+        backend attends prompt chunks token by token (ModelConfig.attends_prompts_per_token), so steps with
+        prompt chunks of any length get per-token metadata too and the C++ loop serves them like decodes;
+        samples: False for a tensor-parallel rank > 0, which computes the logits (their vocabulary gather is a
+        collective) and returns no tokens (rank 0 samples, verifies and proposes)."""
         self.model = model  # weights already processed for their kernels (load_model)
         self.arch = arch
         self.kv_spec = kv_spec
@@ -200,9 +205,10 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.requests: dict[str, RequestState] = {}
         """The persistent batch: one row per request the scheduler has sent and not dropped."""
-        self.verifier = verifier
-        self.feature_sink = feature_sink
+        self.speculator = speculator
+        self.feature_sink: FeatureSink | None = speculator.feature_sink if speculator is not None else None
         self.prompts_per_token = prompts_per_token
+        self.samples = samples
         self.num_paths_compacted = 0
         """Verified token trees whose accepted path was not already in consecutive slots (tests read it)."""
 
@@ -214,7 +220,10 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- execute
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> dict[str, SamplerResult]:
+    def execute(self, step: StepInput) -> StepOutput:
+        """One step: apply the step's row deltas, run the forward, sample or verify, propose drafts."""
+        if self.speculator is not None:
+            self.speculator.on_step(step)
         self.forget(step.finished_ids)
         for rid in step.preempted_ids:  # its generator stays: a resumed request continues its stream
             self.requests.pop(rid, None)
@@ -223,7 +232,8 @@ class ModelRunner:
         if step.block_copies:
             copy_blocks(self.kv_tensors, step.block_copies)
         if not step.scheduled:
-            return {}
+            return StepOutput()
+        t0 = time.perf_counter()
         tokens = [self.requests[c.request_id].advance(c) for c in step.scheduled]
         forked = [self.requests[c.request_id].advance(c) for c in step.forked]
         batch = sorted(tokens, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
@@ -239,29 +249,56 @@ class ModelRunner:
         if self.feature_sink is not None and not any(s.num_spec_tokens for s in batch):
             self.feature_sink(batch, hidden)
         if not sampling:
-            return {}
+            return StepOutput(spec_metrics=self.speculator.metrics() if self.speculator is not None else None)
+        results = self.sample(step, batch, sampling, hidden, logits_indices)
+        if self.speculator is None:
+            return StepOutput(results)
+        self.speculator.observe_target_step(batch, time.perf_counter() - t0)
+        drafts = self.speculator.propose(self.draft_requests(sampling, results))
+        return StepOutput(results, drafts, self.speculator.metrics())
+
+    def sample(self, step: StepInput, batch: list[StepTokens], sampling: list[StepTokens], hidden: torch.Tensor,
+               logits_indices: torch.Tensor) -> dict[str, SamplerResult]:
+        """The step's tokens: sampled from the logits at `logits_indices`, or, for requests with drafts, the
+        speculator's verdict (whose accepted tree paths are then moved into consecutive slots)."""
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
+        if not self.samples:
+            return {}
         rows = [self.requests[s.request_id] for s in sampling]
         smeta = self.sampling_metadata(rows)
-        verify = self.verifier is not None and any(s.num_spec_tokens for s in sampling)
+        verify = self.speculator is not None and any(s.num_spec_tokens for s in sampling)
         if step.token_masks:
             smeta = self.with_grammar_masks(smeta, rows, step.token_masks, per_position=verify)
-        if verify:
-            results = self.verifier(logits, sampling, rows, smeta, self.sampler.global_gen)
-            for s in sampling:  # a verified tree: its accepted path's K/V into consecutive slots
-                res = results.get(s.request_id)
-                if s.tree_parents is not None and res is not None and res.accepted_nodes:
-                    self.num_paths_compacted += res.accepted_nodes != list(range(len(res.accepted_nodes)))
-                    for table in s.tables():  # each group's layers sit at its own blocks in every tensor
-                        compact_accepted_path(self.kv_tensors, table,
-                                              s.start_pos + s.num_new_tokens - s.num_spec_tokens, res.accepted_nodes)
-            if self.feature_sink is not None:
-                self.feature_sink(*kept_rows(batch, hidden, results))
-            return results
-        out = self.sampler(logits, smeta, [r.sampling_params.logprobs for r in rows])
-        toks = out.token_ids.tolist()
-        return {r.request_id: SamplerResult([toks[i]], None if out.logprobs is None or out.logprobs[i] is None
-                                            else [out.logprobs[i]]) for i, r in enumerate(rows)}
+        if not verify:
+            out = self.sampler(logits, smeta, [r.sampling_params.logprobs for r in rows])
+            toks = out.token_ids.tolist()
+            return {r.request_id: SamplerResult([toks[i]], None if out.logprobs is None or out.logprobs[i] is None
+                                                else [out.logprobs[i]]) for i, r in enumerate(rows)}
+        assert self.speculator is not None
+        results = self.speculator.verify(logits, sampling, rows, smeta, self.sampler.global_gen)
+        for s in sampling:  # a verified tree: its accepted path's K/V into consecutive slots
+            res = results.get(s.request_id)
+            if s.tree_parents is not None and res is not None and res.accepted_nodes:
+                self.num_paths_compacted += res.accepted_nodes != list(range(len(res.accepted_nodes)))
+                for table in s.tables():  # each group's layers sit at its own blocks in every tensor
+                    compact_accepted_path(self.kv_tensors, table,
+                                          s.start_pos + s.num_new_tokens - s.num_spec_tokens, res.accepted_nodes)
+        if self.feature_sink is not None:
+            self.feature_sink(*kept_rows(batch, hidden, results))
+        return results
+
+    def draft_requests(self, sampling: list[StepTokens], results: dict[str, SamplerResult]) -> "list[DraftRequest]":
+        """The rows that sampled this step as the proposer sees them: their tokens with the sampled ones."""
+        from tokenmill.spec_decode.proposer import DraftRequest
+        out = []
+        for s in sampling:
+            res = results.get(s.request_id)
+            if res is None:
+                continue
+            row = self.requests[s.request_id]
+            out.append(DraftRequest(row.request_id, row.prompt_token_ids, row.token_ids + res.token_ids,
+                                    row.block_ids, row.sampling_params, row.eos_token_id, row.max_tokens))
+        return out
 
     def with_grammar_masks(self, meta: SamplingMetadata, rows: Sequence[SamplingRow], masks: dict[str, bytes],
                            per_position: bool) -> SamplingMetadata:

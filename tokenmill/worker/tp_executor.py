@@ -9,27 +9,28 @@
 from __future__ import annotations
 
 import pickle
+import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
+from tokenmill.core.step_io import StepInput, StepOutput
 from tokenmill.distributed.tensor_parallel import (SharedMemoryAllReduce, TPGroup, build_shard, free_port, make_group,
                                                   shard_model)
+from tokenmill.worker.executor import RunnerOptions
+from tokenmill.worker.model_runner import KVCacheSpec
+from tokenmill.worker.process import SpawnedWorker, WorkerDiedError, watch
 
 
 @dataclass(frozen=True)
 class RankSpec:
     """What a rank > 0 needs to build its shard and runner (everything plain, for spawn)."""
 
-    model: str
-    dtype: str
-    num_blocks: int
-    block_size: int
-    kv_cache_dtype: str
-    seed: int
+    opts: RunnerOptions
     port: int
     rank: int
     size: int
@@ -37,7 +38,7 @@ class RankSpec:
     timeout_s: float
 
 
-def _broadcast_step(group: TPGroup, step) -> object:
+def _broadcast_step(group: TPGroup, step: StepInput | None) -> StepInput | None:
     """Rank 0 sends `step` (pickled), every other rank receives it; None ends the loop."""
     if group.rank == 0:
         data = pickle.dumps(step)
@@ -53,22 +54,23 @@ def _broadcast_step(group: TPGroup, step) -> object:
     return pickle.loads(buf.numpy().tobytes())
 
 
+def _ready_key(rank: int) -> str:
+    return f"tp-ready/{rank}"
+
+
 def _rank_main(spec: RankSpec, shm_data: torch.Tensor | None, shm_flags: torch.Tensor | None) -> None:
-    from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
+    from tokenmill.worker.executor import build_runner
     try:
         torch.set_num_threads(spec.num_threads)
         shm = SharedMemoryAllReduce(shm_data, shm_flags, spec.rank) if shm_data is not None else None
         group = make_group(spec.port, spec.rank, spec.size, spec.timeout_s, shm=shm)
-        dtype = getattr(torch, spec.dtype)
-        loaded = build_shard(spec.model, dtype, group)
-        arch = loaded.config
-        kv_dtype = torch.int8 if spec.kv_cache_dtype == "int8" else dtype
-        kv = KVCacheSpec(spec.num_blocks, spec.block_size, arch.num_hidden_layers,
-                         arch.num_key_value_heads // spec.size, arch.head_dim, kv_dtype)
-        runner = ModelRunner(loaded.model, arch, kv, torch.device("cpu"), seed=spec.seed, use_decode_loop=False)
-    except Exception:  # noqa: BLE001 - rank 0 sees the group fail; the traceback goes to this rank's stderr
+        loaded = build_shard(spec.opts.model.model, spec.opts.model.torch_dtype, group)
+        runner = build_runner(loaded.model, loaded.config, spec.opts, use_decode_loop=False, with_speculator=False,
+                              samples=False)
+        group.store.set(_ready_key(spec.rank), "1")
+    except Exception:  # noqa: BLE001 - rank 0 sees this rank exit; the traceback goes to this rank's stderr
         traceback.print_exc()
-        return
+        sys.exit(1)
     while True:
         step = _broadcast_step(group, None)
         if step is None:
@@ -78,42 +80,106 @@ def _rank_main(spec: RankSpec, shm_data: torch.Tensor | None, shm_flags: torch.T
 
 class TPExecutor:
     """Rank 0's runner of a model split over `size` processes on this host (ranks 1.. spawned here). `model` is
-    rank 0's loaded model, sharded here in place; `model_path` is what the other ranks load."""
+    rank 0's loaded model, sharded here in place; the other ranks load opts.model themselves. Rank 0 alone
+    samples, verifies and proposes drafts; the others follow the steps it broadcasts (drafts included).
 
-    def __init__(self, model: nn.Module, model_path: str, dtype: torch.dtype, kv_spec, seed: int, size: int,
-                 kv_cache_dtype: str = "auto", num_threads: int = 1, timeout_s: float = 300.0,
+    A rank that exits while the group forms is reported within a second, with its exit code and stderr. One that
+    dies between steps fails the next step before its broadcast; one that dies inside a step fails it in the
+    shared-memory all-reduce's wait (check_peers) or in gloo's collective (its peer's socket closes), each as a
+    WorkerDiedError."""
+
+    def __init__(self, model: nn.Module, opts: RunnerOptions, num_threads: int = 1, timeout_s: float = 300.0,
                  max_num_tokens: int | None = None) -> None:
         """max_num_tokens: the most tokens a step computes; sizes the shared-memory all-reduce (None: gloo only)."""
-        from tokenmill.worker.model_runner import ModelRunner
+        from tokenmill.worker.executor import build_runner
+        size = opts.model.tensor_parallel_size
         self.size = size
+        self.opts = opts
         port = free_port()
-        ctx = mp.get_context("spawn")
-        dname = str(dtype).removeprefix("torch.")
         shm_data = shm_flags = None
         if max_num_tokens is not None:
             shm_data, shm_flags = SharedMemoryAllReduce.create(size, max_num_tokens * model.config.hidden_size)
-        self.procs = [ctx.Process(target=_rank_main, daemon=True, args=(RankSpec(
-            model_path, dname, kv_spec.num_blocks, kv_spec.block_size, kv_cache_dtype, seed, port, r, size, num_threads,
-            timeout_s), shm_data, shm_flags)) for r in range(1, size)]
-        for p in self.procs:
-            p.start()
-        shm = SharedMemoryAllReduce(shm_data, shm_flags, 0) if shm_data is not None else None
-        self.group = make_group(port, 0, size, timeout_s, is_master=True, shm=shm)
+        self.workers = [SpawnedWorker(f"tensor-parallel rank {r}", _rank_main, (RankSpec(
+            opts, port, r, size, num_threads, timeout_s), shm_data, shm_flags)) for r in range(1, size)]
+        shm = SharedMemoryAllReduce(shm_data, shm_flags, 0, self._check_workers) if shm_data is not None else None
+        self._closed = False
+        try:
+            self.group = self._form_group(port, size, timeout_s, shm)
+        except BaseException:
+            for w in self.workers:
+                w.close(timeout_s=1.0)
+            raise
         shard_model(model, self.group)
         self.model = model
-        self.runner = ModelRunner(model, model.config, kv_spec, torch.device("cpu"), seed=seed, use_decode_loop=False)
-        self.kv_caches = self.runner.kv_caches
+        self.runner = build_runner(model, model.config, opts, use_decode_loop=False)
+        keys = [_ready_key(r) for r in range(1, size)]  # every rank built its shard and runner
 
-    def execute(self, step):
-        _broadcast_step(self.group, step)
-        return self.runner.execute(step)
-
-    def close(self) -> None:
+        def ready(poll_s: float) -> bool:
+            if self.group.store.check(keys):
+                return True
+            time.sleep(poll_s)
+            return False
         try:
-            _broadcast_step(self.group, None)
-        except Exception:  # noqa: BLE001 - a rank already gone
-            pass
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+            watch(self.workers, ready, "while starting", timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _form_group(self, port: int, size: int, timeout_s: float, shm: SharedMemoryAllReduce | None) -> TPGroup:
+        """make_group on a helper thread while this one watches the ranks: one that exits first fails the start
+        at once instead of after the store's timeout."""
+        box: dict[str, object] = {}
+
+        def form() -> None:
+            try:
+                box["group"] = make_group(port, 0, size, timeout_s, is_master=True, shm=shm)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                box["error"] = e
+
+        t = threading.Thread(target=form, name="tp-group", daemon=True)
+        t.start()
+
+        def done(poll_s: float) -> bool:
+            t.join(poll_s)
+            return not t.is_alive()
+
+        watch(self.workers, done, "while starting", timeout_s + 5)
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["group"]  # type: ignore[return-value]
+
+    def _check_workers(self) -> None:
+        for w in self.workers:
+            if not w.proc.is_alive():
+                raise w.death_error("during a step")
+
+    def execute(self, step: StepInput) -> StepOutput:
+        self._check_workers()  # a rank that died since the last step: fail now, not in a collective's timeout
+        try:
+            _broadcast_step(self.group, step)
+            return self.runner.execute(step)
+        except RuntimeError as e:  # gloo: a peer's connection closed
+            if isinstance(e, WorkerDiedError):
+                raise
+            for w in self.workers:
+                w.proc.join(1.0)
+            self._check_workers()
+            raise
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.opts.kv_spec
+
+    def local_kv_caches(self) -> list[torch.Tensor] | None:
+        return None  # split across the ranks
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if all(w.proc.is_alive() for w in self.workers):
+            try:
+                _broadcast_step(self.group, None)
+            except Exception:  # noqa: BLE001 - a rank already gone
+                pass
+        for w in self.workers:
+            w.close()

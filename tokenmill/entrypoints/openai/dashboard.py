@@ -29,7 +29,7 @@ from importlib import resources
 from typing import Any, AsyncIterator
 
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.engine.core import EngineSnapshot
+from tokenmill.engine.stats import EngineSnapshot
 from tokenmill.metrics import EngineMetrics
 
 logger = logging.getLogger("tokenmill.dashboard")
