@@ -27,11 +27,11 @@ from tokenmill.attention.backend import AttentionBackend, TorchPagedAttention
 from tokenmill.config import ModelArchConfig, plan_kv_groups
 from tokenmill.layers.activation import gelu_tanh_and_mul
 from tokenmill.layers.embedding import VocabEmbedding
-from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import GemmaRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.causal_lm import CausalLM
 from tokenmill.models.interface import DecoderLayout
-from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
+from tokenmill.models.llama import LlamaMLP
 from tokenmill.models.qwen3 import Qwen3Attention
 
 
@@ -100,15 +100,13 @@ class Gemma3Model(nn.Module):
         return self.norm(h)
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Loading, logits and weight processing are the Llama model's (HF names, packed q/k/v and gate/up)."""
+class Gemma3ForCausalLM(CausalLM):
+    """The Gemma 3 body (Gemma3Model); loading, logits and weight processing are CausalLM's (HF names, packed
+    q/k/v and gate/up, tied head)."""
 
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32,
                  backend: AttentionBackend | None = None) -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.model = Gemma3Model(cfg, dtype, backend or TorchPagedAttention())
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        super().__init__(cfg, Gemma3Model(cfg, dtype, backend or TorchPagedAttention()), dtype)
 
-    def decoder_layout(self) -> DecoderLayout | None:  # type: ignore[override]
+    def decoder_layout(self) -> DecoderLayout | None:
         return None  # NOTE: the C++ loop runs the Llama layout only (module docstring)

@@ -9,8 +9,6 @@ one sequence [T] or a batch [B, T].
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 from torch import nn
 
@@ -22,6 +20,7 @@ from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.causal_lm import CausalLM
 from tokenmill.models.interface import DecoderLayerParts, DecoderLayout
 
 
@@ -117,89 +116,17 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Checkpoint tensors arrive under Hugging Face names; `packed_modules_mapping` says which
-    of them are parts of a packed layer here."""
-
-    # checkpoint suffix -> (packed module here, part index)
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+class LlamaForCausalLM(CausalLM):
+    """The Llama body (LlamaModel) of `layer_cls` layers; loading, logits and weight processing are CausalLM's."""
 
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
-    lm_head: Linear | None
-    """The LM head; None when the checkpoint ties it to the embedding table (compute_logits then uses the
-    table, dense or quantized by quant/head.py)."""
-
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32,
                  backend: AttentionBackend | None = None) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg, dtype, backend or TorchPagedAttention(), self.layer_cls)
-        if cfg.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] (or [B, T] without a forward context) -> hidden states."""
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab] in float32."""
-        if self.lm_head is None:  # tied: the table is the head (dense, or quantized by quant/head.py)
-            return self.model.embed_tokens.as_lm_head(hidden).float()
-        return self.lm_head(hidden).float()
-
-    def process_weights_after_loading(self) -> None:
-        """The weights are final (load_model calls this last): every linear method, and a tied head's,
-        builds the copies its kernels read. Call it again after changing weights in place."""
-        for m in self.modules():
-            if isinstance(m, (Linear, VocabEmbedding)):
-                m.process_weights_after_loading()
+        super().__init__(cfg, LlamaModel(cfg, dtype, backend or TorchPagedAttention(), self.layer_cls), dtype)
 
     def decoder_layout(self) -> DecoderLayout:
         a0 = self.model.layers[0].self_attn
         return DecoderLayout(self.model.embed_tokens, [layer.parts() for layer in self.model.layers],
                              self.model.norm.weight, self.model.norm.eps, a0.num_heads, a0.num_kv_heads,
                              a0.head_dim, a0.scale, self.model.rotary.cos_sin)
-
-    def attention_layers(self) -> list[LlamaAttention]:
-        return [layer.self_attn for layer in self.model.layers]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; returns the names of parameters that received data."""
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the head
-            module_path, _, kind = name.rpartition(".")
-            parent, _, leaf = module_path.rpartition(".")
-            if leaf in self.packed_modules_mapping:
-                packed, shard = self.packed_modules_mapping[leaf]
-                target = f"{parent}.{packed}"
-                mod = modules.get(target)
-                if not isinstance(mod, Linear):
-                    raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
-                mod.load_shard(kind, tensor, shard)
-                loaded.add(f"{target}.{kind}")
-                continue
-            mod = modules.get(module_path)
-            if isinstance(mod, Linear):
-                mod.load_shard(kind, tensor, None)
-                loaded.add(name)
-                continue
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
-            p = params[name]
-            if tuple(p.shape) != tuple(tensor.shape):
-                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, expected {tuple(p.shape)}")
-            p.data.copy_(tensor.to(p.dtype))
-            loaded.add(name)
-        return loaded
