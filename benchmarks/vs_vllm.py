@@ -130,7 +130,7 @@ def check_held_out(single: list[SampleRequest]) -> None:
     head (`tokenmill build-datastore` / `train-eagle` / `train-medusa` answer rows 1000 onward of the same
     seed-0 shuffle): speculation measured on its own training answers would be retrieval, not speed."""
     from tokenmill.bench.common import DEFAULT_SHAREGPT
-    from tokenmill.spec_decode.eagle_train import sharegpt_rows
+    from tokenmill.training.eagle import sharegpt_rows
     trained = {r["conversations"][0]["value"] for r in sharegpt_rows(DEFAULT_SHAREGPT)[1000:]
                if r.get("conversations")}
     seen = [r.prompt[:60] for r in single if r.prompt in trained]

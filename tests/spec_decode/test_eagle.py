@@ -11,8 +11,8 @@ import torch
 
 from tests.spec_decode.test_engine import PROMPTS, TIGHT, run
 from tokenmill import LLM, SamplingParams
-from tokenmill.spec_decode import eagle_train as et
 from tokenmill.spec_decode.eagle_head import load_eagle_head, target_tables, train_forward
+from tokenmill.training import eagle as et
 
 
 def _target(path):

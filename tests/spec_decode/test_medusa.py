@@ -13,10 +13,10 @@ import torch
 from tests.spec_decode.test_eagle import _target, greedy_corpus
 from tests.spec_decode.test_engine import PROMPTS, TIGHT, run
 from tokenmill import LLM, SamplingParams
-from tokenmill.spec_decode import eagle_train as et
-from tokenmill.spec_decode import medusa_train as mt
 from tokenmill.spec_decode.eagle_head import target_tables
 from tokenmill.spec_decode.medusa import MedusaHeads, load_medusa, static_tree
+from tokenmill.training import eagle as et
+from tokenmill.training import medusa as mt
 
 
 def test_static_tree_worked_example():

@@ -14,9 +14,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("tokenmill.entrypoints.router", "OpenAI-compatible front for prefill/decode disaggregated workers."),
     "quantize": ("tokenmill.entrypoints.cli_quantize", "Quantize a model with RTN, GPTQ or AWQ."),
     "eval": ("tokenmill.eval.cli", "Evaluate a model (perplexity)."),
-    "train-eagle": ("tokenmill.spec_decode.eagle_train", "Train an EAGLE draft head for speculative decoding."),
-    "train-medusa": ("tokenmill.spec_decode.medusa_train", "Train Medusa heads for token-tree speculative decoding."),
-    "build-datastore": ("tokenmill.spec_decode.datastore_build",
+    "train-eagle": ("tokenmill.training.eagle", "Train an EAGLE draft head for speculative decoding."),
+    "train-medusa": ("tokenmill.training.medusa", "Train Medusa heads for token-tree speculative decoding."),
+    "build-datastore": ("tokenmill.training.datastore",
                         "Build the n-gram proposer's datastore from the target's own answers."),
     "bench": ("tokenmill.bench.cli", "Benchmarks: latency, throughput, serve, roofline, ablation."),
 }

@@ -1,6 +1,6 @@
-"""`tokenmill train-medusa`: Medusa heads (medusa.py) for a frozen target, trained on this machine's CPU.
+"""`tokenmill train-medusa`: Medusa heads (spec_decode/medusa.py) for a frozen target, trained on this machine's CPU.
 
-Self-distillation, as for the EAGLE head (eagle_train.py):
+Self-distillation, as for the EAGLE head (training/eagle.py):
 1. corpus: the target's greedy answers to ShareGPT rows 1000 onward (`generate_corpus`), or, with
    `--datastore FILE`, the answers a `tokenmill build-datastore` run already produced (their prompts are
    rebuilt from the same rows, so nothing is generated twice);
@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenmill.spec_decode.eagle_train import (add_corpus_arguments, choose_draft_vocab, corpus_from_datastore,
-                                               extract_features, generate_corpus)
 from tokenmill.spec_decode.medusa import MedusaHeads
+from tokenmill.training.eagle import (add_corpus_arguments, choose_draft_vocab, corpus_from_datastore, extract_features,
+                                      generate_corpus)
 
 HEAD_WEIGHT_DECAY = 0.8
 """Head k's loss weight is 0.8^k (later heads are less accurate and matter less)."""

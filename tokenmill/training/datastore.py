@@ -1,5 +1,5 @@
 """`tokenmill build-datastore`: the target answers ShareGPT prompts greedily; its answers become the
-n-gram proposer's suffix datastore (datastore.py).
+n-gram proposer's suffix datastore (spec_decode/datastore.py).
 
 The prompts are rows 1000 onward of the seed-0 shuffle, as for `tokenmill train-eagle`;
 benchmarks/spec_decode.py draws its prompts from the front and never reaches row 1000.
@@ -22,7 +22,7 @@ def main(model: str, out: str, sharegpt: str, num_prompts: int = 3300, max_token
 
     from tokenmill import LLM
     from tokenmill.spec_decode.datastore import SuffixDatastore
-    from tokenmill.spec_decode.eagle_train import generate_corpus
+    from tokenmill.training.eagle import generate_corpus
     if threads:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -37,7 +37,7 @@ def main(model: str, out: str, sharegpt: str, num_prompts: int = 3300, max_token
 
 
 def add_arguments(p) -> None:
-    from tokenmill.spec_decode.eagle_train import add_corpus_arguments
+    from tokenmill.training.eagle import add_corpus_arguments
     add_corpus_arguments(p)
     p.add_argument("--out", required=True, help="the datastore file (.npz)")
     p.add_argument("--min-n", type=int, default=2, help="shortest context looked up")
