@@ -183,9 +183,10 @@ def test_greedy_identical_with_chunking_preemption_and_prefix_hits(tiny_llama, t
     assert run(llm, PROMPTS[:1], params) == ref[:1]   # alone, with prefix-cache hits
     stats = llm.stats()
     assert stats.num_preemptions > 0
-    spec = stats.spec_decode
+    spec = stats.spec_decode   # drafts were made and verified, adaptive γ included (it drafts less: few accepted)
+    assert spec["num_drafts"] > 0 and spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
     if not adaptive:
-        assert spec["num_drafts"] > 0 and 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+        assert spec["num_accepted_tokens"] > 0
 
 
 def test_drafts_are_the_heads_teacher_forced_predictions(tiny_llama, trained_head):
@@ -291,8 +292,9 @@ def test_dynamic_tree_greedy_identical(tiny_llama, trained_head, greedy_ref, ada
     assert run(llm, PROMPTS, params) == ref
     assert run(llm, PROMPTS[:1], params) == ref[:1]
     spec = llm.stats().spec_decode
+    assert spec["num_drafts"] > 0                                        # drafts made, adaptive γ included
     if not adaptive:
-        assert spec["num_drafts"] > 0 and spec["mean_draft_size"] > 3      # trees: more nodes than depth
+        assert spec["mean_draft_size"] > 3      # trees: more nodes than depth
 
 
 def test_dynamic_tree_nodes_are_the_heads_top_guesses(tiny_llama, trained_head):

@@ -52,9 +52,8 @@ def test_greedy_identical_with_chunked_prefill_and_preemption(tiny_llama, greedy
     assert run(llm, PROMPTS[:1], params) == ref[:1]    # alone (and now with prefix-cache hits)
     stats = llm.stats()
     assert stats.num_preemptions > 0
-    spec = stats.spec_decode
-    if not name.endswith("adaptive"):
-        assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_tokens"]
+    spec = stats.spec_decode   # drafts were made and verified (adaptive γ included): not plain decoding in disguise
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_tokens"]
     if name == "ngram_tree":   # trees were drafted (more nodes than depth) and some accepted
         assert spec["mean_draft_size"] > 3 and spec["num_accepted_tokens"] > 0
     if name == "draft_self":  # the draft is the target: every draft token is accepted

@@ -21,6 +21,7 @@ import torch
 
 from tokenmill.config import EngineConfig, ModelArchConfig
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.core.step_io import StepInput
 from tokenmill.distributed.kv_connector import HoldForDecode, KVConnectorScheduler, KVTransferRequest, PullFromPrefill
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.output_processor import Emitted, OutputProcessor, ParentRequest
@@ -78,7 +79,8 @@ class EngineCore:
                                    self.kv_connector, groups or None)
         self.executor = build_executor(config, loaded, RunnerOptions.from_config(config, self.kv_spec,
                                                                                  self.max_model_len))
-        self.spec_metrics: dict[str, float] = {}
+        # An empty step: the runner answers (a spawned one is up) and reports its speculation counters.
+        self.spec_metrics: dict[str, float] = self.executor.execute(StepInput()).spec_metrics or {}
         """The runner's speculative-decoding counters as of the last step (empty without speculation)."""
         self.kv_worker = None
         if kvt is not None:  # lazy import: colocated engines never load torch.distributed

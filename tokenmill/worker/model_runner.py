@@ -28,6 +28,7 @@ import torch
 
 from tokenmill.attention.kv_quant import cache_head_dim
 from tokenmill.attention.metadata import AttentionMetadata, forward_context, tree_depths, tree_key_masks
+from tokenmill.attention.plan import AttentionKind, plan_attention
 from tokenmill.config import KVCacheGroup, ModelArchConfig
 from tokenmill.core.step_io import (NewRequestData, SamplerResult, SamplingRow, ScheduledChunk, StepInput,
                                     StepOutput, StepTokens)
@@ -160,15 +161,6 @@ def kept_rows(batch: list[StepTokens], hidden: torch.Tensor,
     return out, hidden.index_select(0, torch.tensor(idx, dtype=torch.long, device=hidden.device))
 
 
-MAX_TOKENS_AS_DECODES = 15
-"""Steps where no request has more new tokens than this (decodes; verification of up to 14 drafts or tree
-nodes; short chunks, which the attention backend attends token by token anyway, below its
-TILED_PREFILL_MIN_TOKENS) also get per-token attention metadata, so the CPU decode loop can serve them.
-Where prompts are attended per token anyway (ModelRunner's prompts_per_token), every step gets it: a
-step that mixes a prompt chunk with the running decodes stays in the C++ loop instead of paying the
-module path's ~95 us of Python per layer (docs/architecture.md, "Mixed steps")."""
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, kv_spec: KVCacheSpec,
                  device: torch.device, seed: int = 0, speculator: "SpeculativeDecoder | None" = None,
@@ -176,9 +168,8 @@ class ModelRunner:
         """speculator: speculative decoding (spec_decode/decoder.py): it verifies steps with drafts, gets every
         step's final hidden states when its proposer drafts from the target's features, and proposes drafts for
         the rows that sampled; use_decode_loop: False keeps every step on the module path (a tensor-parallel
-        shard: its layers all-reduce, which the C++ loop does not); prompts_per_token: the model's attention
-        backend attends prompt chunks token by token (ModelConfig.attends_prompts_per_token), so steps with
-        prompt chunks of any length get per-token metadata too and the C++ loop serves them like decodes;
+        shard: its layers all-reduce, which the C++ loop does not); prompts_per_token: prompt chunks are attended token by token (ModelConfig.attends_prompts_per_token): every
+        step's attention plan is PER_TOKEN (attention/plan.py), so the C++ loop serves prompt chunks like decodes;
         samples: False for a tensor-parallel rank > 0, which computes the logits (their vocabulary gather is a
         collective) and returns no tokens (rank 0 samples, verifies and proposes)."""
         self.model = model  # weights already processed for their kernels (load_model)
@@ -232,7 +223,7 @@ class ModelRunner:
         if step.block_copies:
             copy_blocks(self.kv_tensors, step.block_copies)
         if not step.scheduled:
-            return StepOutput()
+            return StepOutput(spec_metrics=self.speculator.metrics() if self.speculator is not None else None)
         t0 = time.perf_counter()
         tokens = [self.requests[c.request_id].advance(c) for c in step.scheduled]
         forked = [self.requests[c.request_id].advance(c) for c in step.forked]
@@ -356,15 +347,18 @@ class ModelRunner:
             num_decodes += 1
         dev = self.device
         max_dec = max(seq_lens[:num_decodes], default=0)
-        per_token = max((s.num_new_tokens for s in batch), default=0) <= MAX_TOKENS_AS_DECODES \
-            or (self.prompts_per_token and self.decode_loop is not None)
-        token_lens = torch.tensor(key_lens, dtype=torch.long, device=dev) if per_token else None
+        counts = [s.num_new_tokens for s in batch]
+        kinds = [plan_attention(counts, not self.prompts_per_token, grp.sliding_window is not None)
+                 for grp in self.groups]
+        token_lens = torch.tensor(key_lens, dtype=torch.long, device=dev) \
+            if AttentionKind.PER_TOKEN in kinds else None
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.long, device=dev)
         qsl_t = torch.tensor(qsl, dtype=torch.long, device=dev)
         key_mask_t = None if key_masks is None else torch.tensor(key_masks, dtype=torch.long, device=dev)
         metas = []
-        for g, grp in enumerate(self.groups):
+        for g, (grp, kind) in enumerate(zip(self.groups, kinds)):
             tables = [s.tables()[g] for s in batch]
+            per_token = kind is AttentionKind.PER_TOKEN
             slot_mapping, block_tables, token_tables = self._table_tensors(batch, tables, num_decodes, per_token)
             key_start = None
             if grp.sliding_window is not None:
@@ -379,8 +373,8 @@ class ModelRunner:
                 num_decodes=num_decodes, num_prefills=len(batch) - num_decodes, slot_mapping=slot_mapping,
                 block_tables=block_tables, seq_lens=seq_lens_t, query_start_loc=qsl_t,
                 seq_lens_cpu=seq_lens, query_start_loc_cpu=qsl, max_decode_seq_len=max_dec, decode_mask=decode_mask,
-                token_block_tables=token_tables, token_seq_lens=token_lens, token_key_mask=key_mask_t,
-                key_start=key_start))
+                token_block_tables=token_tables, token_seq_lens=token_lens if per_token else None,
+                token_key_mask=key_mask_t, key_start=key_start, plan=kind))
         return StepInputs(metas[0], torch.tensor(input_ids, dtype=torch.long, device=dev),
                           torch.tensor(positions, dtype=torch.long, device=dev),
                           torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling, metas[1:])
@@ -388,7 +382,7 @@ class ModelRunner:
     def _table_tensors(self, batch: list[StepTokens], tables: list[list[int]], num_decodes: int,
                        per_token: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One KV-cache group's slot_mapping [num_tokens], block tables [num_reqs, max_blocks] (padded with
-        block 0) and, for steps of few tokens per request, per-token tables [num_tokens, max_blocks]."""
+        block 0) and, for a PER_TOKEN plan, per-token tables [num_tokens, max_blocks]."""
         bs = self.block_size
         slots: list[int] = []
         for s, bids in zip(batch, tables):
