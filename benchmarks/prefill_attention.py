@@ -2,7 +2,7 @@
 decode, side by side in one process, bf16, the default model.
 
 The per-token path is what prompt chunks used before `paged_prefill` (attention/cpu_kernels.py);
-it is selected by raising attention.backend.TILED_PREFILL_MIN_TOKENS above the prompt length.
+it is selected by raising attention.plan.TILED_PREFILL_MIN_TOKENS above the prompt length.
 
     python benchmarks/prefill_attention.py --num-threads 2 --prompt-len 2000 --repeats 3
 """
@@ -24,7 +24,7 @@ def main() -> int:
     import torch
     torch.set_num_threads(args.num_threads)
     from tokenmill import LLM, SamplingParams
-    from tokenmill.attention import backend
+    from tokenmill.attention import plan as attention_plan
 
     llm = LLM(model="smollm2-135m", dtype="bfloat16", enable_prefix_caching=False,
               max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=max(4096, args.prompt_len + 16))
@@ -32,17 +32,17 @@ def main() -> int:
     prompt = [rng.randrange(100, llm.tokenizer.vocab_size) for _ in range(args.prompt_len)]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt[:64]}], params, use_tqdm=False)   # builds the kernels
-    paths = {"per-token decode attention": 10 ** 9, "tiled prefill attention": backend.TILED_PREFILL_MIN_TOKENS}
+    paths = {"per-token decode attention": 10 ** 9, "tiled prefill attention": attention_plan.TILED_PREFILL_MIN_TOKENS}
     times: dict[str, list[float]] = {k: [] for k in paths}
     try:
         for _ in range(args.repeats):
             for name, threshold in paths.items():   # interleaved, so drift hits both
-                backend.TILED_PREFILL_MIN_TOKENS = threshold
+                attention_plan.TILED_PREFILL_MIN_TOKENS = threshold
                 t = time.perf_counter()
                 llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
                 times[name].append(time.perf_counter() - t)
     finally:
-        backend.TILED_PREFILL_MIN_TOKENS = paths["tiled prefill attention"]
+        attention_plan.TILED_PREFILL_MIN_TOKENS = paths["tiled prefill attention"]
     print(f"one {args.prompt_len}-token prompt, bf16, {args.num_threads} threads, median of {args.repeats}")
     print("| attention | TTFT ms | prefill tok/s |")
     print("|---|---|---|")

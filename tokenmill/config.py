@@ -267,8 +267,9 @@ class TreeConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_nodes <= 14:
-            raise ValueError("speculative_config.tree.max_nodes must be in [1, 14] (a tree step stays within the "
-                             "per-token attention path, worker/model_runner.py MAX_TOKENS_AS_DECODES)")
+            raise ValueError("speculative_config.tree.max_nodes must be in [1, 14] (a tree step of 1 + 14 tokens "
+                             "stays below TILED_PREFILL_MIN_TOKENS, in the per-token attention plan, "
+                             "attention/plan.py)")
         if self.max_width < 1:
             raise ValueError("speculative_config.tree.max_width must be >= 1")
         if self.max_depth is not None and self.max_depth < 1:

@@ -10,7 +10,7 @@ from tokenmill.layers.linear import ANY_ROWS, KernelKind
 from tokenmill.quant.pipeline import QuantConfig, quantize_model
 from tokenmill.quant.save import save_quantized
 from tokenmill.models.loader import load_model
-from tokenmill.worker.model_runner import MAX_TOKENS_AS_DECODES
+from tokenmill.attention.plan import TILED_PREFILL_MIN_TOKENS
 
 
 PROMPTS = [[5, 9, 200, 31, 7], [1, 2, 3], list(range(40, 75))]
@@ -73,7 +73,7 @@ def test_loop_serves_prompt_chunks_where_prompts_are_attended_per_token(tiny_lla
               enable_prefix_caching=False, batch_invariant=True, max_num_batched_tokens=48)
     fast, slow = generate_both_ways(llm, LONG_PROMPTS, n=16)
     assert fast == slow
-    assert llm.engine.executor.runner.decode_loop.max_tokens_served > MAX_TOKENS_AS_DECODES
+    assert llm.engine.executor.runner.decode_loop.max_tokens_served >= TILED_PREFILL_MIN_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +95,10 @@ def test_loop_serves_tiled_prompt_chunks(tiny_llama_d64, each_isa):
     assert fast == slow
     if native.has_avx512_bf16():
         assert loop.tiles_prompts and loop.tiled_steps_served >= 3   # 90 + 40 prompt tokens in 48-token steps
-        assert loop.max_tokens_served > MAX_TOKENS_AS_DECODES
+        assert loop.max_tokens_served >= TILED_PREFILL_MIN_TOKENS
     else:
         assert not loop.tiles_prompts and loop.tiled_steps_served == 0
-        assert loop.max_tokens_served <= MAX_TOKENS_AS_DECODES
+        assert loop.max_tokens_served < TILED_PREFILL_MIN_TOKENS
 
 
 @pytest.mark.parametrize("bits,group_size,kind", [(4, 32, None), (8, -1, KernelKind.INT8)])

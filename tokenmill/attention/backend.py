@@ -16,7 +16,9 @@ import torch.nn.functional as F
 
 from tokenmill.attention.kv_quant import dequantize_kv, is_quantized, write_kv_int8
 from tokenmill.attention.cpu_kernels import paged_decode_attention, paged_prefill_attention, write_and_decode
+from tokenmill.attention import plan as attention_plan
 from tokenmill.attention.metadata import AttentionMetadata, PerTokenTables, ShortRows, TiledPlan
+from tokenmill.attention.plan import AttentionKind
 
 
 class AttentionBackend(Protocol):
@@ -54,13 +56,11 @@ class TorchPagedAttention:
     causal mask offset by the request's cached context (a chunk at positions [c, c + n) sees keys
     [0, c + n)).
 
-    tiled_prefill: with it, prompt chunks of TILED_PREFILL_MIN_TOKENS or more take the tiled kernel (3-4x
-    faster prompt attention); without it (ModelConfig.attends_prompts_per_token) every token is attended as a
-    decode over its own prefix, so its bits do not depend on how its prompt was chunked or batched.
+    Which of the two each step takes is the runner's attention plan (attention/plan.py, AttentionMetadata.plan):
+    TILED sends prompt chunks of TILED_PREFILL_MIN_TOKENS or more to the tiled kernel (3-4x faster prompt
+    attention); PER_TOKEN (ModelConfig.attends_prompts_per_token) attends every token as a decode over its own
+    prefix, so its bits do not depend on how its prompt was chunked or batched.
     """
-
-    def __init__(self, tiled_prefill: bool = True) -> None:
-        self.tiled_prefill = tiled_prefill
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
                 meta: AttentionMetadata | None, scale: float, sliding_window: int | None = None) -> torch.Tensor:
@@ -76,7 +76,7 @@ class TorchPagedAttention:
                 return out
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if meta.custom_mask is None:  # CPU: the C++ kernels, one or two calls per layer
-            out = _cpu_kernel_attention(q, kv_cache, meta, scale, self.tiled_prefill)
+            out = _cpu_kernel_attention(q, kv_cache, meta, scale)
             if out is not None:
                 return out
         out = torch.empty_like(q)
@@ -141,19 +141,13 @@ class TorchPagedAttention:
         return o.reshape(b, hq, d)
 
 
-TILED_PREFILL_MIN_TOKENS = 16
-"""Requests with at least this many query tokens in a step (prompt chunks) are attended by the tiled
-prefill kernel; the others (decodes, speculative verification, short chunks) token by token as
-decodes, so a generated token's attention is the same arithmetic whether it was decoded or verified."""
-
-
 def _cpu_kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                          scale: float, tiled_prefill: bool) -> torch.Tensor | None:
+                          scale: float) -> torch.Tensor | None:
     """The step's attention by the C++ kernels (None when they do not serve it): long prompt chunks
     tiled (cpu_kernels.paged_prefill_attention, bf16), the other tokens each as a decode over its
     own prefix (paged_decode_attention). On the 64-request offline benchmark (bf16) prefill
     attention took 1.74 s as one SDPA call per request, 1.53 s token by token, and ~0.45 s tiled."""
-    plan = tiled_plan(meta) if tiled_prefill and meta.key_start is None else None  # (no window in the tiled one)
+    plan = tiled_plan(meta)
     if plan is not None:
         out = paged_prefill_attention(q, kv_cache, plan.block_tables, plan.seq_lens, plan.q_start, plan.q_len, scale)
         if out is not None:
@@ -179,20 +173,22 @@ def _hidden_keys(key_mask: torch.Tensor, q_pos: torch.Tensor, seq_len: int) -> t
 
 
 def tiled_plan(meta: AttentionMetadata) -> TiledPlan | None:
-    """The long requests (prompt chunks of TILED_PREFILL_MIN_TOKENS or more) for the tiled kernel and the
-    other tokens per token, or None when no request is long. Built once per step (meta.derived)."""
+    """A TILED step's split (attention/plan.py): the long requests (prompt chunks of TILED_PREFILL_MIN_TOKENS or
+    more) for the tiled kernel, the other tokens per token; None for a PER_TOKEN step. Built once per step
+    (meta.derived)."""
     derived = meta.derived
     if derived.tiled_done:
         return derived.tiled
     plan = None
-    if meta.token_block_tables is None:  # set only when every request has few new tokens
+    if meta.plan is AttentionKind.TILED:
+        min_tokens = attention_plan.TILED_PREFILL_MIN_TOKENS
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         counts = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
-        long = [i for i, n in enumerate(counts) if n >= TILED_PREFILL_MIN_TOKENS]
+        long = [i for i, n in enumerate(counts) if n >= min_tokens]
         if long:
             dev = meta.block_tables.device
             sel = torch.tensor(long, device=dev)
-            short = [i for i, n in enumerate(counts) if n < TILED_PREFILL_MIN_TOKENS]
+            short = [i for i, n in enumerate(counts) if n < min_tokens]
             short_part = None
             if short:
                 idx = [t for i in short for t in range(qsl[i], qsl[i + 1])]

@@ -15,6 +15,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from tokenmill.attention.plan import AttentionKind
+
 
 @dataclass
 class AttentionMetadata:
@@ -33,8 +35,8 @@ class AttentionMetadata:
     custom_mask: torch.Tensor | None = None
     """Seam for token trees: a [num_tokens, max_seq_len] mask replacing the causal rule."""
     token_block_tables: torch.Tensor | None = None
-    """Set when every request has few new tokens (decodes, speculative verification): [num_tokens,
-    max_blocks], each token's request's block table, so each token can be attended as its own decode."""
+    """Set when the plan is PER_TOKEN (by the runner): [num_tokens, max_blocks], each token's request's block
+    table, so each token can be attended as its own decode."""
     token_seq_lens: torch.Tensor | None = None
     """With token_block_tables: [num_tokens] keys each token sees: its slot index in its request + 1
     (its position + 1, except for the nodes of a token tree, whose positions go by depth)."""
@@ -45,6 +47,9 @@ class AttentionMetadata:
     """Sliding-window groups: [num_tokens] int64, the first key (slot index in its request) each token sees,
     max(0, position + 1 - window); keys before it may sit in blocks already returned to the pool. None in
     groups of global layers."""
+    plan: AttentionKind = AttentionKind.PER_TOKEN
+    """This step's attention in this group (attention/plan.py), decided once by the runner: per token (the
+    token_* tables are set) or tiled long prompt chunks with the other tokens per token."""
     derived: "DerivedPlans" = field(default_factory=lambda: DerivedPlans(), repr=False)
     """Per-step plans the attention backend derives from the fields above once and every layer reuses."""
 

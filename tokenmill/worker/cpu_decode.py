@@ -32,6 +32,7 @@ import torch
 from tokenmill import native
 from tokenmill.attention import cpu_kernels
 from tokenmill.attention.backend import tiled_plan
+from tokenmill.attention.plan import AttentionKind
 from tokenmill.attention.metadata import AttentionMetadata
 from tokenmill.layers.linear import LinearKernel
 from tokenmill.models.interface import DecoderLayout
@@ -56,16 +57,16 @@ class CpuDecodeLoop:
     def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         if meta.custom_mask is not None or num_tokens > self.max_rows:
             return False
-        if meta.token_seq_lens is not None:
-            return True
-        return self.tiles_prompts and meta.key_start is None and tiled_plan(meta) is not None
+        if meta.plan is AttentionKind.PER_TOKEN:
+            return meta.token_seq_lens is not None
+        return self.tiles_prompts and tiled_plan(meta) is not None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
         self.steps_served += 1
         self.max_tokens_served = max(self.max_tokens_served, n)
         h = self.embed(input_ids)
-        if meta.token_seq_lens is not None:
+        if meta.plan is AttentionKind.PER_TOKEN:
             return self.stack.forward(h, positions, meta.slot_mapping, meta.token_block_tables, meta.token_seq_lens,
                                       meta.token_key_mask, None)
         plan = tiled_plan(meta)

@@ -85,12 +85,10 @@ class RunnerOptions:
 
 
 def load_target(mc: ModelConfig, load_tokenizer: bool = True) -> "LoadedModel":
-    """The target model as every process of an engine loads it (same dtype, LM head and attention backend)."""
-    from tokenmill.attention.backend import TorchPagedAttention
+    """The target model as every process of an engine loads it (same dtype and LM head)."""
     from tokenmill.models.loader import load_model
     return load_model(mc.model, dtype=mc.torch_dtype, device=mc.device, quantize_lm_head=mc.quantize_lm_head,
-                      load_tokenizer=load_tokenizer,
-                      backend=TorchPagedAttention(tiled_prefill=not mc.attends_prompts_per_token))
+                      load_tokenizer=load_tokenizer)
 
 
 def build_runner(model: torch.nn.Module, arch: ModelArchConfig, opts: RunnerOptions,
