@@ -5,6 +5,7 @@ as benchmarks/invariance_cost.py.
     git worktree add /tmp/old b426e1e
     .venv/bin/python benchmarks/before_after.py --old-tree /tmp/old --rounds 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,15 @@ def main() -> None:
     res: dict[str, list[dict]] = {k: [] for k in trees}
     for _ in range(args.rounds):
         for name, env in trees.items():
-            out = subprocess.run([sys.executable, "-c", CHILD, json.dumps({"dtype": "bfloat16"}), data],
-                                 env={**os.environ, **env}, capture_output=True, text=True, timeout=3000,
-                                 cwd=args.old_tree if name == "old" else REPO, check=True)
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD, json.dumps({"dtype": "bfloat16"}), data],
+                env={**os.environ, **env},
+                capture_output=True,
+                text=True,
+                timeout=3000,
+                cwd=args.old_tree if name == "old" else REPO,
+                check=True,
+            )
             res[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(name, res[name][-1], flush=True)
     for name in trees:

@@ -3,6 +3,7 @@ first chat request (32 greedy tokens). Run it right after `bash scripts/install.
 
     .venv/bin/python benchmarks/cold_start.py
 """
+
 from __future__ import annotations
 
 import time
@@ -16,13 +17,22 @@ def main() -> None:
     t0 = time.perf_counter()
     with LaunchedServer([]) as server:
         t1 = time.perf_counter()
-        r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={
-            "model": "smollm2-135m", "messages": [{"role": "user", "content": "Name three rivers."}],
-            "max_tokens": 32, "temperature": 0})
+        r = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            timeout=300,
+            json={
+                "model": "smollm2-135m",
+                "messages": [{"role": "user", "content": "Name three rivers."}],
+                "max_tokens": 32,
+                "temperature": 0,
+            },
+        )
         t2 = time.perf_counter()
     r.raise_for_status()
-    print(f"/health after {t1 - t0:.1f} s; first chat request {t2 - t1:.2f} s "
-          f"({r.json()['usage']['completion_tokens']} tokens)")
+    print(
+        f"/health after {t1 - t0:.1f} s; first chat request {t2 - t1:.2f} s "
+        f"({r.json()['usage']['completion_tokens']} tokens)"
+    )
 
 
 if __name__ == "__main__":

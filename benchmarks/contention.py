@@ -11,6 +11,7 @@ A variant is `default` (tokenmill's own settings) or NAME=VALUE[,NAME=VALUE] env
 process. Decode speed is (tokens - 1) / (last token time - first token time), the prompt excluded; for
 llama-server its own `timings.predicted_per_second`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ class Condition:
         self.name, self.streams, self.procs = name, streams, []
         self.server: LaunchedServer | None = None
 
-    def __enter__(self) -> "Condition":
+    def __enter__(self) -> Condition:
         if self.name == "busy2":
             for _ in range(2):
                 self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
@@ -63,7 +64,8 @@ class Condition:
                 "    while time.time() < end:\n"
                 "        httpx.post(url, json=body, timeout=600)\n"
                 f"with f.ThreadPoolExecutor({self.streams}) as ex:\n"
-                f"    [ex.submit(loop) for _ in range({self.streams})]\n")
+                f"    [ex.submit(loop) for _ in range({self.streams})]\n"
+            )
             self.procs.append(subprocess.Popen([sys.executable, "-c", client]))
             time.sleep(3)
         return self
@@ -79,8 +81,14 @@ def tokenmill_tok_s(variant: str, tokens: int) -> float:
     env = dict(os.environ)
     if variant != "default":
         env.update(kv.split("=", 1) for kv in variant.split(","))
-    out = subprocess.run([str(REPO / ".venv/bin/python"), "-c", CHILD, PROMPT, str(tokens)], env=env,
-                         capture_output=True, text=True, timeout=1800, check=True)
+    out = subprocess.run(
+        [str(REPO / ".venv/bin/python"), "-c", CHILD, PROMPT, str(tokens)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
 
 
@@ -94,13 +102,18 @@ def llama_tok_s(binary: Path, gguf: Path, threads: int, tokens: int, prompt_ids:
 def f16_gguf(binary: Path, out_dir: Path) -> Path:
     """The default model's weights as an F16 GGUF, written by llama.cpp's llama-quantize from the shipped Q4_1."""
     from tokenmill.models.loader import resolve_model_path
+
     src = Path(resolve_model_path("smollm2-135m"))
     dst = out_dir / "smollm2-135m-F16.gguf"
     if not dst.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
-        subprocess.run([str(binary.with_name("llama-quantize")), "--allow-requantize", str(src), str(dst), "F16"],
-                       env=dict(os.environ, LD_LIBRARY_PATH=str(binary.parent)), check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [str(binary.with_name("llama-quantize")), "--allow-requantize", str(src), str(dst), "F16"],
+            env=dict(os.environ, LD_LIBRARY_PATH=str(binary.parent)),
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     return dst
 
 
@@ -121,20 +134,23 @@ def main() -> None:
     for cond in args.conditions:
         with Condition(cond):
             row = {"condition": cond}
-            for _ in range(args.repeats):   # interleaved: every variant and the peer once per round
+            for _ in range(args.repeats):  # interleaved: every variant and the peer once per round
                 for v in args.variants:
                     row.setdefault(v, []).append(tokenmill_tok_s(v, args.tokens))
                 if gguf is not None:
-                    row.setdefault("llama.cpp", []).append(llama_tok_s(args.llama_server, gguf, args.threads, args.tokens,
-                                                                       prompt_ids))
+                    row.setdefault("llama.cpp", []).append(
+                        llama_tok_s(args.llama_server, gguf, args.threads, args.tokens, prompt_ids)
+                    )
             rows.append(row)
             print(json.dumps(row), flush=True)
     names = args.variants + (["llama.cpp"] if gguf is not None else [])
     print(f"\n{'condition':18}" + "".join(f"{n:>28}" for n in names) + "   (tok/s, median)")
     for row in rows:
         med = {n: statistics.median(row[n]) for n in names}
-        cells = [f"{med[n]:8.1f}" + (f" ({med[n] / med['llama.cpp']:.2f}x)" if gguf is not None and n != "llama.cpp" else "")
-                 for n in names]
+        cells = [
+            f"{med[n]:8.1f}" + (f" ({med[n] / med['llama.cpp']:.2f}x)" if gguf is not None and n != "llama.cpp" else "")
+            for n in names
+        ]
         print(f"{row['condition']:18}" + "".join(f"{c:>28}" for c in cells))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -2,6 +2,7 @@
 (fp32 must match token for token on most prompts; bf16 is reported), then a single-stream decode
 figure and a batch-64 offline throughput figure on CUDA. Writes everything to $OUT/cuda.json,
 including any error with its traceback (a partial result is still a result)."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,16 @@ import traceback
 from pathlib import Path
 
 OUT = Path(os.environ.get("OUT", "bench_out")) / "cuda.json"
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "The three primary colors are", "Water boils at a temperature of", "List three uses of copper:",
-           "The quick brown fox", "In machine learning, overfitting means"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "List three uses of copper:",
+    "The quick brown fox",
+    "In machine learning, overfitting means",
+]
 res: dict = {"ok": False, "stages": {}}
 
 
@@ -31,16 +39,22 @@ def stage(name):
                 out = fn(*a)
                 res["stages"][name] = {"ok": True, "seconds": round(time.perf_counter() - t, 1), **(out or {})}
             except Exception as e:
-                res["stages"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                       "traceback": traceback.format_exc(limit=8)}
+                res["stages"][name] = {
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc(limit=8),
+                }
             save()
             print(name, json.dumps(res["stages"][name], default=str)[:600], flush=True)
+
         return run
+
     return deco
 
 
 def greedy(llm, n=32):
     from tokenmill import SamplingParams
+
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -56,15 +70,20 @@ def prefix(a, b):
 
 def main() -> int:
     import torch
-    res["env"] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
-                  "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                  "python": sys.version.split()[0]}
+
+    res["env"] = {
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": sys.version.split()[0],
+    }
     save()
     if not torch.cuda.is_available():
         res["error"] = "torch.cuda.is_available() is False"
         save()
         return 1
     from tokenmill import LLM
+
     state: dict = {}
 
     @stage("cpu_reference_fp32")
@@ -90,8 +109,15 @@ def main() -> int:
     def cuda_perf():
         from tokenmill.bench.common import load_sharegpt, random_requests
         from tokenmill.bench.engine_runs import engine_throughput, engine_timed_generate, make_prompt_ids, warm_up
-        llm = LLM(model="smollm2-135m", dtype="bfloat16", device="cuda", max_num_seqs=64,
-                  max_num_batched_tokens=2048, kv_cache_memory_bytes=4 << 30)
+
+        llm = LLM(
+            model="smollm2-135m",
+            dtype="bfloat16",
+            device="cuda",
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+            kv_cache_memory_bytes=4 << 30,
+        )
         warm_up(llm)
         prompt = make_prompt_ids(llm.tokenizer, 32)
         engine_timed_generate(llm.engine, prompt, 8)
@@ -101,8 +127,7 @@ def main() -> int:
         except ValueError:
             reqs, data = random_requests(llm.tokenizer, 64, 256, 256, 0.5), "random 256+-50% in / out"
         tp = engine_throughput(llm, reqs)
-        return {"single_stream_decode_tok_s": sorted(runs)[1], "runs": runs, "batch64_dataset": data,
-                "batch64": tp}
+        return {"single_stream_decode_tok_s": sorted(runs)[1], "runs": runs, "batch64_dataset": data, "batch64": tp}
 
     cpu_ref()
     if "cpu" in state:

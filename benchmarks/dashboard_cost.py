@@ -9,6 +9,7 @@ open alternate so drift on a shared machine falls on both. Reported per conditio
 engine's wall time per step (/metrics: engine_step_seconds / engine_steps) and the dashboard updates received.
 The ratio open/closed is the cost; the spread between rounds of the same condition is the noise it must beat.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,14 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenmill.bench.common import SampleRequest, environment, format_table, load_sharegpt, write_json  # noqa: E402
-from tokenmill.bench.serve import (LaunchedServer, calculate_metrics, discover_model, load_tokenizer, run_load,  # noqa: E402
-                                   scrape_metrics)
+from tokenmill.bench.serve import (
+    LaunchedServer,
+    calculate_metrics,
+    discover_model,
+    load_tokenizer,
+    run_load,  # noqa: E402
+    scrape_metrics,
+)
 
 
 def step_counters(base_url: str) -> tuple[float, float]:
@@ -64,7 +71,7 @@ class Pages:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def __enter__(self) -> "Pages":
+    def __enter__(self) -> Pages:
         self._thread.start()
         return self
 
@@ -77,19 +84,27 @@ def one_run(server: LaunchedServer, model: str, reqs: list[SampleRequest], strea
     s0, t0 = step_counters(server.base_url)
     if pages:
         with Pages(server.base_url, pages) as p:
-            results, duration = asyncio.run(run_load(server.base_url, model, reqs, math.inf, "poisson", streams,
-                                                     chat=True, ignore_eos=True))
+            results, duration = asyncio.run(
+                run_load(server.base_url, model, reqs, math.inf, "poisson", streams, chat=True, ignore_eos=True)
+            )
         updates, nbytes = p.updates, p.bytes
     else:
-        results, duration = asyncio.run(run_load(server.base_url, model, reqs, math.inf, "poisson", streams,
-                                                 chat=True, ignore_eos=True))
+        results, duration = asyncio.run(
+            run_load(server.base_url, model, reqs, math.inf, "poisson", streams, chat=True, ignore_eos=True)
+        )
         updates = nbytes = 0
     time.sleep(0.6)  # the engine thread refreshes its stats every 0.5 s
     s1, t1 = step_counters(server.base_url)
     m = calculate_metrics(results, duration)
-    return {"output_tok_s": m["output_throughput"], "failed": m["failed"], "duration_s": duration,
-            "steps": s1 - s0, "step_ms": (t1 - t0) / (s1 - s0) * 1e3, "updates": updates,
-            "update_kib": nbytes / max(updates, 1) / 1024}
+    return {
+        "output_tok_s": m["output_throughput"],
+        "failed": m["failed"],
+        "duration_s": duration,
+        "steps": s1 - s0,
+        "step_ms": (t1 - t0) / (s1 - s0) * 1e3,
+        "updates": updates,
+        "update_kib": nbytes / max(updates, 1) / 1024,
+    }
 
 
 def main() -> int:
@@ -103,8 +118,10 @@ def main() -> int:
     p.add_argument("--result-dir", default="bench_out/dashboard_cost")
     args = p.parse_args()
     tok = load_tokenizer("smollm2-135m")
-    reqs = [SampleRequest(r.prompt, r.prompt_token_ids, args.output_len)
-            for r in load_sharegpt(None, tok, args.num_prompts, seed=3)]
+    reqs = [
+        SampleRequest(r.prompt, r.prompt_token_ids, args.output_len)
+        for r in load_sharegpt(None, tok, args.num_prompts, seed=3)
+    ]
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {"closed": [], "open": []}
@@ -118,24 +135,62 @@ def main() -> int:
             for cond in order:
                 r = one_run(server, model, reqs, args.streams, args.pages if cond == "open" else 0)
                 runs[cond].append(r)
-                print(f"round {k + 1} {cond:6s}: {r['output_tok_s']:.1f} tok/s, {r['step_ms']:.2f} ms/step, "
-                      f"{r['updates']} updates", flush=True)
+                print(
+                    f"round {k + 1} {cond:6s}: {r['output_tok_s']:.1f} tok/s, {r['step_ms']:.2f} ms/step, "
+                    f"{r['updates']} updates",
+                    flush=True,
+                )
     rows = []
     med = {}
     for cond in ("closed", "open"):
         tps = [r["output_tok_s"] for r in runs[cond]]
         step = [r["step_ms"] for r in runs[cond]]
         med[cond] = (statistics.median(tps), statistics.median(step))
-        rows.append([cond, med[cond][0], min(tps), max(tps), med[cond][1], min(step), max(step),
-                     sum(r["updates"] for r in runs[cond]), statistics.mean(r["update_kib"] for r in runs[cond])])
-    print(format_table(["dashboard", "tok/s p50", "tok/s min", "tok/s max", "ms/step p50", "ms/step min",
-                        "ms/step max", "updates", "KiB/update"], rows))
+        rows.append(
+            [
+                cond,
+                med[cond][0],
+                min(tps),
+                max(tps),
+                med[cond][1],
+                min(step),
+                max(step),
+                sum(r["updates"] for r in runs[cond]),
+                statistics.mean(r["update_kib"] for r in runs[cond]),
+            ]
+        )
+    print(
+        format_table(
+            [
+                "dashboard",
+                "tok/s p50",
+                "tok/s min",
+                "tok/s max",
+                "ms/step p50",
+                "ms/step min",
+                "ms/step max",
+                "updates",
+                "KiB/update",
+            ],
+            rows,
+        )
+    )
     ratio_tps = med["open"][0] / med["closed"][0]
     ratio_step = med["open"][1] / med["closed"][1]
-    print(f"open/closed: throughput {ratio_tps:.3f}, step time {ratio_step:.3f} "
-          f"({args.pages} page(s), {args.streams} streams, {args.rounds} rounds)")
-    write_json(out / "dashboard_cost.json", {"env": environment(), "args": vars(args), "runs": runs,
-                                             "ratio_throughput": ratio_tps, "ratio_step_time": ratio_step})
+    print(
+        f"open/closed: throughput {ratio_tps:.3f}, step time {ratio_step:.3f} "
+        f"({args.pages} page(s), {args.streams} streams, {args.rounds} rounds)"
+    )
+    write_json(
+        out / "dashboard_cost.json",
+        {
+            "env": environment(),
+            "args": vars(args),
+            "runs": runs,
+            "ratio_throughput": ratio_tps,
+            "ratio_step_time": ratio_step,
+        },
+    )
     return 0
 
 

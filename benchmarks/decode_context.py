@@ -6,6 +6,7 @@ EngineCore in this process; per prompt length, --rounds rounds of one request ge
 (EOS ignored); the median wall time between steps after the first two. Also prints the decode-attention loop
 the kernels run on this CPU (tokenmill._C.decode_kernel) for the model's head shape.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ def main() -> int:
     from tokenmill.attention import cpu_kernels
     from tokenmill.engine.core import EngineCore
     from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
     ep = argparse.ArgumentParser()
     add_engine_args(ep)
     core = EngineCore(engine_config_from_args(ep.parse_args(shlex.split(args.engine_args))))
@@ -43,8 +45,11 @@ def main() -> int:
     res: dict[int, list[float]] = {n: [] for n in lengths}
     for rnd in range(args.rounds):
         for n in lengths:
-            core.add_request(f"r{n}-{rnd}", [100 + (i * 7) % 5000 for i in range(n)],
-                             SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
+            core.add_request(
+                f"r{n}-{rnd}",
+                [100 + (i * 7) % 5000 for i in range(n)],
+                SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True),
+            )
             ts = []
             while core.has_unfinished_requests():
                 core.step()

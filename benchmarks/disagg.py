@@ -14,6 +14,7 @@ ITL of the streams (every gap between their streamed chunks) while long prompts 
 of the long prompts; and from the decode worker's /metrics, the bytes, blocks and time of the K/V pulls. Both
 setups run in one invocation, so the ratios compare like with like on a shared machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def launch(cmd: list[str], core: int, log: Path, health: str, timeout: float = 300.0) -> subprocess.Popen:
     env = dict(os.environ, TOKENMILL_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-m", "tokenmill.entrypoints.cli", *cmd],
-                            cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        ["taskset", "-c", str(core), sys.executable, "-m", "tokenmill.entrypoints.cli", *cmd],
+        cwd=REPO,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -54,14 +60,38 @@ def launch(cmd: list[str], core: int, log: Path, health: str, timeout: float = 3
 
 
 def serve_cmd(port: int, *extra: str) -> list[str]:
-    return ["serve", "--host", "127.0.0.1", "--port", str(port), "--model", "smollm2-135m", "--max-model-len", "2304",
-            "--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--kv-cache-memory-bytes", str(1 << 30),
-            "--disable-log-stats", "--uvicorn-log-level", "warning", *extra]
+    return [
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        "smollm2-135m",
+        "--max-model-len",
+        "2304",
+        "--max-num-seqs",
+        "32",
+        "--max-num-batched-tokens",
+        "512",
+        "--kv-cache-memory-bytes",
+        str(1 << 30),
+        "--disable-log-stats",
+        "--uvicorn-log-level",
+        "warning",
+        *extra,
+    ]
 
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "smollm2-135m",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     t0 = time.perf_counter()
     times: list[float] = []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -95,8 +125,12 @@ async def workload(url: str, args, rng: random.Random) -> dict:
             itl_all.append(b - a)
             if window[0] <= b <= window[1]:
                 itl_in.append(b - a)
-    return {"itl_window": itl_in, "itl_all": itl_all, "ttft_long": [r["times"][0] - r["start"] for r in long_res],
-            "window_s": window[1] - window[0]}
+    return {
+        "itl_window": itl_in,
+        "itl_all": itl_all,
+        "ttft_long": [r["times"][0] - r["start"] for r in long_res],
+        "window_s": window[1] - window[0],
+    }
 
 
 def summary(xs: list[float]) -> str:
@@ -141,17 +175,41 @@ def main() -> int:
     pp, dp, rp, kv = free_port(), free_port(), free_port(), free_port()
     procs = []
     try:
-        procs.append(launch(serve_cmd(pp, "--kv-role", "prefill", "--kv-transfer-config", json.dumps({"kv_port": kv})),
-                            1, logs / "prefill.log", f"http://127.0.0.1:{pp}/health"))
-        procs.append(launch(serve_cmd(dp, "--kv-role", "decode"), 0, logs / "decode.log",
-                            f"http://127.0.0.1:{dp}/health"))
-        procs.append(launch(["router", "--port", str(rp), "--prefill", f"http://127.0.0.1:{pp}", "--decode",
-                             f"http://127.0.0.1:{dp}", "--min-prefill-tokens", "256"], 1, logs / "router.log",
-                            f"http://127.0.0.1:{rp}/health"))
+        procs.append(
+            launch(
+                serve_cmd(pp, "--kv-role", "prefill", "--kv-transfer-config", json.dumps({"kv_port": kv})),
+                1,
+                logs / "prefill.log",
+                f"http://127.0.0.1:{pp}/health",
+            )
+        )
+        procs.append(
+            launch(serve_cmd(dp, "--kv-role", "decode"), 0, logs / "decode.log", f"http://127.0.0.1:{dp}/health")
+        )
+        procs.append(
+            launch(
+                [
+                    "router",
+                    "--port",
+                    str(rp),
+                    "--prefill",
+                    f"http://127.0.0.1:{pp}",
+                    "--decode",
+                    f"http://127.0.0.1:{dp}",
+                    "--min-prefill-tokens",
+                    "256",
+                ],
+                1,
+                logs / "router.log",
+                f"http://127.0.0.1:{rp}/health",
+            )
+        )
         results["disaggregated"] = asyncio.run(workload(f"http://127.0.0.1:{rp}", args, random.Random(0)))
         d = f"http://127.0.0.1:{dp}"
-        xfer = {k: metric(d, f"tokenmill:kv_transfer_{k}_total") for k in
-                ("loads", "loads_failed", "blocks_loaded", "bytes_loaded", "load_seconds")}
+        xfer = {
+            k: metric(d, f"tokenmill:kv_transfer_{k}_total")
+            for k in ("loads", "loads_failed", "blocks_loaded", "bytes_loaded", "load_seconds")
+        }
         pre = f"http://127.0.0.1:{pp}"
         xfer |= {f"prefill_{k}": metric(pre, f"tokenmill:kv_transfer_{k}_total") for k in ("sends", "send_seconds")}
         xfer["router_prefill_seconds"] = metric(f"http://127.0.0.1:{rp}", "tokenmill:router_prefill_seconds_total")
@@ -161,8 +219,10 @@ def main() -> int:
         for p in reversed(procs):
             stop_process(p, 30)
 
-    print(f"# {args.streams} streams x {args.stream_tokens} tokens; {args.long} prompts of {args.long_len} tokens, "
-          f"{args.gap} s apart; one core per worker")
+    print(
+        f"# {args.streams} streams x {args.stream_tokens} tokens; {args.long} prompts of {args.long_len} tokens, "
+        f"{args.gap} s apart; one core per worker"
+    )
     print("| setup | stream ITL while long prompts run | stream ITL overall | TTFT of long prompts |")
     print("|---|---|---|---|")
     for name in ("colocated", "disaggregated"):
@@ -170,13 +230,15 @@ def main() -> int:
         print(f"| {name} | {summary(r['itl_window'])} | {summary(r['itl_all'])} | {summary(r['ttft_long'])} |")
     x = results["transfer"]
     if x["blocks_loaded"]:
-        print(f"\ntransfer: {x['loads']:.0f} pulls ({x['loads_failed']:.0f} failed), {x['blocks_loaded']:.0f} blocks, "
-              f"{x['bytes_loaded'] / 2**20:.1f} MiB, {1000 * x['load_seconds'] / x['loads']:.1f} ms per pull, "
-              f"{1000 * x['load_seconds'] / x['blocks_loaded']:.2f} ms per block "
-              f"({x['bytes_loaded'] / x['blocks_loaded'] / 1024:.0f} KiB); of a pull, the gloo send itself "
-              f"{1000 * x['prefill_send_seconds'] / max(x['prefill_sends'], 1):.1f} ms (the rest: waiting for the "
-              f"prefill worker's step to end, gather, scatter); router prefill hop "
-              f"{1000 * x['router_prefill_seconds'] / max(x['router_disaggregated'], 1):.0f} ms per request")
+        print(
+            f"\ntransfer: {x['loads']:.0f} pulls ({x['loads_failed']:.0f} failed), {x['blocks_loaded']:.0f} blocks, "
+            f"{x['bytes_loaded'] / 2**20:.1f} MiB, {1000 * x['load_seconds'] / x['loads']:.1f} ms per pull, "
+            f"{1000 * x['load_seconds'] / x['blocks_loaded']:.2f} ms per block "
+            f"({x['bytes_loaded'] / x['blocks_loaded'] / 1024:.0f} KiB); of a pull, the gloo send itself "
+            f"{1000 * x['prefill_send_seconds'] / max(x['prefill_sends'], 1):.1f} ms (the rest: waiting for the "
+            f"prefill worker's step to end, gather, scatter); router prefill hop "
+            f"{1000 * x['router_prefill_seconds'] / max(x['router_disaggregated'], 1):.0f} ms per request"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -11,6 +11,7 @@ Targets: single stream >= 1.5x HF, throughput >= 3x HF.
     python benchmarks/engine_vs_hf.py --num-threads 2 [--dtype bfloat16|float32] \
         [--output-json bench_out/engine_vs_hf.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,20 +42,33 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenmill import LLM
     from tokenmill.bench.common import environment, format_table, load_sharegpt, set_threads, write_json
-    from tokenmill.bench.engine_runs import (common_prefix_len, engine_throughput, engine_timed_generate,
-                                             make_prompt_ids, warm_up)
+    from tokenmill.bench.engine_runs import (
+        common_prefix_len,
+        engine_throughput,
+        engine_timed_generate,
+        make_prompt_ids,
+        warm_up,
+    )
     from tokenmill.bench.peers import HFPeer
 
     threads = set_threads(args.num_threads)
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=1 << 30)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=1 << 30,
+    )
     dtype = llm.engine.config.model.torch_dtype
     warm_up(llm)
     t = time.perf_counter()
     hf = HFPeer(args.model, dtype)
     hf_load_s = time.perf_counter() - t
-    res: dict = {"config": {**vars(args), "dtype": str(dtype).removeprefix("torch."), "threads": threads},
-                 "env": environment(threads), "hf_load_s": hf_load_s}
+    res: dict = {
+        "config": {**vars(args), "dtype": str(dtype).removeprefix("torch."), "threads": threads},
+        "env": environment(threads),
+        "hf_load_s": hf_load_s,
+    }
     rows = []
     if args.skip != "single":
         prompt = make_prompt_ids(llm.tokenizer, args.input_len)
@@ -68,13 +82,18 @@ def main(argv: list[str] | None = None) -> int:
             hf_runs.append(timing.summary())
         o = statistics.median(r["decode_tok_s"] for r in ours_runs)
         h = statistics.median(r["decode_tok_s"] for r in hf_runs)
-        res["single_stream"] = {"tokenmill_decode_tok_s": o, "hf_decode_tok_s": h, "ratio": o / h,
-                                "tokenmill_runs": [r["decode_tok_s"] for r in ours_runs],
-                                "hf_runs": [r["decode_tok_s"] for r in hf_runs],
-                                "tokenmill_ttft_ms": statistics.median(r["ttft_ms"] for r in ours_runs),
-                                "hf_ttft_ms": statistics.median(r["ttft_ms"] for r in hf_runs),
-                                "greedy_prefix_match": common_prefix_len(our_toks, hf_toks),
-                                "target": TARGET_SINGLE, "meets_target": o / h >= TARGET_SINGLE}
+        res["single_stream"] = {
+            "tokenmill_decode_tok_s": o,
+            "hf_decode_tok_s": h,
+            "ratio": o / h,
+            "tokenmill_runs": [r["decode_tok_s"] for r in ours_runs],
+            "hf_runs": [r["decode_tok_s"] for r in hf_runs],
+            "tokenmill_ttft_ms": statistics.median(r["ttft_ms"] for r in ours_runs),
+            "hf_ttft_ms": statistics.median(r["ttft_ms"] for r in hf_runs),
+            "greedy_prefix_match": common_prefix_len(our_toks, hf_toks),
+            "target": TARGET_SINGLE,
+            "meets_target": o / h >= TARGET_SINGLE,
+        }
         rows.append([f"single-stream decode tok/s (batch 1, {args.output_len} new)", o, h, o / h, TARGET_SINGLE])
         print(f"single stream: tokenmill {o:.1f} tok/s, HF {h:.1f} tok/s, {o / h:.2f}x", flush=True)
     if args.skip != "throughput":
@@ -84,10 +103,22 @@ def main(argv: list[str] | None = None) -> int:
         theirs = hf.throughput(requests, args.hf_batch_size)
         print(f"throughput: HF {theirs['output_tok_s']:.1f} out tok/s ({theirs['elapsed_s']:.1f} s)", flush=True)
         ratio = ours["output_tok_s"] / theirs["output_tok_s"]
-        res["throughput"] = {"tokenmill": ours, "hf": theirs, "ratio": ratio, "target": TARGET_THROUGHPUT,
-                             "meets_target": ratio >= TARGET_THROUGHPUT}
-        rows.append([f"offline output tok/s ({len(requests)} ShareGPT prompts, {ours['output_tokens']} out tokens)",
-                     ours["output_tok_s"], theirs["output_tok_s"], ratio, TARGET_THROUGHPUT])
+        res["throughput"] = {
+            "tokenmill": ours,
+            "hf": theirs,
+            "ratio": ratio,
+            "target": TARGET_THROUGHPUT,
+            "meets_target": ratio >= TARGET_THROUGHPUT,
+        }
+        rows.append(
+            [
+                f"offline output tok/s ({len(requests)} ShareGPT prompts, {ours['output_tokens']} out tokens)",
+                ours["output_tok_s"],
+                theirs["output_tok_s"],
+                ratio,
+                TARGET_THROUGHPUT,
+            ]
+        )
     print(f"\n{args.model}, {res['config']['dtype']}, {threads} threads, loadavg {res['env']['loadavg']}")
     print(format_table(["measure", "tokenmill", "HF transformers", "ratio", "target"], rows))
     write_json(args.output_json, res)

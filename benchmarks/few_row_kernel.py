@@ -7,6 +7,7 @@ ratio, and whether both produced the same tokens (they need not: the kernels rou
 
     python benchmarks/few_row_kernel.py --threads 2 --batches 1,4,8 --tokens 128 --rounds 3
 """
+
 from __future__ import annotations
 
 import argparse

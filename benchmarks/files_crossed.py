@@ -5,6 +5,7 @@ first, so model loading and first-call imports do not count).
 
     .venv/bin/python benchmarks/files_crossed.py [--model smollm2-135m] [--list]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,14 @@ def main() -> None:
                 seen.add(f)
 
     def body(question: str) -> dict:
-        return {"model": args.model, "messages": [{"role": "user", "content": question}],
-                "max_tokens": 16, "temperature": 0.0, "stream": True}
+        return {
+            "model": args.model,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 16,
+            "temperature": 0.0,
+            "stream": True,
+        }
+
     threading.setprofile(prof)  # the engine thread starts inside the app's lifespan, after this
     sys.setprofile(prof)
     with TestClient(app) as client:

@@ -8,6 +8,7 @@ values); the windowed replay is printed beside it as a check that the replay mat
 
     python benchmarks/gemma3_kv_blocks.py [--prompt-tokens 4000] [--block-size 16] [--out results.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,15 @@ def replay(groups, prompt: list[int], max_tokens: int, block_size: int, chunk: i
     from tokenmill.core.step_io import SamplerResult
     from tokenmill.request import Request
     from tokenmill.sampling_params import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=chunk), CacheConfig(block_size=block_size), 100_000,
-                      100_000, kv_groups=groups)
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=chunk),
+        CacheConfig(block_size=block_size),
+        100_000,
+        100_000,
+        kv_groups=groups,
+    )
     sched.add_request(Request("r", prompt, params, None, max_tokens))
     peak = decode_peak = 0
     while sched.has_unfinished():
@@ -62,13 +69,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    from tokenmill.config import KVCacheGroup, plan_kv_groups
+    from tokenmill.config import EngineConfig, KVCacheGroup, plan_kv_groups
     from tokenmill.engine.core import EngineCore
-    from tokenmill.config import EngineConfig
     from tokenmill.sampling_params import SamplingParams
-    engine = EngineCore(EngineConfig.from_kwargs(model="gemma3-270m", dtype=args.dtype, block_size=args.block_size,
-                                                 max_num_batched_tokens=args.max_num_batched_tokens,
-                                                 enable_prefix_caching=False, kv_cache_memory_bytes=512 << 20))
+
+    engine = EngineCore(
+        EngineConfig.from_kwargs(
+            model="gemma3-270m",
+            dtype=args.dtype,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=False,
+            kv_cache_memory_bytes=512 << 20,
+        )
+    )
     prompt = wikitext_ids(engine.tokenizer, args.prompt_tokens)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engine.add_request("r", prompt, params)
@@ -85,34 +99,52 @@ def main() -> None:
     groups = plan_kv_groups(engine.arch.layer_windows())
     all_global = [KVCacheGroup(g.layers, None) for g in groups]
     n = len(prompt)
-    windowed_replay, windowed_decode = replay(groups, prompt, args.max_tokens, args.block_size,
-                                              args.max_num_batched_tokens)
-    global_replay, global_decode = replay(all_global, prompt, args.max_tokens, args.block_size,
-                                          args.max_num_batched_tokens)
+    windowed_replay, windowed_decode = replay(
+        groups, prompt, args.max_tokens, args.block_size, args.max_num_batched_tokens
+    )
+    global_replay, global_decode = replay(
+        all_global, prompt, args.max_tokens, args.block_size, args.max_num_batched_tokens
+    )
     block_bytes = engine.kv_spec.bytes_per_block
     res = {
-        "model": "gemma3-270m", "prompt_tokens": n, "max_tokens": args.max_tokens, "block_size": args.block_size,
+        "model": "gemma3-270m",
+        "prompt_tokens": n,
+        "max_tokens": args.max_tokens,
+        "block_size": args.block_size,
         "groups": [{"layers": list(g.layers), "window": g.sliding_window} for g in groups],
-        "peak_blocks_engine": peak, "peak_blocks_by_kind": by_kind, "blocks_slid_out": st.num_blocks_slid_out,
-        "peak_blocks_replay_windowed": windowed_replay, "peak_blocks_replay_all_global": global_replay,
-        "ratio_all_global_over_windowed": global_replay / peak, "bytes_per_block": block_bytes,
-        "decode_blocks_engine": decode_peak, "decode_blocks_by_kind": decode_kind,
-        "decode_blocks_replay_windowed": windowed_decode, "decode_blocks_replay_all_global": global_decode,
+        "peak_blocks_engine": peak,
+        "peak_blocks_by_kind": by_kind,
+        "blocks_slid_out": st.num_blocks_slid_out,
+        "peak_blocks_replay_windowed": windowed_replay,
+        "peak_blocks_replay_all_global": global_replay,
+        "ratio_all_global_over_windowed": global_replay / peak,
+        "bytes_per_block": block_bytes,
+        "decode_blocks_engine": decode_peak,
+        "decode_blocks_by_kind": decode_kind,
+        "decode_blocks_replay_windowed": windowed_decode,
+        "decode_blocks_replay_all_global": global_decode,
         "decode_ratio_all_global_over_windowed": global_decode / decode_peak,
-        "peak_mib_windowed": peak * block_bytes / 2**20, "peak_mib_all_global": global_replay * block_bytes / 2**20,
+        "peak_mib_windowed": peak * block_bytes / 2**20,
+        "peak_mib_all_global": global_replay * block_bytes / 2**20,
         "engine_seconds": elapsed,
     }
-    print(f"### Gemma 3 270M: KV blocks held by one {n}-token request (+{args.max_tokens} generated), "
-          f"{args.block_size}-token blocks of {len(groups[0].layers)} layers ({block_bytes / 1024:.0f} KiB)\n")
+    print(
+        f"### Gemma 3 270M: KV blocks held by one {n}-token request (+{args.max_tokens} generated), "
+        f"{args.block_size}-token blocks of {len(groups[0].layers)} layers ({block_bytes / 1024:.0f} KiB)\n"
+    )
     kinds = lambda d: ", ".join(f"{k}: {v}" for k, v in d.items())  # noqa: E731
     print("| | peak blocks (during a 512-token prompt chunk) | blocks while decoding |\n|---|---|---|")
     print(f"| sliding windows (engine) | {peak} ({kinds(by_kind)}) | {decode_peak} ({kinds(decode_kind)}) |")
     print(f"| sliding windows (replay) | {windowed_replay} | {windowed_decode} |")
     print(f"| every layer global (replay) | {global_replay} | {global_decode} |")
-    print(f"| all-global / windowed | {res['ratio_all_global_over_windowed']:.2f}x | "
-          f"{res['decode_ratio_all_global_over_windowed']:.2f}x |")
-    print(f"\n{block_bytes / 1024:.0f} KiB per block; {st.num_blocks_slid_out} blocks returned by the windows; "
-          f"engine run {elapsed:.1f} s")
+    print(
+        f"| all-global / windowed | {res['ratio_all_global_over_windowed']:.2f}x | "
+        f"{res['decode_ratio_all_global_over_windowed']:.2f}x |"
+    )
+    print(
+        f"\n{block_bytes / 1024:.0f} KiB per block; {st.num_blocks_slid_out} blocks returned by the windows; "
+        f"engine run {elapsed:.1f} s"
+    )
     if args.out:
         args.out.write_text(json.dumps(res, indent=2))
 

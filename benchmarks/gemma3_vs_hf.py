@@ -4,6 +4,7 @@ asserts <= 1e-3; this prints the figures).
 
     python benchmarks/gemma3_vs_hf.py
 """
+
 from __future__ import annotations
 
 import sys
@@ -19,9 +20,11 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     from tests.models.test_numerics import PROMPTS, hf_logits, paged_logits
     from tokenmill.models.loader import load_model, resolve_model_path
+
     path = resolve_model_path("gemma3-270m")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     ours = load_model(str(path), dtype=torch.float32)
     ids = [ours.tokenizer.encode(p) for p in PROMPTS]
     for chunk in (1000, 3):

@@ -3,6 +3,7 @@
 
     python benchmarks/gguf_open.py
 """
+
 from __future__ import annotations
 
 import time
@@ -22,6 +23,7 @@ def main() -> None:
 
     from tokenmill.models.gguf_file import GGUFFile
     from tokenmill.models.loader import resolve_model_path
+
     print("| file | ours s | gguf.GGUFReader s | ratio |\n|---|---|---|---|")
     for alias in ("smollm2-135m", "gemma3-270m"):
         path = resolve_model_path(alias)

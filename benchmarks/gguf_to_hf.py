@@ -5,6 +5,7 @@ tokenizer files are transformers' conversion of the same GGUF.
 
     .venv/bin/python benchmarks/gguf_to_hf.py --model smollm2-135m --out ../peers/smollm2-135m-hf
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,15 +23,28 @@ from tokenmill.models.loader import GGUFSource, resolve_model_path  # noqa: E402
 def hf_config(src: GGUFSource, dtype: str) -> dict:
     c = src.config()
     eos = list(c.eos_token_ids)
-    return {"architectures": [c.architecture], "model_type": "llama", "vocab_size": c.vocab_size,
-            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-            "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-            "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
-            "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
-            "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.attention_bias,
-            "mlp_bias": c.mlp_bias, "hidden_act": "silu", "bos_token_id": c.bos_token_id,
-            "eos_token_id": eos[0] if len(eos) == 1 else eos, "torch_dtype": dtype}
+    return {
+        "architectures": [c.architecture],
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": c.attention_bias,
+        "mlp_bias": c.mlp_bias,
+        "hidden_act": "silu",
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "torch_dtype": dtype,
+    }
 
 
 def main() -> int:
@@ -41,6 +55,7 @@ def main() -> int:
     args = p.parse_args()
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
+
     path = resolve_model_path(args.model)
     if path.suffix != ".gguf":
         raise SystemExit(f"{path}: not a GGUF file")
@@ -57,7 +72,9 @@ def main() -> int:
     if template:
         tok.chat_template = template
     tok.save_pretrained(out)
-    print(f"wrote {out}: {len(weights)} tensors ({args.dtype}), chat template {'from the GGUF' if template else 'none'}")
+    print(
+        f"wrote {out}: {len(weights)} tensors ({args.dtype}), chat template {'from the GGUF' if template else 'none'}"
+    )
     return 0
 
 

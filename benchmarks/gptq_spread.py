@@ -10,6 +10,7 @@ Appends one JSON line per run to <work>/spread.jsonl. ~15 CPU-min per run at 1 t
     python benchmarks/research_code_compare.py prepare --work-dir W
     python benchmarks/gptq_spread.py --work-dir W --runs b4:none b8:1 b8:2 --threads 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,15 +41,24 @@ def one_run(work: Path, batch: int, perm_seed: int | None) -> dict:
     with torch.inference_mode():
         r40 = evaluate_perplexity(model, ids, 2048, 40, progress=False)
         r8 = evaluate_perplexity(model, ids, 2048, 8, progress=False)
-    return {"batch": batch, "perm_seed": perm_seed, "ppl_first_40": r40.perplexity, "ppl_first_8": r8.perplexity,
-            "quant_cpu_s": round(quant_s, 1)}
+    return {
+        "batch": batch,
+        "perm_seed": perm_seed,
+        "ppl_first_40": r40.perplexity,
+        "ppl_first_8": r8.perplexity,
+        "quant_cpu_s": round(quant_s, 1),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work-dir", required=True, help="research_code_compare.py's work dir (after prepare)")
-    ap.add_argument("--runs", nargs="+", default=["b4:none", "b8:1", "b8:2"],
-                    help="BATCH:SEED per run; SEED none keeps the windows' order")
+    ap.add_argument(
+        "--runs",
+        nargs="+",
+        default=["b4:none", "b8:1", "b8:2"],
+        help="BATCH:SEED per run; SEED none keeps the windows' order",
+    )
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -10,6 +10,7 @@ instance tokens each engine accepted (both must accept all). xgrammar is a bench
 dependency: install it with `pip install --no-deps xgrammar apache-tvm-ffi` (its declared dependencies
 include triton and transformers).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,12 +45,20 @@ def schema_and_instance(rng: random.Random, depth: int = 0) -> tuple[dict, objec
         item, value = schema_and_instance(rng, depth + 1)
         return {"type": "array", "items": item, "maxItems": 4}, [value, value]
     props = {f"field_{i}": schema_and_instance(rng, depth + 1) for i in range(rng.randint(2, 4))}
-    return ({"type": "object", "properties": {k: s for k, (s, _) in props.items()}, "required": sorted(props),
-             "additionalProperties": False}, {k: v for k, (_, v) in props.items()})
+    return (
+        {
+            "type": "object",
+            "properties": {k: s for k, (s, _) in props.items()},
+            "required": sorted(props),
+            "additionalProperties": False,
+        },
+        {k: v for k, (_, v) in props.items()},
+    )
 
 
 def walk_llguidance(tok, vocab: int, schema: dict, tokens: list[int]):
     import llguidance
+
     t0 = time.perf_counter()
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     m = llguidance.LLMatcher(tok, grammar, log_level=0)
@@ -68,6 +77,7 @@ def walk_llguidance(tok, vocab: int, schema: dict, tokens: list[int]):
 
 def walk_xgrammar(compiler, vocab: int, schema: dict, tokens: list[int]):
     import xgrammar as xgr
+
     t0 = time.perf_counter()
     cg = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(",", ":"))
     m = xgr.GrammarMatcher(cg)
@@ -97,12 +107,15 @@ def main() -> int:
     for _ in range(args.schemas):
         schema, inst = schema_and_instance(rng)
         if not isinstance(inst, dict):
-            schema, inst = {"type": "object", "properties": {"v": schema}, "required": ["v"],
-                            "additionalProperties": False}, {"v": inst}
+            schema, inst = (
+                {"type": "object", "properties": {"v": schema}, "required": ["v"], "additionalProperties": False},
+                {"v": inst},
+            )
         text = json.dumps(inst, ensure_ascii=False, separators=(",", ":"))  # compact, as both grammars are set
         cases.append((schema, tokenizer.encode(text, add_special_tokens=False)))
     res: dict = {}
     import llguidance
+
     t0 = time.perf_counter()
     ll_tok = llguidance.LLTokenizer(tokenizer.hf.to_str(), n_vocab=vocab, eos_token=[tokenizer.eos_token_id])
     res["llguidance"] = {"setup_s": time.perf_counter() - t0}
@@ -128,14 +141,26 @@ def main() -> int:
                 per_token += times
                 accepted += a
                 total += len(toks)
-        res[name].update(compile_ms_median=statistics.median(compiles) * 1e3,
-                         mask_us_median=statistics.median(per_token) * 1e6,
-                         mask_us_p99=float(np.percentile(per_token, 99)) * 1e6,
-                         tokens_accepted=accepted, tokens_total=total)
-    rows = [[n, r.get("setup_s", float("nan")), r.get("compile_ms_median", float("nan")),
-             r.get("mask_us_median", float("nan")), r.get("mask_us_p99", float("nan")),
-             f"{r.get('tokens_accepted', 0)}/{r.get('tokens_total', 0)}"] if r.get("available", True)
-            else [n, r["reason"], "", "", "", ""] for n, r in res.items()]
+        res[name].update(
+            compile_ms_median=statistics.median(compiles) * 1e3,
+            mask_us_median=statistics.median(per_token) * 1e6,
+            mask_us_p99=float(np.percentile(per_token, 99)) * 1e6,
+            tokens_accepted=accepted,
+            tokens_total=total,
+        )
+    rows = [
+        [
+            n,
+            r.get("setup_s", float("nan")),
+            r.get("compile_ms_median", float("nan")),
+            r.get("mask_us_median", float("nan")),
+            r.get("mask_us_p99", float("nan")),
+            f"{r.get('tokens_accepted', 0)}/{r.get('tokens_total', 0)}",
+        ]
+        if r.get("available", True)
+        else [n, r["reason"], "", "", "", ""]
+        for n, r in res.items()
+    ]
     print(format_table(["engine", "setup s", "compile ms p50", "mask µs/token p50", "mask µs p99", "accepted"], rows))
     print(f"({args.schemas} schemas x {args.repeat} walks, vocabulary {vocab}, one thread)")
     write_json(args.output_json, {"env": environment(), "args": vars(args), "results": res})

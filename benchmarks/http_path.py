@@ -12,6 +12,7 @@ Per scenario (N concurrent chat streams, temperature 0, ignore_eos, fixed output
 "Server step / offline step" is what serving costs the engine; "client ITL / server step" is time the
 client waits beyond the engine's step (event-loop latency).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenmill.bench.common import SampleRequest, environment, format_table, load_sharegpt, write_json  # noqa: E402
-from tokenmill.bench.serve import (LaunchedServer, calculate_metrics, discover_model, load_tokenizer, run_load,  # noqa: E402
-                                   scrape_metrics)
+from tokenmill.bench.serve import (
+    LaunchedServer,
+    calculate_metrics,
+    discover_model,
+    load_tokenizer,
+    run_load,  # noqa: E402
+    scrape_metrics,
+)
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -48,36 +55,47 @@ def thread_cpu(pid: int) -> dict[str, float]:
 
 def counters(base_url: str) -> dict[str, float]:
     m = scrape_metrics(base_url)
-    return {name: m.get(f"tokenmill:{name}_total", math.nan)
-            for name in ("engine_steps", "engine_step_seconds", "engine_forward_seconds", "generation_tokens")}
+    return {
+        name: m.get(f"tokenmill:{name}_total", math.nan)
+        for name in ("engine_steps", "engine_step_seconds", "engine_forward_seconds", "generation_tokens")
+    }
 
 
 def served(server: LaunchedServer, reqs: list[SampleRequest], streams: int) -> dict:
     model = discover_model(server.base_url)
     c0, t0 = counters(server.base_url), thread_cpu(server.proc.pid)
-    results, duration = asyncio.run(run_load(server.base_url, model, reqs, math.inf, "poisson", streams, chat=True,
-                                             ignore_eos=True))
+    results, duration = asyncio.run(
+        run_load(server.base_url, model, reqs, math.inf, "poisson", streams, chat=True, ignore_eos=True)
+    )
     time.sleep(0.6)  # the engine thread refreshes its stats every 0.5 s
     c1, t1 = counters(server.base_url), thread_cpu(server.proc.pid)
     m = calculate_metrics(results, duration)
     steps = c1["engine_steps"] - c0["engine_steps"]
-    return {"client_itl_ms": m["itl_ms"], "client_tpot_ms": m["tpot_ms"], "output_tok_s": m["output_throughput"],
-            "failed": m["failed"], "steps": steps,
-            "step_ms": (c1["engine_step_seconds"] - c0["engine_step_seconds"]) / steps * 1e3,
-            "forward_ms": (c1["engine_forward_seconds"] - c0["engine_forward_seconds"]) / steps * 1e3,
-            "cpu_ms_per_step": {k: (t1[k] - t0[k]) / steps * 1e3 for k in t0}}
+    return {
+        "client_itl_ms": m["itl_ms"],
+        "client_tpot_ms": m["tpot_ms"],
+        "output_tok_s": m["output_throughput"],
+        "failed": m["failed"],
+        "steps": steps,
+        "step_ms": (c1["engine_step_seconds"] - c0["engine_step_seconds"]) / steps * 1e3,
+        "forward_ms": (c1["engine_forward_seconds"] - c0["engine_forward_seconds"]) / steps * 1e3,
+        "cpu_ms_per_step": {k: (t1[k] - t0[k]) / steps * 1e3 for k in t0},
+    }
 
 
 def offline(server_args: list[str], reqs: list[SampleRequest], streams: int) -> dict:
     from tokenmill import SamplingParams
     from tokenmill.engine.core import EngineCore
     from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     core = EngineCore(engine_config_from_args(parser.parse_args(server_args)))
     tok = core.tokenizer
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r.prompt}]), add_special_tokens=False)
-           for r in reqs]
+    ids = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": r.prompt}]), add_special_tokens=False)
+        for r in reqs
+    ]
     core.add_request("warm", ids[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     while core.has_unfinished_requests():
         core.step()
@@ -89,8 +107,9 @@ def offline(server_args: list[str], reqs: list[SampleRequest], streams: int) -> 
     while pending or core.has_unfinished_requests():
         while pending and running < streams:
             i = pending.pop(0)
-            core.add_request(f"r{i}", ids[i], SamplingParams(temperature=0, max_tokens=reqs[i].output_len,
-                                                             ignore_eos=True))
+            core.add_request(
+                f"r{i}", ids[i], SamplingParams(temperature=0, max_tokens=reqs[i].output_len, ignore_eos=True)
+            )
             running += 1
         outs = core.step()
         now = time.perf_counter()
@@ -101,9 +120,12 @@ def offline(server_args: list[str], reqs: list[SampleRequest], streams: int) -> 
     s1 = core.stats()
     core.close()
     steps = s1.num_steps - s0.num_steps
-    return {"steps": steps, "step_ms": (s1.step_seconds - s0.step_seconds) / steps * 1e3,
-            "forward_ms": (s1.forward_seconds - s0.forward_seconds) / steps * 1e3,
-            "step_gap_ms_median": statistics.median(gaps) * 1e3}
+    return {
+        "steps": steps,
+        "step_ms": (s1.step_seconds - s0.step_seconds) / steps * 1e3,
+        "forward_ms": (s1.forward_seconds - s0.forward_seconds) / steps * 1e3,
+        "step_gap_ms_median": statistics.median(gaps) * 1e3,
+    }
 
 
 def main() -> int:
@@ -117,8 +139,13 @@ def main() -> int:
     server_args = shlex.split(args.server_args)
     tok = load_tokenizer("smollm2-135m")
     scenarios = [int(x) for x in args.streams.split(",")]
-    work = {n: [SampleRequest(r.prompt, r.prompt_token_ids, args.output_len)
-                for r in load_sharegpt(None, tok, n * args.requests_per_stream, seed=2)] for n in scenarios}
+    work = {
+        n: [
+            SampleRequest(r.prompt, r.prompt_token_ids, args.output_len)
+            for r in load_sharegpt(None, tok, n * args.requests_per_stream, seed=2)
+        ]
+        for n in scenarios
+    }
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"server": {}, "offline": {}}
@@ -132,13 +159,44 @@ def main() -> int:
     for n in scenarios:
         s, o = res["server"][n], res["offline"][n]
         cpu = s["cpu_ms_per_step"]
-        rows.append([n, s["client_itl_ms"]["median"], s["client_tpot_ms"]["median"], s["step_ms"], s["forward_ms"],
-                     o["step_ms"], o["forward_ms"], s["step_ms"] / o["step_ms"],
-                     s["client_tpot_ms"]["median"] / o["step_ms"], cpu["event_loop"], cpu["engine"], cpu["other"]])
-    print(format_table(["streams", "client ITL p50", "client TPOT p50", "server step", "server forward",
-                        "offline step", "offline forward", "server/offline step", "client TPOT/offline step",
-                        "CPU loop/step", "CPU engine+omp/step", "CPU other/step"], rows))
-    print("(ms; CPU = CPU ms per engine step on the server's event-loop thread, the engine thread with its OpenMP workers, other threads)")
+        rows.append(
+            [
+                n,
+                s["client_itl_ms"]["median"],
+                s["client_tpot_ms"]["median"],
+                s["step_ms"],
+                s["forward_ms"],
+                o["step_ms"],
+                o["forward_ms"],
+                s["step_ms"] / o["step_ms"],
+                s["client_tpot_ms"]["median"] / o["step_ms"],
+                cpu["event_loop"],
+                cpu["engine"],
+                cpu["other"],
+            ]
+        )
+    print(
+        format_table(
+            [
+                "streams",
+                "client ITL p50",
+                "client TPOT p50",
+                "server step",
+                "server forward",
+                "offline step",
+                "offline forward",
+                "server/offline step",
+                "client TPOT/offline step",
+                "CPU loop/step",
+                "CPU engine+omp/step",
+                "CPU other/step",
+            ],
+            rows,
+        )
+    )
+    print(
+        "(ms; CPU = CPU ms per engine step on the server's event-loop thread, the engine thread with its OpenMP workers, other threads)"
+    )
     write_json(out / "http_path.json", {"env": environment(), "args": vars(args), "results": res})
     return 0
 

@@ -10,6 +10,7 @@ each in a fresh process, rounds interleaved, median kept.
 
     .venv/bin/python benchmarks/invariance_cost.py --rounds 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,14 @@ def prompts_file() -> str:
 
 def run(name: str) -> dict:
     env_extra, kw = CONFIGS[name]
-    out = subprocess.run([str(REPO / ".venv/bin/python"), "-c", CHILD, json.dumps(kw), prompts_file()],
-                         env={**os.environ, **env_extra}, capture_output=True, text=True, timeout=3600, check=True)
+    out = subprocess.run(
+        [str(REPO / ".venv/bin/python"), "-c", CHILD, json.dumps(kw), prompts_file()],
+        env={**os.environ, **env_extra},
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -76,8 +83,10 @@ def main() -> None:
     base = {k: statistics.median(r[k] for r in results[args.configs[0]]) for k in ("single_tok_s", "batch64_out_tok_s")}
     for c in args.configs:
         med = {k: statistics.median(r[k] for r in results[c]) for k in base}
-        print(f"{c:10} {med['single_tok_s']:8.1f} ({med['single_tok_s'] / base['single_tok_s']:.2f}x)"
-              f" {med['batch64_out_tok_s']:10.1f} ({med['batch64_out_tok_s'] / base['batch64_out_tok_s']:.2f}x)")
+        print(
+            f"{c:10} {med['single_tok_s']:8.1f} ({med['single_tok_s'] / base['single_tok_s']:.2f}x)"
+            f" {med['batch64_out_tok_s']:10.1f} ({med['batch64_out_tok_s'] / base['batch64_out_tok_s']:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

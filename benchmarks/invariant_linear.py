@@ -11,6 +11,7 @@ the other, as a forward reads them (from memory, never from cache), through the 
 ~20 GB/s up to 16 rows and slows to ~13 GB/s at 64 and ~8 at 128 rows (1.1 TFLOP/s), while one warm weight
 reaches 1.7 TFLOP/s: docs/cpu_decode.md, item 26.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,10 +48,13 @@ def cold(args) -> None:
         def dnn():
             for w, p in zip(ws, packed):
                 fused_ops.onednn_linear(xs[w.shape[1]], p, None)
+
         t_amx = best_seconds(amx, max(3, args.repeats // 4))
         t_dnn = best_seconds(dnn, max(3, args.repeats // 4))
-        print(f"{m:5d} {t_amx * 1e3:8.2f} {nbytes / t_amx / 1e9:6.1f} {m * nbytes / t_amx / 1e12:8.2f} "
-              f"{t_dnn * 1e3:10.2f} {t_amx / t_dnn:11.2f}")
+        print(
+            f"{m:5d} {t_amx * 1e3:8.2f} {nbytes / t_amx / 1e9:6.1f} {m * nbytes / t_amx / 1e12:8.2f} "
+            f"{t_dnn * 1e3:10.2f} {t_amx / t_dnn:11.2f}"
+        )
 
 
 def main() -> None:
@@ -72,7 +76,11 @@ def main() -> None:
             x = torch.randn(m, k).bfloat16()
             y = x.new_empty(m, n)
             amx = best_seconds(lambda: ops.linear_bf16_amx(y, x, vnni, None), args.repeats) * 1e6
-            few = best_seconds(lambda: ops.linear_bf16_vnni(y, x, vnni, None), args.repeats) * 1e6 if m <= 8 else float("nan")
+            few = (
+                best_seconds(lambda: ops.linear_bf16_vnni(y, x, vnni, None), args.repeats) * 1e6
+                if m <= 8
+                else float("nan")
+            )
             dnn = best_seconds(lambda: fused_ops.onednn_linear(x, packed, None), args.repeats) * 1e6
             print(f"{name:8} {m:5d} {amx:9.1f} {few:9.1f} {dnn:10.1f} {amx / dnn:11.2f} {amx / few:9.2f}")
 

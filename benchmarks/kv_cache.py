@@ -16,6 +16,7 @@ token values. (a) and (d) run the default model (SmolLM2-135M).
 
 Data paths are resolved relative to the repository root (../shared/data).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,15 @@ def sharegpt_lengths(tokenizer, n: int, max_model_len: int, seed: int = 0) -> li
 
 # ------------------------------------------------------------------------------ (b) and (c)
 
-def replay(lengths: list[tuple[int, int]], num_blocks: int, block_size: int, max_num_seqs: int,
-           budget: int = 2048, max_model_len: int = 2048) -> dict:
+
+def replay(
+    lengths: list[tuple[int, int]],
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    budget: int = 2048,
+    max_model_len: int = 2048,
+) -> dict:
     """Run the workload through Scheduler + KVCacheManager (every step samples token 1). Waste is
     measured after each step over the steps where max_num_seqs requests run at once, paged (the
     allocator's own counters) and contiguous (each running request reserving max_model_len)."""
@@ -73,8 +81,12 @@ def replay(lengths: list[tuple[int, int]], num_blocks: int, block_size: int, max
     from tokenmill.request import Request
     from tokenmill.sampling_params import SamplingParams
 
-    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
-                      CacheConfig(block_size=block_size, enable_prefix_caching=False), num_blocks, 1 << 20)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+        CacheConfig(block_size=block_size, enable_prefix_caching=False),
+        num_blocks,
+        1 << 20,
+    )
     rng = random.Random(0)
     for i, (p, o) in enumerate(lengths):
         sp = SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
@@ -93,8 +105,13 @@ def replay(lengths: list[tuple[int, int]], num_blocks: int, block_size: int, max
             contiguous += max_num_seqs * max_model_len
         steps += 1
     sched.check_integrity()
-    return {"waste": 1 - filled / alloc if alloc else None, "contiguous_waste": 1 - filled / contiguous if contiguous else None,
-            "peak_running": peak_running, "steps": steps, "preemptions": sched.num_preemptions}
+    return {
+        "waste": 1 - filled / alloc if alloc else None,
+        "contiguous_waste": 1 - filled / contiguous if contiguous else None,
+        "peak_running": peak_running,
+        "steps": steps,
+        "preemptions": sched.num_preemptions,
+    }
 
 
 def part_b(tokenizer, block_size: int, max_model_len: int, num_requests: int = 640) -> str:
@@ -103,13 +120,19 @@ def part_b(tokenizer, block_size: int, max_model_len: int, num_requests: int = 6
     lengths = sharegpt_lengths(tokenizer, num_requests, max_model_len)
     num_blocks = 64 * math.ceil(max_model_len / block_size)  # room for 64 of any length: no preemption
     r = replay(lengths, num_blocks, block_size, max_num_seqs=64, max_model_len=max_model_len)
-    return table(f"(b) KV waste, 64 concurrent ShareGPT requests (block_size {block_size}, max_model_len {max_model_len})", [
-        ("workload", f"{num_requests} requests, 64 in flight; mean prompt {statistics.mean(p for p, _ in lengths):.0f}, "
-                     f"mean reply {statistics.mean(o for _, o in lengths):.0f} tokens"),
-        ("paged: allocated slots not holding a token", f"{r['waste']:.2%}"),
-        ("contiguous max-length: reserved slots not holding a token", f"{r['contiguous_waste']:.2%}"),
-        ("engine steps / preemptions", f"{r['steps']} / {r['preemptions']}"),
-    ])
+    return table(
+        f"(b) KV waste, 64 concurrent ShareGPT requests (block_size {block_size}, max_model_len {max_model_len})",
+        [
+            (
+                "workload",
+                f"{num_requests} requests, 64 in flight; mean prompt {statistics.mean(p for p, _ in lengths):.0f}, "
+                f"mean reply {statistics.mean(o for _, o in lengths):.0f} tokens",
+            ),
+            ("paged: allocated slots not holding a token", f"{r['waste']:.2%}"),
+            ("contiguous max-length: reserved slots not holding a token", f"{r['contiguous_waste']:.2%}"),
+            ("engine steps / preemptions", f"{r['steps']} / {r['preemptions']}"),
+        ],
+    )
 
 
 def part_c(tokenizer, block_size: int, max_model_len: int, budget_seqs: int = 8) -> str:
@@ -123,19 +146,23 @@ def part_c(tokenizer, block_size: int, max_model_len: int, budget_seqs: int = 8)
             break
         used += need
         n_static += 1
-    return table(f"(c) Requests that fit at once in a {budget_tokens}-token KV budget ({budget_seqs} x max_model_len {max_model_len})", [
-        ("contiguous max-length allocation", f"{budget_seqs}"),
-        ("paged, requests at their final length (static packing)", f"{n_static} ({n_static / budget_seqs:.1f}x)"),
-    ])
+    return table(
+        f"(c) Requests that fit at once in a {budget_tokens}-token KV budget ({budget_seqs} x max_model_len {max_model_len})",
+        [
+            ("contiguous max-length allocation", f"{budget_seqs}"),
+            ("paged, requests at their final length (static packing)", f"{n_static} ({n_static / budget_seqs:.1f}x)"),
+        ],
+    )
 
 
 # ------------------------------------------------------------------------------------------ (a)
 
+
 def part_a(model: str, repeats: int = 3) -> str:
     from tokenmill import SamplingParams
     from tokenmill.engine.llm import LLM
-    llm = LLM(model, dtype="float32", max_num_batched_tokens=2048, max_model_len=2048,
-              kv_cache_memory_bytes=512 << 20)
+
+    llm = LLM(model, dtype="float32", max_num_batched_tokens=2048, max_model_len=2048, kv_cache_memory_bytes=512 << 20)
     vocab = llm.engine.arch.vocab_size
     rng = random.Random(0)
 
@@ -152,36 +179,46 @@ def part_a(model: str, repeats: int = 3) -> str:
     cold, warm, cached = [], [], []
     for _ in range(repeats):
         prefix = toks(1024)
-        t, c = ttft(prefix + toks(16))      # cold: nothing of it is cached
+        t, c = ttft(prefix + toks(16))  # cold: nothing of it is cached
         assert c == 0
         cold.append(t)
-        t, c = ttft(prefix + toks(16))      # same prefix, new suffix
+        t, c = ttft(prefix + toks(16))  # same prefix, new suffix
         warm.append(t)
         cached.append(c)
     llm.check_integrity()
     c, w = statistics.median(cold), statistics.median(warm)
-    return table("(a) TTFT, 1,024-token prefix cached vs cold (SmolLM2-135M fp32, prompt 1,040 tokens)", [
-        ("cold TTFT (median of %d)" % repeats, f"{c * 1e3:.1f} ms"),
-        ("cached TTFT (median of %d)" % repeats, f"{w * 1e3:.1f} ms"),
-        ("tokens served from cache", f"{cached[0]}"),
-        ("ratio cold / cached", f"{c / w:.1f}x"),
-    ])
+    return table(
+        "(a) TTFT, 1,024-token prefix cached vs cold (SmolLM2-135M fp32, prompt 1,040 tokens)",
+        [
+            ("cold TTFT (median of %d)" % repeats, f"{c * 1e3:.1f} ms"),
+            ("cached TTFT (median of %d)" % repeats, f"{w * 1e3:.1f} ms"),
+            ("tokens served from cache", f"{cached[0]}"),
+            ("ratio cold / cached", f"{c / w:.1f}x"),
+        ],
+    )
 
 
 # ------------------------------------------------------------------------------------------ (d)
 
+
 @torch.inference_mode()
-def paged_forward(model, arch, tokens: list[int], kv_dtype: torch.dtype, chunks: list[int],
-                  block_size: int = 16) -> tuple[float, int, list[int]]:
+def paged_forward(
+    model, arch, tokens: list[int], kv_dtype: torch.dtype, chunks: list[int], block_size: int = 16
+) -> tuple[float, int, list[int]]:
     """Run tokens through the paged cache in the given chunk sizes (so every chunk after the first
     attends to keys/values read back from the cache). Returns the summed next-token NLL, the number
     of predicted tokens and the argmax prediction after every position."""
     from tokenmill.attention.kv_quant import cache_head_dim
     from tokenmill.attention.metadata import AttentionMetadata, forward_context
+
     n = len(tokens)
     nb = math.ceil(n / block_size)
-    caches = [torch.zeros(2, nb, block_size, arch.num_key_value_heads, cache_head_dim(arch.head_dim, kv_dtype),
-                          dtype=kv_dtype) for _ in range(arch.num_hidden_layers)]
+    caches = [
+        torch.zeros(
+            2, nb, block_size, arch.num_key_value_heads, cache_head_dim(arch.head_dim, kv_dtype), dtype=kv_dtype
+        )
+        for _ in range(arch.num_hidden_layers)
+    ]
     for attn, c in zip(model.attention_layers(), caches):
         attn.kv_cache = c
     table_ = torch.arange(nb)[None]
@@ -195,18 +232,25 @@ def paged_forward(model, arch, tokens: list[int], kv_dtype: torch.dtype, chunks:
         if m == 0:
             break
         meta = AttentionMetadata(
-            num_decodes=1 if m == 1 else 0, num_prefills=0 if m == 1 else 1,
-            slot_mapping=torch.arange(start, end), block_tables=table_, seq_lens=torch.tensor([end]),
-            query_start_loc=torch.tensor([0, m]), seq_lens_cpu=[end], query_start_loc_cpu=[0, m],
+            num_decodes=1 if m == 1 else 0,
+            num_prefills=0 if m == 1 else 1,
+            slot_mapping=torch.arange(start, end),
+            block_tables=table_,
+            seq_lens=torch.tensor([end]),
+            query_start_loc=torch.tensor([0, m]),
+            seq_lens_cpu=[end],
+            query_start_loc_cpu=[0, m],
             max_decode_seq_len=end if m == 1 else 0,
             decode_mask=(torch.arange(math.ceil(end / block_size) * block_size) < end)[None, None, None, :]
-            if m == 1 else None)
+            if m == 1
+            else None,
+        )
         with forward_context(meta):
             hidden = model(ids[start:end], torch.arange(start, end))
         logits = model.compute_logits(hidden).float()
         argmax += logits.argmax(-1).tolist()
-        tgt = ids[start + 1:end + 1]
-        lp = logits[:len(tgt)].log_softmax(-1)
+        tgt = ids[start + 1 : end + 1]
+        lp = logits[: len(tgt)].log_softmax(-1)
         nll -= lp.gather(1, tgt[:, None]).sum().item()
         count += len(tgt)
     for attn in model.attention_layers():
@@ -214,17 +258,34 @@ def paged_forward(model, arch, tokens: list[int], kv_dtype: torch.dtype, chunks:
     return nll, count, argmax
 
 
-def part_d(model: str, num_prompts: int = 8, gen_tokens: int = 128, windows: int = 4, window_len: int = 512,
-           chunk: int = 64) -> str:
+def part_d(
+    model: str, num_prompts: int = 8, gen_tokens: int = 128, windows: int = 4, window_len: int = 512, chunk: int = 64
+) -> str:
     from tokenmill import SamplingParams
     from tokenmill.engine.llm import LLM
     from tokenmill.models.loader import load_model
+
     rows = []
     # concurrency: the same byte budget in tokens, and ShareGPT requests that fit in it
-    llms = {d: LLM(model, dtype="bfloat16", kv_cache_dtype=d, kv_cache_memory_bytes=256 << 20, max_num_seqs=64,
-                   max_model_len=2048, max_num_batched_tokens=2048) for d in ("auto", "int8")}
+    llms = {
+        d: LLM(
+            model,
+            dtype="bfloat16",
+            kv_cache_dtype=d,
+            kv_cache_memory_bytes=256 << 20,
+            max_num_seqs=64,
+            max_model_len=2048,
+            max_num_batched_tokens=2048,
+        )
+        for d in ("auto", "int8")
+    }
     st = {d: llm.stats() for d, llm in llms.items()}
-    rows.append(("KV bytes per token, bf16 / int8", f"{st['auto'].kv_bytes_per_token:.0f} / {st['int8'].kv_bytes_per_token:.0f}"))
+    rows.append(
+        (
+            "KV bytes per token, bf16 / int8",
+            f"{st['auto'].kv_bytes_per_token:.0f} / {st['int8'].kv_bytes_per_token:.0f}",
+        )
+    )
     tok = llms["auto"].tokenizer
     lengths = sharegpt_lengths(tok, 2000, 2048, seed=2)
     fits = {}
@@ -236,10 +297,18 @@ def part_d(model: str, num_prompts: int = 8, gen_tokens: int = 128, windows: int
                 break
             used, n = used + need, n + 1
         fits[d] = n
-    rows.append(("tokens in a 256 MiB KV budget, bf16 / int8",
-                 f"{st['auto'].kv_pool_tokens} / {st['int8'].kv_pool_tokens} ({st['int8'].kv_pool_tokens / st['auto'].kv_pool_tokens:.2f}x)"))
-    rows.append(("ShareGPT requests (final length) fitting that budget, bf16 / int8",
-                 f"{fits['auto']} / {fits['int8']} ({fits['int8'] / max(fits['auto'], 1):.2f}x)"))
+    rows.append(
+        (
+            "tokens in a 256 MiB KV budget, bf16 / int8",
+            f"{st['auto'].kv_pool_tokens} / {st['int8'].kv_pool_tokens} ({st['int8'].kv_pool_tokens / st['auto'].kv_pool_tokens:.2f}x)",
+        )
+    )
+    rows.append(
+        (
+            "ShareGPT requests (final length) fitting that budget, bf16 / int8",
+            f"{fits['auto']} / {fits['int8']} ({fits['int8'] / max(fits['auto'], 1):.2f}x)",
+        )
+    )
     # greedy agreement over 128 tokens
     prompts = [r["conversations"][0]["value"] for r in map(json.loads, open(SHAREGPT))][:num_prompts]
     sp = SamplingParams(temperature=0, max_tokens=gen_tokens, ignore_eos=True)
@@ -251,9 +320,13 @@ def part_d(model: str, num_prompts: int = 8, gen_tokens: int = 128, windows: int
     for x, y in zip(outs["auto"], outs["int8"]):
         k = next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
         prefix.append(k)
-    rows.append((f"greedy, free-running: {num_prompts} ShareGPT prompts x {gen_tokens} tokens, int8 vs bf16 KV",
-                 f"{sum(k == gen_tokens for k in prefix)}/{num_prompts} identical; mean common prefix "
-                 f"{statistics.mean(prefix):.0f} tokens; same token at {same / (num_prompts * gen_tokens):.1%} of positions"))
+    rows.append(
+        (
+            f"greedy, free-running: {num_prompts} ShareGPT prompts x {gen_tokens} tokens, int8 vs bf16 KV",
+            f"{sum(k == gen_tokens for k in prefix)}/{num_prompts} identical; mean common prefix "
+            f"{statistics.mean(prefix):.0f} tokens; same token at {same / (num_prompts * gen_tokens):.1%} of positions",
+        )
+    )
     del llms
     loaded = load_model(model, dtype=torch.bfloat16)
     # teacher-forced: along each bf16-KV greedy continuation, one token per step (decode path reading
@@ -264,11 +337,15 @@ def part_d(model: str, num_prompts: int = 8, gen_tokens: int = 128, windows: int
         chunks = [len(p_ids)] + [1] * (len(out) - 1)
         preds = {}
         for name, dt in (("bf16", torch.bfloat16), ("int8", torch.int8)):
-            preds[name] = paged_forward(loaded.model, loaded.config, seq[:-1], dt, chunks)[2][len(p_ids) - 1:]
+            preds[name] = paged_forward(loaded.model, loaded.config, seq[:-1], dt, chunks)[2][len(p_ids) - 1 :]
         agree += sum(a == b for a, b in zip(preds["bf16"], preds["int8"]))
         total += len(preds["bf16"])
-    rows.append((f"greedy, teacher-forced on the bf16 continuations ({total} decode steps)",
-                 f"int8 KV picks the bf16-KV token at {agree / total:.1%} of steps"))
+    rows.append(
+        (
+            f"greedy, teacher-forced on the bf16 continuations ({total} decode steps)",
+            f"int8 KV picks the bf16-KV token at {agree / total:.1%} of steps",
+        )
+    )
     # WikiText-2 perplexity
     text = "\n\n".join(json.loads(line)["text"] for line in open(WIKITEXT))
     ids = loaded.tokenizer.encode(text)
@@ -276,13 +353,22 @@ def part_d(model: str, num_prompts: int = 8, gen_tokens: int = 128, windows: int
     for name, dt in (("bf16", torch.bfloat16), ("int8", torch.int8)):
         nll = cnt = 0
         for w in range(windows):
-            s, c, _ = paged_forward(loaded.model, loaded.config, ids[w * window_len:(w + 1) * window_len], dt,
-                                    [chunk] * math.ceil(window_len / chunk))
+            s, c, _ = paged_forward(
+                loaded.model,
+                loaded.config,
+                ids[w * window_len : (w + 1) * window_len],
+                dt,
+                [chunk] * math.ceil(window_len / chunk),
+            )
             nll, cnt = nll + s, cnt + c
         ppl[name] = math.exp(nll / cnt)
-    rows.append((f"WikiText-2 perplexity, bf16 KV / int8 KV ({windows} windows x {window_len} tokens, chunks of {chunk})",
-                 f"{ppl['bf16']:.3f} / {ppl['int8']:.3f} (delta {ppl['int8'] - ppl['bf16']:+.3f}, "
-                 f"{(ppl['int8'] / ppl['bf16'] - 1):+.2%})"))
+    rows.append(
+        (
+            f"WikiText-2 perplexity, bf16 KV / int8 KV ({windows} windows x {window_len} tokens, chunks of {chunk})",
+            f"{ppl['bf16']:.3f} / {ppl['int8']:.3f} (delta {ppl['int8'] - ppl['bf16']:+.3f}, "
+            f"{(ppl['int8'] / ppl['bf16'] - 1):+.2%})",
+        )
+    )
     return table("(d) int8 KV cache vs bf16 KV (SmolLM2-135M, bf16 weights and activations)", rows)
 
 
@@ -299,6 +385,7 @@ def main() -> None:
     tokenizer = None
     if parts & {"b", "c"}:
         from tokenmill.models.loader import GGUFSource, resolve_model_path
+
         tokenizer = GGUFSource(resolve_model_path(args.model)).tokenizer()
     t0 = time.time()
     if "a" in parts:

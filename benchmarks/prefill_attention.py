@@ -6,6 +6,7 @@ it is selected by raising attention.plan.TILED_PREFILL_MIN_TOKENS above the prom
 
     python benchmarks/prefill_attention.py --num-threads 2 --prompt-len 2000 --repeats 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,21 +23,27 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     import torch
+
     torch.set_num_threads(args.num_threads)
     from tokenmill import LLM, SamplingParams
     from tokenmill.attention import plan as attention_plan
 
-    llm = LLM(model="smollm2-135m", dtype="bfloat16", enable_prefix_caching=False,
-              max_num_batched_tokens=max(2048, args.prompt_len), max_model_len=max(4096, args.prompt_len + 16))
+    llm = LLM(
+        model="smollm2-135m",
+        dtype="bfloat16",
+        enable_prefix_caching=False,
+        max_num_batched_tokens=max(2048, args.prompt_len),
+        max_model_len=max(4096, args.prompt_len + 16),
+    )
     rng = random.Random(0)
     prompt = [rng.randrange(100, llm.tokenizer.vocab_size) for _ in range(args.prompt_len)]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompt[:64]}], params, use_tqdm=False)   # builds the kernels
-    paths = {"per-token decode attention": 10 ** 9, "tiled prefill attention": attention_plan.TILED_PREFILL_MIN_TOKENS}
+    llm.generate([{"prompt_token_ids": prompt[:64]}], params, use_tqdm=False)  # builds the kernels
+    paths = {"per-token decode attention": 10**9, "tiled prefill attention": attention_plan.TILED_PREFILL_MIN_TOKENS}
     times: dict[str, list[float]] = {k: [] for k in paths}
     try:
         for _ in range(args.repeats):
-            for name, threshold in paths.items():   # interleaved, so drift hits both
+            for name, threshold in paths.items():  # interleaved, so drift hits both
                 attention_plan.TILED_PREFILL_MIN_TOKENS = threshold
                 t = time.perf_counter()
                 llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)

@@ -5,6 +5,7 @@ of `--repeats`, in one run. Run it on a quiet machine:
 
     .venv/bin/python benchmarks/quant_kernel_plan.py --threads 2
 """
+
 from __future__ import annotations
 
 import argparse

@@ -10,6 +10,7 @@ Part 2, quality: WikiText-2 perplexity (eval/perplexity.py protocol) of the unqu
 RTN / GPTQ / AWQ at 3 and 4 bits (group 64) and 8 bits (per channel), size on disk, quantization
 time. Every finished row is appended to <work-dir>/results.jsonl, so a rerun resumes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,17 @@ from tokenmill.quant.pipeline import QuantConfig, quantize_model  # noqa: E402
 from tokenmill.quant.save import save_quantized  # noqa: E402
 
 MODEL = "smollm2-135m"
-PPL_ROWS = [("rtn", 4, 64), ("rtn", 3, 64), ("gptq", 4, 64), ("gptq", 3, 64), ("awq", 4, 64), ("awq", 3, 64),
-            ("rtn", 8, -1), ("gptq", 8, -1), ("awq", 8, -1)]
+PPL_ROWS = [
+    ("rtn", 4, 64),
+    ("rtn", 3, 64),
+    ("gptq", 4, 64),
+    ("gptq", 3, 64),
+    ("awq", 4, 64),
+    ("awq", 3, 64),
+    ("rtn", 8, -1),
+    ("gptq", 8, -1),
+    ("awq", 8, -1),
+]
 
 
 def dir_bytes(path: Path) -> int:
@@ -79,11 +89,17 @@ def speed_part(args, work: Path, results: Path, done: dict) -> None:
     # The figure kept is the median round.
     llms, weight_bytes = {}, {}
     for label, path in models.items():
-        llms[label] = LLM(model=path, dtype="bfloat16", max_num_seqs=max(args.batch, 1),
-                          max_model_len=512, enable_prefix_caching=False)
+        llms[label] = LLM(
+            model=path,
+            dtype="bfloat16",
+            max_num_seqs=max(args.batch, 1),
+            max_model_len=512,
+            enable_prefix_caching=False,
+        )
         weight_bytes[label] = quantized_nbytes(llms[label].engine.model)
-        llms[label].generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                             use_tqdm=False)  # warm-up
+        llms[label].generate(
+            prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )  # warm-up
     sp = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     runs: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.speed_rounds):
@@ -97,10 +113,19 @@ def speed_part(args, work: Path, results: Path, done: dict) -> None:
                 n = sum(len(o.outputs[0].token_ids) for o in outs)
                 runs.setdefault((label, batch), []).append(n / dt)
     for (label, batch), tps in runs.items():
-        append_result(results, {"key": f"speed|{label}|{batch}", "model": label, "batch": batch,
-                                "tokens": batch * args.decode_tokens, "tok_per_s": statistics.median(tps),
-                                "rounds": tps, "weight_bytes": weight_bytes[label],
-                                "loadavg": os.getloadavg()[0]})
+        append_result(
+            results,
+            {
+                "key": f"speed|{label}|{batch}",
+                "model": label,
+                "batch": batch,
+                "tokens": batch * args.decode_tokens,
+                "tok_per_s": statistics.median(tps),
+                "rounds": tps,
+                "weight_bytes": weight_bytes[label],
+                "loadavg": os.getloadavg()[0],
+            },
+        )
     del llms
 
 
@@ -108,8 +133,9 @@ def ppl_part(args, work: Path, results: Path, done: dict) -> None:
     ids = None
     calib: dict[int, torch.Tensor] = {}
     texts = read_jsonl_texts(Path(args.data_dir) / "c4_en_train_00000_first1000.jsonl")
-    rows = [("fp32", 0, 0)] + [r for r in PPL_ROWS if (not args.methods or r[0] in args.methods)
-                               and (not args.bits or r[1] in args.bits)]
+    rows = [("fp32", 0, 0)] + [
+        r for r in PPL_ROWS if (not args.methods or r[0] in args.methods) and (not args.bits or r[1] in args.bits)
+    ]
     for method, bits, group in rows:
         num_calib = {"rtn": 0, "fp32": 0, "awq": args.awq_num_calib or args.num_calib}.get(method, args.num_calib)
         key = f"ppl|{method}|{bits}|{group}|{args.ppl_windows}|{num_calib}x{args.calib_seqlen}"
@@ -122,20 +148,38 @@ def ppl_part(args, work: Path, results: Path, done: dict) -> None:
         else:
             if num_calib and num_calib not in calib:
                 tok = load_model(MODEL, dtype=torch.float32).tokenizer
-                calib[num_calib] = calibration_windows(texts, lambda s: tok.encode(s, add_special_tokens=False),
-                                                       num_calib, args.calib_seqlen, 0)
+                calib[num_calib] = calibration_windows(
+                    texts, lambda s: tok.encode(s, add_special_tokens=False), num_calib, args.calib_seqlen, 0
+                )
             out = work / f"{method}_w{bits}_g{group}"
             loaded, report, _ = quantize_to_dir(method, bits, group, out, calib.get(num_calib))
             qsec, size = report.seconds, dir_bytes(out)
         if ids is None:
-            ids = wikitext2_ids(lambda s: loaded.tokenizer.encode(s, add_special_tokens=False),
-                                Path(args.data_dir) / "wikitext2_raw_test.jsonl")
+            ids = wikitext2_ids(
+                lambda s: loaded.tokenizer.encode(s, add_special_tokens=False),
+                Path(args.data_dir) / "wikitext2_raw_test.jsonl",
+            )
         res = evaluate_perplexity(loaded.model, ids, 2048, args.ppl_windows)
-        append_result(results, {"key": key, "method": method, "bits": bits, "group_size": group,
-                                "ppl": res.perplexity, "mean_nll": res.mean_nll, "windows": res.num_windows,
-                                "total_windows": res.total_windows, "quant_seconds": qsec, "eval_seconds": res.seconds,
-                                "bytes_on_disk": size, "num_calib": num_calib, "calib_seqlen": args.calib_seqlen,
-                                "wall_seconds": time.perf_counter() - t0, "loadavg": os.getloadavg()[0]})
+        append_result(
+            results,
+            {
+                "key": key,
+                "method": method,
+                "bits": bits,
+                "group_size": group,
+                "ppl": res.perplexity,
+                "mean_nll": res.mean_nll,
+                "windows": res.num_windows,
+                "total_windows": res.total_windows,
+                "quant_seconds": qsec,
+                "eval_seconds": res.seconds,
+                "bytes_on_disk": size,
+                "num_calib": num_calib,
+                "calib_seqlen": args.calib_seqlen,
+                "wall_seconds": time.perf_counter() - t0,
+                "loadavg": os.getloadavg()[0],
+            },
+        )
 
 
 def render(results: Path) -> str:
@@ -144,8 +188,10 @@ def render(results: Path) -> str:
     ppl = [r for r in rows if r["key"].startswith("ppl|")]
     if ppl:
         fp = next((r["ppl"] for r in ppl if r["method"] == "fp32"), None)
-        lines += ["| method | bits | group | WikiText-2 ppl | windows | Δ vs fp32 | recovered of RTN's loss | size on disk (MB) | quantize time (s) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| method | bits | group | WikiText-2 ppl | windows | Δ vs fp32 | recovered of RTN's loss | size on disk (MB) | quantize time (s) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         rtn = {r["bits"]: r["ppl"] for r in ppl if r["method"] == "rtn"}
         for r in ppl:
             delta = "" if fp is None else f"{r['ppl'] - fp:+.3f}"
@@ -153,26 +199,40 @@ def render(results: Path) -> str:
             if fp is not None and r["method"] in ("gptq", "awq") and r["bits"] in rtn and rtn[r["bits"]] != fp:
                 rec = f"{100 * (rtn[r['bits']] - r['ppl']) / (rtn[r['bits']] - fp):.0f}%"
             grp = "-" if r["method"] == "fp32" else ("channel" if r["group_size"] == -1 else r["group_size"])
-            lines.append(f"| {r['method']} | {r['bits'] or 32} | {grp} | {r['ppl']:.3f} | {r['windows']}/{r['total_windows']} "
-                         f"| {delta} | {rec} | {r['bytes_on_disk'] / 1e6:.1f} | {r['quant_seconds']:.0f} |")
+            lines.append(
+                f"| {r['method']} | {r['bits'] or 32} | {grp} | {r['ppl']:.3f} | {r['windows']}/{r['total_windows']} "
+                f"| {delta} | {rec} | {r['bytes_on_disk'] / 1e6:.1f} | {r['quant_seconds']:.0f} |"
+            )
     speed = [r for r in rows if r["key"].startswith("speed|")]
     if speed:
         base = {r["batch"]: r["tok_per_s"] for r in speed if r["model"] == "bf16"}
-        lines += ["", "| weights | batch | decode tok/s | vs bf16 | weight bytes in memory (MB) |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| weights | batch | decode tok/s | vs bf16 | weight bytes in memory (MB) |",
+            "|---|---|---|---|---|",
+        ]
         for r in speed:
             rel = f"{r['tok_per_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else ""
-            lines.append(f"| {r['model']} | {r['batch']} | {r['tok_per_s']:.1f} | {rel} | {r['weight_bytes'] / 1e6:.1f} |")
+            lines.append(
+                f"| {r['model']} | {r['batch']} | {r['tok_per_s']:.1f} | {rel} | {r['weight_bytes'] / 1e6:.1f} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-dir", default=str(default_data_dir()), help="Directory with the WikiText-2 and C4 files.")
-    ap.add_argument("--work-dir", default=None, help="Where quantized models and results.jsonl go (default: a temp dir).")
-    ap.add_argument("--ppl-windows", type=int, default=None, help="Score the first N 2048-token windows (default: all).")
+    ap.add_argument(
+        "--work-dir", default=None, help="Where quantized models and results.jsonl go (default: a temp dir)."
+    )
+    ap.add_argument(
+        "--ppl-windows", type=int, default=None, help="Score the first N 2048-token windows (default: all)."
+    )
     ap.add_argument("--num-calib", type=int, default=128, help="Calibration windows (GPTQ, AWQ).")
     ap.add_argument("--calib-seqlen", type=int, default=512)
-    ap.add_argument("--awq-num-calib", type=int, default=None, help="Calibration windows for AWQ (default: --num-calib).")
+    ap.add_argument(
+        "--awq-num-calib", type=int, default=None, help="Calibration windows for AWQ (default: --num-calib)."
+    )
     ap.add_argument("--methods", nargs="*", default=None, help="Subset of rtn gptq awq.")
     ap.add_argument("--bits", nargs="*", type=int, default=None, help="Subset of 3 4 8.")
     ap.add_argument("--decode-tokens", type=int, default=64)

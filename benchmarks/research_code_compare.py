@@ -84,6 +84,7 @@ Cost: on one CPU thread AutoGPTQ takes ~17 CPU-minutes on 128 x 512 tokens; Auto
 8 x 512 and about 16x that on 128 x 512 (its grid search runs the attention / MLP 20 times per group
 over all calibration tokens), hence --awq-num-calib.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -103,8 +104,13 @@ DEFAULT_DATA = REPO.parent / "shared" / "data"
 MODEL = "smollm2-135m"
 BITS, GROUP = 4, 64
 AWQ_DIR, GPTQ_DIR = "autoawq_w4_g64", "autogptq_w4_g64"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def append_result(work: Path, row: dict) -> None:
@@ -116,6 +122,7 @@ def append_result(work: Path, row: dict) -> None:
 
 def versions(*names: str) -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
+
     out = {"python": sys.version.split()[0]}
     for n in names:
         try:
@@ -132,6 +139,7 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ prepare (tokenmill venv)
+
 
 def cmd_prepare(args) -> None:
     """GGUF -> HF dir, calibration windows and WikiText-2 ids, exactly as our pipeline makes them."""
@@ -172,22 +180,32 @@ def cmd_prepare(args) -> None:
         tcfg_path.write_text(json.dumps(tcfg, indent=2))
         del model
 
-    ref = load_model(args.model, dtype=torch.float32)          # the GGUF, as our quant_table.py loads it
+    ref = load_model(args.model, dtype=torch.float32)  # the GGUF, as our quant_table.py loads it
     conv = load_model(str(base), dtype=torch.float32, load_tokenizer=False)
     pa, pb = dict(ref.model.named_parameters()), dict(conv.model.named_parameters())
     max_diff = max(float((pa[k] - pb[k]).abs().max()) for k in pa) if pa.keys() == pb.keys() else float("nan")
     encode = lambda s: ref.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
-    calib = calibration_windows(read_jsonl_texts(data / "c4_en_train_00000_first1000.jsonl"), encode,
-                                args.num_calib, args.calib_seqlen, 0)
+    calib = calibration_windows(
+        read_jsonl_texts(data / "c4_en_train_00000_first1000.jsonl"), encode, args.num_calib, args.calib_seqlen, 0
+    )
     torch.save(calib, work / "calib.pt")
     ids = wikitext2_ids(encode, data / "wikitext2_raw_test.jsonl")
     torch.save(ids, work / "wikitext2_ids.pt")
-    append_result(work, {"key": "prepare", "base_dir": str(base), "max_abs_diff_gguf_vs_hf_dir": max_diff,
-                         "calib_shape": list(calib.shape), "wikitext2_tokens": ids.numel(),
-                         "versions": versions("torch", "transformers", "gguf")})
+    append_result(
+        work,
+        {
+            "key": "prepare",
+            "base_dir": str(base),
+            "max_abs_diff_gguf_vs_hf_dir": max_diff,
+            "calib_shape": list(calib.shape),
+            "wikitext2_tokens": ids.numel(),
+            "versions": versions("torch", "transformers", "gguf"),
+        },
+    )
 
 
 # ------------------------------------------------------------------------------ AutoAWQ (research venv)
+
 
 def _cpu_safe_awq_quantizer():
     """AutoAWQ's quantizer with its scale-search snapshot made a real copy.
@@ -207,10 +225,11 @@ def _cpu_safe_awq_quantizer():
             live = module2inspect.state_dict
             module2inspect.state_dict = lambda *a, **k: {n: t.clone() for n, t in live(*a, **k).items()}
             try:
-                return super()._compute_best_scale(x, w_mean, x_mean, module2inspect, linears2scale,
-                                                   fp16_output, kwargs)
+                return super()._compute_best_scale(
+                    x, w_mean, x_mean, module2inspect, linears2scale, fp16_output, kwargs
+                )
             finally:
-                del module2inspect.state_dict            # back to the class method
+                del module2inspect.state_dict  # back to the class method
 
     return CpuSafeAwqQuantizer
 
@@ -224,7 +243,7 @@ def cmd_autoawq(args) -> None:
     base, out = work / "base-hf", work / AWQ_DIR
     calib = torch.load(work / "calib.pt")
     if args.awq_num_calib:
-        calib = calib[:args.awq_num_calib]
+        calib = calib[: args.awq_num_calib]
     windows = calib.tolist()
     # AutoAWQ keeps pre-tokenized samples of at most max_calib_seq_len tokens, concatenates the first
     # n_samples and re-splits them into max_calib_seq_len blocks: with 512-token windows that is the
@@ -235,22 +254,36 @@ def cmd_autoawq(args) -> None:
     model = AutoAWQForCausalLM.from_pretrained(str(base), torch_dtype=torch.float32, device_map="cpu")
     quant_config = {"zero_point": True, "q_group_size": GROUP, "w_bit": BITS, "version": "GEMM"}
     t0, c0 = time.perf_counter(), time.process_time()
-    model.quantize(None, quant_config=quant_config, calib_data=windows, max_calib_samples=len(windows),
-                   max_calib_seq_len=calib.shape[1], duo_scaling=not args.awq_no_duo,
-                   quantizer_cls=AwqQuantizer if args.awq_no_cpu_fix else _cpu_safe_awq_quantizer())
+    model.quantize(
+        None,
+        quant_config=quant_config,
+        calib_data=windows,
+        max_calib_samples=len(windows),
+        max_calib_seq_len=calib.shape[1],
+        duo_scaling=not args.awq_no_duo,
+        quantizer_cls=AwqQuantizer if args.awq_no_cpu_fix else _cpu_safe_awq_quantizer(),
+    )
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     model.save_quantized(str(out))
     copy_tokenizer(base, out)
-    append_result(work, {"key": f"quantize|autoawq|{BITS}|{GROUP}", "dir": str(out), "quant_seconds": seconds,
-                         "quant_cpu_seconds": cpu_seconds, "num_calib": len(windows),
-                         "cpu_fix": not args.awq_no_cpu_fix,
-                         "config": {**quant_config, "duo_scaling": not args.awq_no_duo, "apply_clip": True,
-                                    "dtype": "float32"},
-                         "threads": torch.get_num_threads(),
-                         "versions": versions("torch", "transformers", "autoawq", "accelerate")})
+    append_result(
+        work,
+        {
+            "key": f"quantize|autoawq|{BITS}|{GROUP}",
+            "dir": str(out),
+            "quant_seconds": seconds,
+            "quant_cpu_seconds": cpu_seconds,
+            "num_calib": len(windows),
+            "cpu_fix": not args.awq_no_cpu_fix,
+            "config": {**quant_config, "duo_scaling": not args.awq_no_duo, "apply_clip": True, "dtype": "float32"},
+            "threads": torch.get_num_threads(),
+            "versions": versions("torch", "transformers", "autoawq", "accelerate"),
+        },
+    )
 
 
 # ------------------------------------------------------------------------------ AutoGPTQ (research venv)
+
 
 def cmd_autogptq(args) -> None:
     import auto_gptq.modeling._base as agb
@@ -284,11 +317,19 @@ def cmd_autogptq(args) -> None:
     agb.pack_model = pack_and_record
 
     hf = AutoModelForCausalLM.from_pretrained(str(base), torch_dtype=torch.float32, use_cache=False)
-    qcfg = BaseQuantizeConfig(bits=BITS, group_size=GROUP, desc_act=False, sym=False, damp_percent=0.01,
-                              true_sequential=True, static_groups=False)
+    qcfg = BaseQuantizeConfig(
+        bits=BITS,
+        group_size=GROUP,
+        desc_act=False,
+        sym=False,
+        damp_percent=0.01,
+        true_sequential=True,
+        static_groups=False,
+    )
     model = LlamaGPTQForCausalLM(hf, False, qcfg)
-    examples = [{"input_ids": row.unsqueeze(0), "attention_mask": torch.ones(1, row.numel(), dtype=torch.long)}
-                for row in calib]
+    examples = [
+        {"input_ids": row.unsqueeze(0), "attention_mask": torch.ones(1, row.numel(), dtype=torch.long)} for row in calib
+    ]
     t0, c0 = time.perf_counter(), time.process_time()
     # batch_size only groups windows into one forward (same length, no padding); the Hessians are the same.
     model.quantize(examples, batch_size=args.gptq_batch, use_triton=False, cache_examples_on_gpu=False)
@@ -296,31 +337,46 @@ def cmd_autogptq(args) -> None:
     model.save_quantized(str(out), use_safetensors=True)
     copy_tokenizer(base, out)
     save_file({k: v.contiguous() for k, v in reference.items()}, str(work / f"{GPTQ_DIR}.reference.safetensors"))
-    append_result(work, {"key": f"quantize|autogptq|{BITS}|{GROUP}", "dir": str(out), "quant_seconds": seconds,
-                         "quant_cpu_seconds": cpu_seconds, "num_calib": calib.shape[0],
-                         "config": qcfg.to_dict(), "batch_size": args.gptq_batch, "dtype": "float32",
-                         "zero_point_stats": zero_stats, "threads": torch.get_num_threads(),
-                         "versions": versions("torch", "transformers", "auto-gptq", "accelerate")})
+    append_result(
+        work,
+        {
+            "key": f"quantize|autogptq|{BITS}|{GROUP}",
+            "dir": str(out),
+            "quant_seconds": seconds,
+            "quant_cpu_seconds": cpu_seconds,
+            "num_calib": calib.shape[0],
+            "config": qcfg.to_dict(),
+            "batch_size": args.gptq_batch,
+            "dtype": "float32",
+            "zero_point_stats": zero_stats,
+            "threads": torch.get_num_threads(),
+            "versions": versions("torch", "transformers", "auto-gptq", "accelerate"),
+        },
+    )
 
 
 # ---------------------------------------------------------------------------- crosscheck (research venv)
+
 
 def _their_dequantized(kind: str, tensors: dict[str, torch.Tensor], in_f: int, out_f: int) -> torch.Tensor:
     """W [out, in] float32 as the research package itself reads one checkpoint layer."""
     if kind == "awq":
         from awq.utils.packing_utils import dequantize_gemm
-        w = dequantize_gemm(tensors["qweight"], tensors["qzeros"], tensors["scales"], BITS, GROUP)   # [in, out]
+
+        w = dequantize_gemm(tensors["qweight"], tensors["qzeros"], tensors["scales"], BITS, GROUP)  # [in, out]
         return w.float().t().contiguous()
     from auto_gptq.nn_modules.qlinear.qlinear_cuda_old import QuantLinear
+
     ql = QuantLinear(BITS, GROUP, in_f, out_f, bias=False, use_cuda_fp16=False, weight_dtype=torch.float32)
     ql.qweight, ql.qzeros, ql.g_idx = tensors["qweight"], tensors["qzeros"], tensors["g_idx"]
     ql.scales = tensors["scales"].float()
-    with torch.no_grad():                       # x = I gives W^T through their own CPU (pure torch) path
+    with torch.no_grad():  # x = I gives W^T through their own CPU (pure torch) path
         return ql(torch.eye(in_f)).t().contiguous()
 
 
 def _read_quantized(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     from safetensors import safe_open
+
     layers: dict[str, dict[str, torch.Tensor]] = {}
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -334,10 +390,11 @@ def _read_quantized(path: Path) -> dict[str, dict[str, torch.Tensor]]:
 def hf_window_ppl(model, ids: torch.Tensor, seqlen: int, n: int) -> float:
     """Our protocol with a transformers model: non-overlapping windows from position 0, no BOS."""
     import torch.nn.functional as F
+
     nll = 0.0
     with torch.no_grad():
         for i in range(n):
-            w = ids[i * seqlen:(i + 1) * seqlen].unsqueeze(0)
+            w = ids[i * seqlen : (i + 1) * seqlen].unsqueeze(0)
             logits = model(w).logits[0, :-1].float()
             nll += float(F.cross_entropy(logits, w[0, 1:], reduction="sum"))
     return math.exp(nll / (n * (seqlen - 1)))
@@ -353,9 +410,16 @@ def cmd_crosscheck(args) -> None:
     hf.eval()
     n = args.crosscheck_windows
     t0 = time.perf_counter()
-    append_result(work, {"key": f"crosscheck|fp32|transformers|{n}", "ppl": hf_window_ppl(hf, ids, 2048, n),
-                         "windows": n, "seconds": time.perf_counter() - t0,
-                         "versions": versions("torch", "transformers")})
+    append_result(
+        work,
+        {
+            "key": f"crosscheck|fp32|transformers|{n}",
+            "ppl": hf_window_ppl(hf, ids, 2048, n),
+            "windows": n,
+            "seconds": time.perf_counter() - t0,
+            "versions": versions("torch", "transformers"),
+        },
+    )
     original = {k: v.clone() for k, v in hf.state_dict().items()}
     for kind, dirname in (("awq", AWQ_DIR), ("gptq", GPTQ_DIR)):
         qdir = work / dirname
@@ -372,6 +436,7 @@ def cmd_crosscheck(args) -> None:
         if kind == "awq":
             # AWQ also folded its scales into the norms: take every non-quantized tensor from their checkpoint.
             from safetensors import safe_open
+
             sd = hf.state_dict()
             for f in qdir.glob("*.safetensors"):
                 with safe_open(str(f), framework="pt") as st:
@@ -380,12 +445,20 @@ def cmd_crosscheck(args) -> None:
                             sd[name].copy_(st.get_tensor(name).float())
         save_file({k: v.contiguous() for k, v in theirs.items()}, str(work / f"{dirname}.their_dequant.safetensors"))
         t0 = time.perf_counter()
-        append_result(work, {"key": f"crosscheck|{kind}|transformers|{n}", "ppl": hf_window_ppl(hf, ids, 2048, n),
-                             "windows": n, "seconds": time.perf_counter() - t0,
-                             "note": "research package's own dequantization, transformers fp32 forward"})
+        append_result(
+            work,
+            {
+                "key": f"crosscheck|{kind}|transformers|{n}",
+                "ppl": hf_window_ppl(hf, ids, 2048, n),
+                "windows": n,
+                "seconds": time.perf_counter() - t0,
+                "note": "research package's own dequantization, transformers fp32 forward",
+            },
+        )
 
 
 # ------------------------------------------------------------------------------ evaluate (tokenmill venv)
+
 
 def _weight_agreement(qdir: Path, reference_file: Path) -> dict:
     """Decode the checkpoint with tokenmill's format code and compare to a reference [out, in] per layer."""
@@ -415,8 +488,14 @@ def _weight_agreement(qdir: Path, reference_file: Path) -> dict:
         mismatched_layers += bad > 0
         n_bad += bad
         n_elems += d.numel()
-    return {"reference": reference_file.name, "layers": len(layers), "max_rel_diff": worst,
-            "layers_with_mismatch": mismatched_layers, "mismatched_weights": n_bad, "weights": n_elems}
+    return {
+        "reference": reference_file.name,
+        "layers": len(layers),
+        "max_rel_diff": worst,
+        "layers_with_mismatch": mismatched_layers,
+        "mismatched_weights": n_bad,
+        "weights": n_elems,
+    }
 
 
 def strip_zero_biases(qdir: Path) -> tuple[Path, int]:
@@ -438,7 +517,7 @@ def strip_zero_biases(qdir: Path) -> tuple[Path, int]:
             names = set(st.keys())
             for name in names:
                 t = st.get_tensor(name)
-                if name.endswith(".bias") and name[:-len("bias")] + "qweight" in names:
+                if name.endswith(".bias") and name[: -len("bias")] + "qweight" in names:
                     if bool(t.any()):
                         raise ValueError(f"{f}: {name} is not zero; it cannot be dropped")
                     dropped += 1
@@ -455,8 +534,9 @@ def cmd_evaluate(args) -> None:
 
     work = Path(args.work_dir)
     ids = torch.load(work / "wikitext2_ids.pt")
-    targets = [(label, d) for label, d in (("autoawq", AWQ_DIR), ("autogptq", GPTQ_DIR))
-               if not args.only or label in args.only]
+    targets = [
+        (label, d) for label, d in (("autoawq", AWQ_DIR), ("autogptq", GPTQ_DIR)) if not args.only or label in args.only
+    ]
     if args.eval_baseline:
         targets.insert(0, ("fp32", "base-hf"))
     for label, dirname in targets:
@@ -484,13 +564,20 @@ def cmd_evaluate(args) -> None:
             if agreement:
                 row.setdefault("weight_agreement", []).append(agreement)
         for k in sorted(set(args.prefix_windows + [args.crosscheck_windows]) - {0}):
-            if k < args.ppl_windows:    # the first k windows too: comparable with crosscheck and shorter runs
+            if k < args.ppl_windows:  # the first k windows too: comparable with crosscheck and shorter runs
                 short = evaluate_perplexity(loaded.model, ids, 2048, k, progress=False)
                 row[f"ppl_first_{k}"] = short.perplexity
         res = evaluate_perplexity(loaded.model, ids, 2048, args.ppl_windows)
-        row.update({"ppl": res.perplexity, "mean_nll": res.mean_nll, "windows": res.num_windows,
-                    "total_windows": res.total_windows, "eval_seconds": res.seconds,
-                    "threads": torch.get_num_threads()})
+        row.update(
+            {
+                "ppl": res.perplexity,
+                "mean_nll": res.mean_nll,
+                "windows": res.num_windows,
+                "total_windows": res.total_windows,
+                "eval_seconds": res.seconds,
+                "threads": torch.get_num_threads(),
+            }
+        )
         append_result(work, row)
     if args.ours_results:
         compare(work, Path(args.ours_results), args.ppl_windows)
@@ -502,8 +589,9 @@ def compare(work: Path, ours_file: Path, windows: int) -> None:
         print(f"{ours_file}: not there; no comparison")
         return
     ours = {json.loads(l)["key"]: json.loads(l) for l in ours_file.read_text().splitlines() if l.strip()}
-    theirs = {json.loads(l)["key"]: json.loads(l) for l in (work / "results.jsonl").read_text().splitlines()
-              if l.strip()}
+    theirs = {
+        json.loads(l)["key"]: json.loads(l) for l in (work / "results.jsonl").read_text().splitlines() if l.strip()
+    }
     for method, label in (("gptq", "autogptq"), ("awq", "autoawq")):
         calib = theirs.get(f"quantize|{label}|{BITS}|{GROUP}", {}).get("num_calib", 128)
         mine = ours.get(f"ppl|{method}|{BITS}|{GROUP}|{windows}|{calib}x512")
@@ -512,10 +600,18 @@ def compare(work: Path, ours_file: Path, windows: int) -> None:
             print(f"{method}: ours {'found' if mine else 'missing'}, theirs {'found' if other else 'missing'}")
             continue
         rel = (mine["ppl"] - other["ppl"]) / other["ppl"]
-        append_result(work, {"key": f"compare|{method}|{BITS}|{GROUP}|{windows}|{calib}x512", "ours_ppl": mine["ppl"],
-                             "theirs_ppl": other["ppl"], "relative_difference": rel, "within_1pct": abs(rel) <= 0.01,
-                             "ours_quant_seconds": mine.get("quant_seconds"),
-                             "fp32_ppl": ours.get(f"ppl|fp32|0|0|{windows}|0x512", {}).get("ppl")})
+        append_result(
+            work,
+            {
+                "key": f"compare|{method}|{BITS}|{GROUP}|{windows}|{calib}x512",
+                "ours_ppl": mine["ppl"],
+                "theirs_ppl": other["ppl"],
+                "relative_difference": rel,
+                "within_1pct": abs(rel) <= 0.01,
+                "ours_quant_seconds": mine.get("quant_seconds"),
+                "fp32_ppl": ours.get(f"ppl|fp32|0|0|{windows}|0x512", {}).get("ppl"),
+            },
+        )
 
 
 def cmd_ours(args) -> None:
@@ -529,36 +625,67 @@ def cmd_ours(args) -> None:
     ids = torch.load(work / "wikitext2_ids.pt")
     calib = torch.load(work / "calib.pt")
     n = args.awq_num_calib if (args.method == "awq" and args.awq_num_calib) else calib.shape[0]
-    cfg = QuantConfig(method=args.method, bits=BITS, group_size=GROUP, sym=False, desc_act=False, damp_percent=0.01,
-                      awq_duo_scaling=args.method == "awq" and not args.awq_no_duo)
+    cfg = QuantConfig(
+        method=args.method,
+        bits=BITS,
+        group_size=GROUP,
+        sym=False,
+        desc_act=False,
+        damp_percent=0.01,
+        awq_duo_scaling=args.method == "awq" and not args.awq_no_duo,
+    )
     loaded = load_model(args.model, dtype=torch.float32)
     t0, c0 = time.perf_counter(), time.process_time()
     report = quantize_model(loaded.model, cfg, calib[:n])
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     variant = ("|duo" if cfg.awq_duo_scaling else "|noduo") if args.method == "awq" else ""
-    row = {"key": f"ours|{args.method}|{BITS}|{GROUP}|{args.ppl_windows}|{n}x{calib.shape[1]}{variant}",
-           "quant_seconds": seconds, "quant_cpu_seconds": cpu_seconds, "reported_seconds": report.seconds,
-           "config": {k: getattr(cfg, k) for k in ("bits", "group_size", "sym", "desc_act", "damp_percent",
-                                                   "awq_duo_scaling", "awq_clip", "format")}}
+    row = {
+        "key": f"ours|{args.method}|{BITS}|{GROUP}|{args.ppl_windows}|{n}x{calib.shape[1]}{variant}",
+        "quant_seconds": seconds,
+        "quant_cpu_seconds": cpu_seconds,
+        "reported_seconds": report.seconds,
+        "config": {
+            k: getattr(cfg, k)
+            for k in ("bits", "group_size", "sym", "desc_act", "damp_percent", "awq_duo_scaling", "awq_clip", "format")
+        },
+    }
     for k in sorted(set(args.prefix_windows) - {0}):
         if k < args.ppl_windows:
             row[f"ppl_first_{k}"] = evaluate_perplexity(loaded.model, ids, 2048, k, progress=False).perplexity
     res = evaluate_perplexity(loaded.model, ids, 2048, args.ppl_windows)
-    row.update({"ppl": res.perplexity, "windows": res.num_windows, "eval_seconds": res.seconds,
-                "threads": torch.get_num_threads()})
+    row.update(
+        {
+            "ppl": res.perplexity,
+            "windows": res.num_windows,
+            "eval_seconds": res.seconds,
+            "threads": torch.get_num_threads(),
+        }
+    )
     append_result(work, row)
 
 
 # ------------------------------------------------------------------------------------------------- all
 
+
 def cmd_all(args) -> None:
     work = Path(args.work_dir)
     cmd_prepare(args)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "BUILD_CUDA_EXT": "0"}
-    common = ["--work-dir", str(work), "--threads", str(args.threads), "--gptq-batch", str(args.gptq_batch),
-              "--crosscheck-windows", str(args.crosscheck_windows)] + (["--awq-no-duo"] if args.awq_no_duo else []) \
-        + (["--awq-no-cpu-fix"] if args.awq_no_cpu_fix else []) \
+    common = (
+        [
+            "--work-dir",
+            str(work),
+            "--threads",
+            str(args.threads),
+            "--gptq-batch",
+            str(args.gptq_batch),
+            "--crosscheck-windows",
+            str(args.crosscheck_windows),
+        ]
+        + (["--awq-no-duo"] if args.awq_no_duo else [])
+        + (["--awq-no-cpu-fix"] if args.awq_no_cpu_fix else [])
         + (["--awq-num-calib", str(args.awq_num_calib)] if args.awq_num_calib else [])
+    )
     for step in ("autoawq", "autogptq", "crosscheck"):
         rc = subprocess.call([args.research_python, __file__, step, *common], env=env)
         if rc != 0:
@@ -579,16 +706,28 @@ def main() -> None:
     ap.add_argument("--crosscheck-windows", type=int, default=2, help="Windows for the transformers cross-check.")
     ap.add_argument("--gptq-batch", type=int, default=8, help="Calibration windows per AutoGPTQ forward.")
     ap.add_argument("--awq-no-duo", action="store_true", help="AutoAWQ with duo_scaling=False (the paper's s).")
-    ap.add_argument("--awq-no-cpu-fix", action="store_true",
-                    help="Run AutoAWQ's quantizer unpatched (reproduces its CPU aliasing bug, see "
-                         "_cpu_safe_awq_quantizer).")
-    ap.add_argument("--awq-num-calib", type=int, default=None,
-                    help="Use only the first N calibration windows for AutoAWQ (it is ~10x the CPU cost of GPTQ).")
+    ap.add_argument(
+        "--awq-no-cpu-fix",
+        action="store_true",
+        help="Run AutoAWQ's quantizer unpatched (reproduces its CPU aliasing bug, see _cpu_safe_awq_quantizer).",
+    )
+    ap.add_argument(
+        "--awq-num-calib",
+        type=int,
+        default=None,
+        help="Use only the first N calibration windows for AutoAWQ (it is ~10x the CPU cost of GPTQ).",
+    )
     ap.add_argument("--eval-baseline", action="store_true", help="Also score the converted fp32 HF dir.")
-    ap.add_argument("--prefix-windows", type=int, nargs="*", default=[8],
-                    help="evaluate: also report the perplexity of the first K windows (e.g. to match a shorter run).")
-    ap.add_argument("--only", nargs="*", choices=["autoawq", "autogptq"], default=None,
-                    help="evaluate: only these checkpoints.")
+    ap.add_argument(
+        "--prefix-windows",
+        type=int,
+        nargs="*",
+        default=[8],
+        help="evaluate: also report the perplexity of the first K windows (e.g. to match a shorter run).",
+    )
+    ap.add_argument(
+        "--only", nargs="*", choices=["autoawq", "autogptq"], default=None, help="evaluate: only these checkpoints."
+    )
     ap.add_argument("--ours-results", default=None, help="results.jsonl of benchmarks/quant_table.py to compare.")
     ap.add_argument("--research-python", default=None, help="python of the research venv (step all).")
     ap.add_argument("--threads", type=int, default=1)
@@ -599,8 +738,15 @@ def main() -> None:
         sys.path.insert(0, str(REPO))
     if args.step == "all" and not args.research_python:
         ap.error("step all needs --research-python")
-    {"prepare": cmd_prepare, "autoawq": cmd_autoawq, "autogptq": cmd_autogptq, "crosscheck": cmd_crosscheck,
-     "evaluate": cmd_evaluate, "ours": cmd_ours, "all": cmd_all}[args.step](args)
+    {
+        "prepare": cmd_prepare,
+        "autoawq": cmd_autoawq,
+        "autogptq": cmd_autogptq,
+        "crosscheck": cmd_crosscheck,
+        "evaluate": cmd_evaluate,
+        "ours": cmd_ours,
+        "all": cmd_all,
+    }[args.step](args)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ served. With --old-tree each checkout runs in a fresh process, rounds interleave
 (load index, prompt tokens, when it was added, its TTFT) as JSON, to see which steps and which requests make
 a percentile.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,10 @@ def replay(args) -> dict:
     core = EngineCore(engine_config_from_args(parser.parse_args(shlex.split(args.args))))
     tok = core.tokenizer
     load = load_sharegpt(args.dataset, tok, args.num_prompts, seed=0, max_output_len=args.max_output_len)
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r.prompt}]), add_special_tokens=False)
-               for r in load]
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": r.prompt}]), add_special_tokens=False)
+        for r in load
+    ]
     core.add_request("warm", prompts[0][:64], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while core.has_unfinished_requests():
         core.step()
@@ -63,8 +66,7 @@ def replay(args) -> dict:
     def admit(now: float) -> None:
         i = pending.pop()
         rid = f"r{i}"
-        core.add_request(rid, prompts[i], SamplingParams(temperature=0, max_tokens=load[i].output_len,
-                                                         ignore_eos=True))
+        core.add_request(rid, prompts[i], SamplingParams(temperature=0, max_tokens=load[i].output_len, ignore_eos=True))
         added[rid] = now
         seen[rid] = 0
         index_of[rid] = i
@@ -94,10 +96,15 @@ def replay(args) -> dict:
             kinds["with a prompt chunk" if rec.tokens.num_prefill else "decode-only"].append(rec.forward_ms)
             steps.append([rec.tokens.num_decode, rec.tokens.num_prefill, rec.tokens.num_draft, rec.forward_ms])
     wall = time.perf_counter() - t0
-    res = {"out_tok_s": out_tokens / wall, "wall_s": wall,
-           "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p90_ms": percentile(ttft, 90) * 1e3,
-           "gap_p50_ms": percentile(gaps, 50) * 1e3, "gap_p99_ms": percentile(gaps, 99) * 1e3,
-           "loop_steps": (loop.steps_served - served0) if loop is not None else 0}
+    res = {
+        "out_tok_s": out_tokens / wall,
+        "wall_s": wall,
+        "ttft_p50_ms": percentile(ttft, 50) * 1e3,
+        "ttft_p90_ms": percentile(ttft, 90) * 1e3,
+        "gap_p50_ms": percentile(gaps, 50) * 1e3,
+        "gap_p99_ms": percentile(gaps, 99) * 1e3,
+        "loop_steps": (loop.steps_served - served0) if loop is not None else 0,
+    }
     for k, v in kinds.items():
         res[f"{k}: steps"] = len(v)
         res[f"{k}: mean forward ms"] = statistics.fmean(v) if v else 0.0
@@ -118,13 +125,17 @@ def main() -> None:
     ap.add_argument("--dataset", default=None, help="ShareGPT file (default: ../shared/data's, as vs_vllm.py)")
     ap.add_argument("--old-tree", type=Path, default=None, help="another checkout, run in its own processes")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--steps-out", default=None, help="write [decode, prefill, draft tokens, forward ms] per step (JSON)")
-    ap.add_argument("--requests-out", default=None,
-                    help="write [load index, prompt tokens, added at s, TTFT s] per request (JSON)")
+    ap.add_argument(
+        "--steps-out", default=None, help="write [decode, prefill, draft tokens, forward ms] per step (JSON)"
+    )
+    ap.add_argument(
+        "--requests-out", default=None, help="write [load index, prompt tokens, added at s, TTFT s] per request (JSON)"
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.dataset is None:  # this tree's default, also for an old checkout elsewhere
         from tokenmill.bench.common import DEFAULT_SHAREGPT
+
         args.dataset = str(DEFAULT_SHAREGPT)
     if args.child:
         print(json.dumps(replay(args)))
@@ -136,15 +147,24 @@ def main() -> None:
         for name, tree in trees.items():
             # PYTHONPATH puts the old checkout's package ahead of this tree's editable install
             env = {**os.environ, "PYTHONPATH": str(tree)} if tree != REPO else dict(os.environ)
-            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--child"], env=env,
-                                 cwd=tree, capture_output=True, text=True, timeout=3000)
+            out = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), *argv, "--child"],
+                env=env,
+                cwd=tree,
+                capture_output=True,
+                text=True,
+                timeout=3000,
+            )
             if out.returncode:
                 raise SystemExit(f"{name}: {out.stderr[-3000:]}")
             res[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(name, {k: round(v, 1) for k, v in res[name][-1].items()}, flush=True)
-    print(f"\n{args.num_prompts} ShareGPT chats, {args.concurrency} streams, replies <= {args.max_output_len} tokens, "
-          f"engine flags: {args.args!r}; medians of {args.rounds} round(s)")
+    print(
+        f"\n{args.num_prompts} ShareGPT chats, {args.concurrency} streams, replies <= {args.max_output_len} tokens, "
+        f"engine flags: {args.args!r}; medians of {args.rounds} round(s)"
+    )
     from tokenmill.bench.common import medians
+
     for name in trees:
         print(name, medians(res[name]))
 

@@ -14,6 +14,7 @@ per run in --result-dir. From the server's /metrics, means over the load on its 
 tokenized -> the end of the step that gave its first token) and of it the queue (-> first scheduled: the step in flight,
 then room in a step) and prefill (-> first token) times; the client's mean TTFT beside them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,17 +39,29 @@ def q(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3 if xs else float("nan")
 
 
-def one_run(server_args: list[str], load: list[SampleRequest], concurrency: int, tree: Path | None,
-            log: Path) -> tuple[dict, list[list[float]]]:
+def one_run(
+    server_args: list[str], load: list[SampleRequest], concurrency: int, tree: Path | None, log: Path
+) -> tuple[dict, list[list[float]]]:
     # the old checkout's server imports that tree's package
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     with LaunchedServer(server_args, log_path=str(log), env=env) as s:
         model = discover_model(s.base_url)
-        asyncio.run(run_load(s.base_url, model, [SampleRequest(load[0].prompt, load[0].prompt_token_ids, 8)],
-                             math.inf, "poisson", None, chat=True, ignore_eos=True))
+        asyncio.run(
+            run_load(
+                s.base_url,
+                model,
+                [SampleRequest(load[0].prompt, load[0].prompt_token_ids, 8)],
+                math.inf,
+                "poisson",
+                None,
+                chat=True,
+                ignore_eos=True,
+            )
+        )
         before = scrape_metrics(s.base_url)
-        res, dur = asyncio.run(run_load(s.base_url, model, load, math.inf, "poisson", concurrency, chat=True,
-                                        ignore_eos=True))
+        res, dur = asyncio.run(
+            run_load(s.base_url, model, load, math.inf, "poisson", concurrency, chat=True, ignore_eos=True)
+        )
         after = scrape_metrics(s.base_url)
     failed = [r.error for r in res if not r.success]
     if failed:
@@ -57,14 +70,20 @@ def one_run(server_args: list[str], load: list[SampleRequest], concurrency: int,
     rows = [[i, r.prompt_len, r.start_time - t0, r.ttft] for i, r in enumerate(res)]
     order = sorted(rows, key=lambda x: x[2])
     burst, later = order[:concurrency], order[concurrency:]
-    groups = {"burst": [x[3] for x in burst], "long": [x[3] for x in later if x[1] >= LONG_PROMPT],
-              "rest": [x[3] for x in later if x[1] < LONG_PROMPT]}
+    groups = {
+        "burst": [x[3] for x in burst],
+        "long": [x[3] for x in later if x[1] >= LONG_PROMPT],
+        "rest": [x[3] for x in later if x[1] < LONG_PROMPT],
+    }
     out = {"out_tok_s": sum(r.output_tokens for r in res) / dur, "ttft_p50_ms": q([x[3] for x in rows], 0.5)}
     # the server's own clock, means over the load: its TTFT (arrival after tokenizing -> end of the first token's
     # step) = queue (-> first scheduled: the step in flight, then room in a step) + prefill (-> first token)
     out["client TTFT mean"] = sum(x[3] for x in rows) / len(rows) * 1e3
-    for name, metric in (("server TTFT mean", "time_to_first_token"), ("queue mean", "request_queue_time"),
-                         ("prefill mean", "request_prefill_time")):
+    for name, metric in (
+        ("server TTFT mean", "time_to_first_token"),
+        ("queue mean", "request_queue_time"),
+        ("prefill mean", "request_prefill_time"),
+    ):
         count, total = (f"tokenmill:{metric}_seconds_{k}" for k in ("count", "sum"))
         n = after.get(count, math.nan) - before.get(count, math.nan)  # nan: an older tree without the histogram
         out[name] = (after.get(total, math.nan) - before.get(total, math.nan)) / n * 1e3 if n else math.nan
@@ -93,13 +112,20 @@ def main() -> None:
     res: dict[str, list[dict]] = {k: [] for k in trees}
     for i in range(args.rounds):
         for name, tree in trees.items():
-            m, rows = one_run(shlex.split(args.server_args), load, args.concurrency, tree,
-                              out / f"server-{name.replace(' ', '_')}-{i}.log")
+            m, rows = one_run(
+                shlex.split(args.server_args),
+                load,
+                args.concurrency,
+                tree,
+                out / f"server-{name.replace(' ', '_')}-{i}.log",
+            )
             (out / f"requests-{name.replace(' ', '_')}-{i}.json").write_text(json.dumps(rows))
             res[name].append(m)
             print(name, {k: round(v, 1) for k, v in m.items()}, flush=True)
-    print(f"\nmedians of {args.rounds} round(s); TTFT in ms; groups: burst = the first {args.concurrency} requests, "
-          f"long = later ones with >= {LONG_PROMPT} prompt tokens, rest = the other later ones")
+    print(
+        f"\nmedians of {args.rounds} round(s); TTFT in ms; groups: burst = the first {args.concurrency} requests, "
+        f"long = later ones with >= {LONG_PROMPT} prompt tokens, rest = the other later ones"
+    )
     for name in trees:
         print(name, medians(res[name]))
 

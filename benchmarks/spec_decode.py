@@ -16,6 +16,7 @@ that adaptive γ avoids the slowdown that fixed speculation causes at large batc
     python benchmarks/spec_decode.py             # full table (~15 min on 2 cores)
     python benchmarks/spec_decode.py --quick     # γ in {1, 4}, fewer tokens (~3 min)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ def sharegpt_prompts(tokenizer, n: int, max_prompt_tokens: int, seed: int = 0) -
     for i, r in enumerate(rows):
         assert i < 1000, "benchmark prompts would overlap the EAGLE training rows"
         text = r["conversations"][0]["value"]
-        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}], True),
-                               add_special_tokens=False)
+        ids = tokenizer.encode(
+            tokenizer.apply_chat_template([{"role": "user", "content": text}], True), add_special_tokens=False
+        )
         if 4 <= len(ids) <= max_prompt_tokens:
             out.append(ids)
         if len(out) == n:
@@ -69,7 +71,7 @@ class Run:
         t_start = time.perf_counter()
         for w in range(0, len(self.prompts), self.batch):
             ids = []
-            for p in self.prompts[w:w + self.batch]:
+            for p in self.prompts[w : w + self.batch]:
                 rid = f"b{id(self)}-{w}-{len(ids)}"
                 eng.add_request(rid, p, params)
                 ids.append(rid)
@@ -85,9 +87,14 @@ class Run:
         wall = time.perf_counter() - t_start
         self.llm.check_integrity()
         spec = dict(self.llm.stats().spec_decode)
-        return {"tokens": tokens, "wall": wall, "steps": step_s,
-                "propose_s": spec.get("draft_seconds", 0.0) - before.get("draft_seconds", 0.0),
-                "draft_steps": spec.get("num_draft_steps", 0) - before.get("num_draft_steps", 0), "spec": spec}
+        return {
+            "tokens": tokens,
+            "wall": wall,
+            "steps": step_s,
+            "propose_s": spec.get("draft_seconds", 0.0) - before.get("draft_seconds", 0.0),
+            "draft_steps": spec.get("num_draft_steps", 0) - before.get("num_draft_steps", 0),
+            "spec": spec,
+        }
 
 
 def main() -> None:
@@ -102,12 +109,19 @@ def main() -> None:
     ap.add_argument("--batch-max-tokens", type=int, default=None, help="tokens per request at batch 8/32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (sets TOKENMILL_NUM_THREADS)")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 (target and draft)")
-    ap.add_argument("--proposers", default="ngram,draft", help="comma-separated subset of ngram,draft,eagle,ngram+datastore")
+    ap.add_argument(
+        "--proposers", default="ngram,draft", help="comma-separated subset of ngram,draft,eagle,ngram+datastore"
+    )
     ap.add_argument("--eagle", default=None, help="EAGLE head directory (tokenmill train-eagle); adds proposer eagle")
-    ap.add_argument("--datastore", default=None,
-                    help="datastore file (tokenmill build-datastore); adds proposer ngram+datastore")
-    ap.add_argument("--datastore-min-share", type=float, default=0.3,
-                    help="ngram+datastore: draft a token only if it followed the context this often")
+    ap.add_argument(
+        "--datastore", default=None, help="datastore file (tokenmill build-datastore); adds proposer ngram+datastore"
+    )
+    ap.add_argument(
+        "--datastore-min-share",
+        type=float,
+        default=0.3,
+        help="ngram+datastore: draft a token only if it followed the context this often",
+    )
     args = ap.parse_args()
     if args.threads:
         os.environ["TOKENMILL_NUM_THREADS"] = str(args.threads)
@@ -116,8 +130,13 @@ def main() -> None:
     max_tokens = args.max_tokens or (32 if args.quick else 64)
     n_single = args.num_prompts or (2 if args.quick else 4)
     batches = [int(b) for b in args.batches.split(",") if b]
-    common = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(batches + [1]), max_num_batched_tokens=1024,
-                  enable_prefix_caching=False)
+    common = dict(
+        dtype=args.dtype,
+        max_model_len=1024,
+        max_num_seqs=max(batches + [1]),
+        max_num_batched_tokens=1024,
+        enable_prefix_caching=False,
+    )
 
     base = LLM(args.model, **common)
     prompts = sharegpt_prompts(base.tokenizer, max([n_single, *batches]), 256)
@@ -125,29 +144,43 @@ def main() -> None:
     Run(base, single[:1], 1, 8)()  # warm-up
     ref = Run(base, single, 1, max_tokens)()
     t_step = statistics.median(ref["steps"])
-    print(f"# speculative decoding, {args.model}, greedy, {max_tokens} tokens/request, "
-          f"{n_single} ShareGPT prompts one at a time; plain decode {len(single) * max_tokens / ref['wall']:.1f} tok/s, "
-          f"median step {t_step * 1e3:.1f} ms\n")
-    print("| proposer | γ | α | mean accepted len | c | r | E[T] | predicted E[T]/(γc+1) | predicted E[T]/(r+γc) "
-          "| measured | tok/s |")
+    print(
+        f"# speculative decoding, {args.model}, greedy, {max_tokens} tokens/request, "
+        f"{n_single} ShareGPT prompts one at a time; plain decode {len(single) * max_tokens / ref['wall']:.1f} tok/s, "
+        f"median step {t_step * 1e3:.1f} ms\n"
+    )
+    print(
+        "| proposer | γ | α | mean accepted len | c | r | E[T] | predicted E[T]/(γc+1) | predicted E[T]/(r+γc) "
+        "| measured | tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    methods = {"ngram": {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1},
-               f"draft ({args.draft_layers}-layer self-draft)": {"method": "draft_model", "model": args.model,
-                                                                  "draft_num_layers": args.draft_layers}}
+    methods = {
+        "ngram": {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+        f"draft ({args.draft_layers}-layer self-draft)": {
+            "method": "draft_model",
+            "model": args.model,
+            "draft_num_layers": args.draft_layers,
+        },
+    }
     if args.eagle:
         methods["eagle (trained head)"] = {"method": "eagle", "model": args.eagle}
     if args.datastore:
-        methods["ngram+datastore (target's answers)"] = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1,
-                                                         "datastore": args.datastore,
-                                                         "datastore_min_share": args.datastore_min_share}
+        methods["ngram+datastore (target's answers)"] = {
+            "method": "ngram",
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 1,
+            "datastore": args.datastore,
+            "datastore_min_share": args.datastore_min_share,
+        }
     wanted = set(args.proposers.split(","))
     methods = {k: v for k, v in methods.items() if k.split(" ")[0] in wanted}
     best: dict[str, tuple[float, int]] = {}
     engines: dict[str, LLM] = {}
     for name, spec in methods.items():
         # One engine per proposer, built for γ = 8; each run pins its γ (no reload per row).
-        llm = engines[name] = LLM(args.model, speculative_config={**spec, "num_speculative_tokens": 8,
-                                                                   "adaptive": False}, **common)
+        llm = engines[name] = LLM(
+            args.model, speculative_config={**spec, "num_speculative_tokens": 8, "adaptive": False}, **common
+        )
         Run(llm, single[:1], 1, 8)()
         for g in gammas:
             set_gamma(llm, g, adaptive=False)
@@ -166,10 +199,13 @@ def main() -> None:
             # r: target step with drafts / plain decode step (verification is not free on CPU).
             ratio = (r["wall"] - r["propose_s"]) / max(len(r["steps"]), 1) / (ref["wall"] / len(ref["steps"]))
             best[name] = max(best.get(name, (0.0, 0)), (measured, g))
-            print(f"| {name} | {g} | {alpha:.3f} | {st.get('mean_acceptance_length', 0):.2f} | {c:.3f} | "
-                  f"{ratio:.2f} | {expected_tokens(alpha, g):.2f} | {predicted_speedup(alpha, g, c):.2f}x | "
-                  f"{predicted_speedup(alpha, g, c, ratio):.2f}x | {measured:.2f}x | "
-                  f"{len(single) * max_tokens / r['wall']:.1f} |", flush=True)
+            print(
+                f"| {name} | {g} | {alpha:.3f} | {st.get('mean_acceptance_length', 0):.2f} | {c:.3f} | "
+                f"{ratio:.2f} | {expected_tokens(alpha, g):.2f} | {predicted_speedup(alpha, g, c):.2f}x | "
+                f"{predicted_speedup(alpha, g, c, ratio):.2f}x | {measured:.2f}x | "
+                f"{len(single) * max_tokens / r['wall']:.1f} |",
+                flush=True,
+            )
     print()
     print("| batch | config | tok/s | speedup vs plain | γ chosen (last) | α |")
     print("|---|---|---|---|---|---|")
@@ -181,16 +217,21 @@ def main() -> None:
         print(f"| {b} | plain | {tps:.1f} | 1.00x | - | - |", flush=True)
         for name, llm in engines.items():
             g_best = best.get(name, (0, 4))[1]
-            for label, g, adaptive in ((f"{name}, adaptive (γ ≤ 8)", 8, True),
-                                       (f"{name}, pinned γ={g_best}", g_best, False)):
+            for label, g, adaptive in (
+                (f"{name}, adaptive (γ ≤ 8)", 8, True),
+                (f"{name}, pinned γ={g_best}", g_best, False),
+            ):
                 set_gamma(llm, g, adaptive)
                 speculator(llm).reset_stats()
                 r = Run(llm, wave, b, bmax)()
                 if args.dtype == "float32":
                     assert r["tokens"] == plain["tokens"], f"{label} at batch {b}: greedy output differs"
                 st = r["spec"]
-                print(f"| {b} | {label} | {b * bmax / r['wall']:.1f} | {plain['wall'] / r['wall']:.2f}x | "
-                      f"{st.get('gamma', '-')} | {st.get('alpha', 0):.3f} |", flush=True)
+                print(
+                    f"| {b} | {label} | {b * bmax / r['wall']:.1f} | {plain['wall'] / r['wall']:.2f}x | "
+                    f"{st.get('gamma', '-')} | {st.get('alpha', 0):.3f} |",
+                    flush=True,
+                )
 
 
 def speculator(llm: LLM):
@@ -204,7 +245,9 @@ def set_gamma(llm: LLM, gamma: int, adaptive: bool) -> None:
     ad.gamma_max, ad.adaptive = gamma, adaptive
     if adaptive and ad.prior_cost.b == 0.0:  # built pinned: calibrate the cost model once
         from tokenmill.spec_decode.decoder import _dense_forward
+
         ad.calibrate(_dense_forward(llm.engine.model, llm.engine.device))
+
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,7 @@ Columns:
 
     python benchmarks/spec_tree.py --datastore FILE [--medusa DIR] [--eagle DIR] [--only NAME,...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,12 @@ from tokenmill import LLM, SamplingParams  # noqa: E402
 def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, temperature: float) -> dict:
     """Prompts in waves of `batch`; times every step and the proposer."""
     eng = llm.engine
-    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
-                             seed=None if temperature == 0 else i) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=None if temperature == 0 else i
+        )
+        for i in range(len(prompts))
+    ]
     speculator = eng.executor.runner.speculator  # in-process: it times its own proposer
     steps_with_drafts = [0]
     if speculator is not None:
@@ -44,7 +49,7 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, tempera
     t_start = time.perf_counter()
     for w in range(0, len(prompts), batch):
         ids = []
-        for j, p in enumerate(prompts[w:w + batch]):
+        for j, p in enumerate(prompts[w : w + batch]):
             rid = f"t{time.perf_counter_ns()}-{w + j}"
             eng.add_request(rid, p, params[w + j])
             ids.append(rid)
@@ -62,8 +67,14 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, tempera
     wall = time.perf_counter() - t_start
     llm.check_integrity()
     spec = dict(llm.stats().spec_decode)
-    return {"tokens": tokens, "wall": wall, "steps": step_s, "propose_s": spec.get("draft_seconds", 0.0),
-            "drafted": steps_with_drafts[0] / max(len(step_s), 1), "spec": spec}
+    return {
+        "tokens": tokens,
+        "wall": wall,
+        "steps": step_s,
+        "propose_s": spec.get("draft_seconds", 0.0),
+        "drafted": steps_with_drafts[0] / max(len(step_s), 1),
+        "spec": spec,
+    }
 
 
 def main() -> None:
@@ -83,16 +94,24 @@ def main() -> None:
     ap.add_argument("--tree-nodes", type=int, default=12)
     ap.add_argument("--tree-width", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--adaptive-single", action="store_true",
-                    help="adaptive speculation at batch 1 too (default: pinned γ and tree size at batch 1)")
+    ap.add_argument(
+        "--adaptive-single",
+        action="store_true",
+        help="adaptive speculation at batch 1 too (default: pinned γ and tree size at batch 1)",
+    )
     args = ap.parse_args()
     if args.threads:
         os.environ["TOKENMILL_NUM_THREADS"] = str(args.threads)
     torch.manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
     temps = [float(t) for t in args.temperatures.split(",")]
-    common = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=max(batches), max_num_batched_tokens=1024,
-                  enable_prefix_caching=False)
+    common = dict(
+        dtype=args.dtype,
+        max_model_len=1024,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=1024,
+        enable_prefix_caching=False,
+    )
     tree = {"max_nodes": args.tree_nodes, "max_width": args.tree_width}
     configs: dict[str, dict | None] = {"plain": None}
     ngram = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1, "num_speculative_tokens": args.gamma}
@@ -107,8 +126,13 @@ def main() -> None:
         configs["medusa chain"] = {**md, "tree": {"max_nodes": args.gamma, "max_width": 1}}
         configs["medusa tree"] = {**md, "tree": tree}
         if args.datastore:
-            configs["medusa+ngram+datastore tree"] = {**md, "tree": tree, "datastore": args.datastore,
-                                                      "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+            configs["medusa+ngram+datastore tree"] = {
+                **md,
+                "tree": tree,
+                "datastore": args.datastore,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 1,
+            }
     if args.eagle:
         eg = {"method": "eagle", "model": args.eagle, "num_speculative_tokens": args.gamma}
         configs["eagle chain"] = eg
@@ -125,19 +149,23 @@ def main() -> None:
     prompts = sharegpt_prompts(engines["plain"].tokenizer, max(batches + [args.num_prompts]), 256)
     for llm in engines.values():  # warm-up
         run(llm, prompts[:1], 1, 8, 0.0)
-    print(f"# token trees vs chains, {args.model} {args.dtype}, γ (chain length, tree depth) {args.gamma}, trees of "
-          f"≤ {args.tree_nodes} nodes, width ≤ {args.tree_width}; batch 1: {args.num_prompts} prompts x "
-          f"{args.max_tokens} tokens one at a time, batch 8/32: {args.batch_max_tokens} tokens each; "
-          f"speculation {'adaptive' if args.adaptive_single else 'pinned'} at batch 1, adaptive (the default) at 8 and 32\n")
+    print(
+        f"# token trees vs chains, {args.model} {args.dtype}, γ (chain length, tree depth) {args.gamma}, trees of "
+        f"≤ {args.tree_nodes} nodes, width ≤ {args.tree_width}; batch 1: {args.num_prompts} prompts x "
+        f"{args.max_tokens} tokens one at a time, batch 8/32: {args.batch_max_tokens} tokens each; "
+        f"speculation {'adaptive' if args.adaptive_single else 'pinned'} at batch 1, adaptive (the default) at 8 and 32\n"
+    )
     print("| batch | T | config | tok/s | acc. len | nodes | drafted | r | c | predicted | measured | same |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for b in batches:
-        wave = prompts[:args.num_prompts] if b == 1 else prompts[:b]
+        wave = prompts[: args.num_prompts] if b == 1 else prompts[:b]
         n_tok = args.max_tokens if b == 1 else args.batch_max_tokens
         for t in temps:
             base = run(engines["plain"], wave, b, n_tok, t)
-            print(f"| {b} | {t} | plain | {len(wave) * n_tok / base['wall']:.1f} | - | - | - | - | - | - | 1.00x | - |",
-                  flush=True)
+            print(
+                f"| {b} | {t} | plain | {len(wave) * n_tok / base['wall']:.1f} | - | - | - | - | - | - | 1.00x | - |",
+                flush=True,
+            )
             for name, llm in engines.items():
                 if name == "plain":
                     continue
@@ -154,10 +182,14 @@ def main() -> None:
                 c = r["propose_s"] / steps / t_step
                 per_step = r["drafted"] * acc + (1 - r["drafted"]) if acc else 1.0
                 same = "-" if t else ("yes" if r["tokens"] == base["tokens"] else "no")
-                print(f"| {b} | {t} | {name} | {len(wave) * n_tok / r['wall']:.1f} | {acc:.2f} | "
-                      f"{st.get('mean_draft_size', 0):.1f} | {r['drafted']:.2f} | {ratio:.2f} | {c:.3f} | "
-                      f"{per_step / (ratio + c):.2f}x | {plain_wall / r['wall']:.2f}x | {same} |", flush=True)
+                print(
+                    f"| {b} | {t} | {name} | {len(wave) * n_tok / r['wall']:.1f} | {acc:.2f} | "
+                    f"{st.get('mean_draft_size', 0):.1f} | {r['drafted']:.2f} | {ratio:.2f} | {c:.3f} | "
+                    f"{per_step / (ratio + c):.2f}x | {plain_wall / r['wall']:.2f}x | {same} |",
+                    flush=True,
+                )
                 base = after
+
 
 if __name__ == "__main__":
     main()

@@ -12,6 +12,7 @@ the server now streams): a cost that grows with position shows as a rising row.
 
     .venv/bin/python benchmarks/step_overhead.py --long
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,8 @@ runner.model.forward = timed(runner.model.forward)
 runner.model.compute_logits = timed(runner.model.compute_logits)
 """
 
-CHILD = r"""
+CHILD = (
+    r"""
 import json, sys, time
 from tokenmill import LLM, SamplingParams
 batch, steps = int(sys.argv[1]), int(sys.argv[2])
@@ -58,7 +60,9 @@ llm = LLM("smollm2-135m", dtype="bfloat16", max_model_len=512, max_num_seqs=64, 
 engine = llm.engine
 # NOTE: checkouts before the executor seam (0b07fa0 and older) hold the runner on the engine itself.
 runner = engine.executor.runner if hasattr(engine, "executor") else engine.runner
-""" + TIMERS + r"""prompts = [f"Write a short story about a robot number {i} who learns to paint." for i in range(batch)]
+"""
+    + TIMERS
+    + r"""prompts = [f"Write a short story about a robot number {i} who learns to paint." for i in range(batch)]
 params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
 for i, p in enumerate(prompts):
     engine.add_request(str(i), engine.tokenizer.encode(p), params)
@@ -76,16 +80,20 @@ for _ in range(steps):
 print(json.dumps({"step_ms": 1e3 * total / steps, "model_ms": 1e3 * model / steps,
                   "outside_ms": 1e3 * (total - model) / steps}))
 """
+)
 
 
-LONG_CHILD = r"""
+LONG_CHILD = (
+    r"""
 import json, sys, time
 from tokenmill import LLM, SamplingParams
 kind, steps = sys.argv[1], int(sys.argv[2])
 llm = LLM("smollm2-135m", dtype="bfloat16", max_model_len=4096, enable_prefix_caching=False)
 engine = llm.engine
 runner = engine.executor.runner if hasattr(engine, "executor") else engine.runner  # older checkouts: engine.runner
-""" + TIMERS + r"""params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True, logprobs=5, output_kind=kind)
+"""
+    + TIMERS
+    + r"""params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True, logprobs=5, output_kind=kind)
 engine.add_request("r", engine.tokenizer.encode("Tell me a very long story."), params)
 engine.step()
 windows, outside = [], 0.0
@@ -99,12 +107,19 @@ for i in range(1, steps + 1):
         outside = 0.0
 print(json.dumps({"kind": kind, "outside_ms_per_step_by_250": windows}))
 """
+)
 
 
 def long_reply(steps: int) -> None:
     for kind in ("cumulative", "delta"):
-        out = subprocess.run([sys.executable, "-c", LONG_CHILD, kind, str(steps)], capture_output=True, text=True,
-                             timeout=1800, cwd=REPO, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", LONG_CHILD, kind, str(steps)],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            cwd=REPO,
+            check=True,
+        )
         print(out.stdout.strip().splitlines()[-1], flush=True)
 
 
@@ -125,9 +140,15 @@ def main() -> None:
     for _ in range(args.rounds):
         for batch in (1, 64):
             for name, env in trees.items():
-                out = subprocess.run([sys.executable, "-c", CHILD, str(batch), str(args.steps)],
-                                     env={**os.environ, **env}, capture_output=True, text=True, timeout=1800,
-                                     cwd=args.old_tree if name == "old" else REPO, check=True)
+                out = subprocess.run(
+                    [sys.executable, "-c", CHILD, str(batch), str(args.steps)],
+                    env={**os.environ, **env},
+                    capture_output=True,
+                    text=True,
+                    timeout=1800,
+                    cwd=args.old_tree if name == "old" else REPO,
+                    check=True,
+                )
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 res.setdefault((name, batch), []).append(row)
                 print(name, batch, row, flush=True)

@@ -7,6 +7,7 @@ are all decoding, `--long` prompts of `--long-len` tokens arrive one after anoth
 has its first token). Reported: the streams' inter-token latency (every step that gave them a token: the step's
 wall time), p50 / p99 / max, and the long prompts' TTFT in steps and seconds. All settings in one run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,15 @@ from tokenmill.engine.core import EngineCore  # noqa: E402
 
 
 def run(args, target: float | None) -> dict:
-    e = EngineCore(EngineConfig.from_kwargs(model=args.model, dtype="bfloat16", max_num_batched_tokens=args.budget,
-                                            target_step_ms=target, max_model_len=args.long_len + 64))
+    e = EngineCore(
+        EngineConfig.from_kwargs(
+            model=args.model,
+            dtype="bfloat16",
+            max_num_batched_tokens=args.budget,
+            target_step_ms=target,
+            max_model_len=args.long_len + 64,
+        )
+    )
     stream = SamplingParams(temperature=0, max_tokens=100_000 // 100, ignore_eos=True)
     for i in range(args.streams):
         e.add_request(f"s{i}", [1, 504, 3458, 282, 4649, 314, 10 + i], stream)
@@ -64,8 +72,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     set_threads(args.threads)
-    print(f"# {args.streams} decode streams, {args.long} prompts of {args.long_len} tokens arriving one after another; "
-          f"step budget {args.budget}; bf16; {args.threads} threads")
+    print(
+        f"# {args.streams} decode streams, {args.long} prompts of {args.long_len} tokens arriving one after another; "
+        f"step budget {args.budget}; bf16; {args.threads} threads"
+    )
     print("| target_step_ms | stream ITL p50 | p99 | max | long-prompt TTFT (steps, s) | fitted step model |")
     print("|---|---|---|---|---|---|")
     for t in args.targets.split(","):
@@ -75,7 +85,9 @@ def main() -> int:
         c = r["cost"]
         model = f"{1000 * c.a:.1f} + {1000 * c.b:.2f} d + {1000 * c.c:.3f} p + {1000 * c.e:.3f} k ms" if c else "-"
         tt = ", ".join(f"{s} / {sec:.2f}" for s, sec in r["ttft"])
-        print(f"| {t} | {percentile(ms, 50):.0f} ms | {percentile(ms, 99):.0f} ms | {max(ms):.0f} ms | {tt} | {model} |")
+        print(
+            f"| {t} | {percentile(ms, 50):.0f} ms | {percentile(ms, 99):.0f} ms | {max(ms):.0f} ms | {tt} | {model} |"
+        )
     return 0
 
 

@@ -4,6 +4,7 @@ server's event-loop thread (HTTP, SSE chunks: what grows if each chunk re-slices
 
     .venv/bin/python benchmarks/stream_cpu.py [--old-tree /tmp/old]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,15 @@ def process_cpu_ns(pid: int) -> int:
 def measure(tokens: int) -> dict:
     with LaunchedServer(["--model", "smollm2-135m", "--max-model-len", "4096", "--log-stats-interval", "0"]) as srv:
         pid = srv.proc.pid
-        body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell me a very long story."}],
-                "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
-        marks: list[tuple[int, int, int]] = []   # (tokens so far, event-loop ns, process ns)
+        body = {
+            "model": "smollm2-135m",
+            "messages": [{"role": "user", "content": "Tell me a very long story."}],
+            "max_tokens": tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        marks: list[tuple[int, int, int]] = []  # (tokens so far, event-loop ns, process ns)
         n = 0
         with httpx.stream("POST", srv.base_url + "/v1/chat/completions", json=body, timeout=600) as r:
             r.raise_for_status()
@@ -49,8 +56,13 @@ def measure(tokens: int) -> dict:
                     marks.append((n, thread_cpu_ns(pid, pid), process_cpu_ns(pid)))
     rows = []
     for (n0, a0, p0), (n1, a1, p1) in zip(marks, marks[1:]):
-        rows.append({"tokens": f"{n0}-{n1}", "event_loop_us_per_token": round((a1 - a0) / 1e3 / (n1 - n0), 1),
-                     "process_ms_per_token": round((p1 - p0) / 1e6 / (n1 - n0), 2)})
+        rows.append(
+            {
+                "tokens": f"{n0}-{n1}",
+                "event_loop_us_per_token": round((a1 - a0) / 1e3 / (n1 - n0), 1),
+                "process_ms_per_token": round((p1 - p0) / 1e6 / (n1 - n0), 2),
+            }
+        )
     return {"chunks_with_text": n, "windows": rows}
 
 

@@ -7,6 +7,7 @@ Each request decodes exactly --tokens tokens (temperature 0, ignore_eos): the sc
 decode the same number of tokens. Conditions alternate (none, schema, schema, none, ...) so drift falls on
 both; reported: output tok/s medians, their ratio, and the grammar's share of the step (masks computed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,17 +22,24 @@ from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.bench.common import environment, format_table, write_json  # noqa: E402
 from tokenmill.sampling_params import StructuredOutputs  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"cities": {"type": "array", "minItems": 80, "maxItems": 80,
-                                                      "items": {"type": "string", "maxLength": 24}}},
-          "required": ["cities"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "cities": {"type": "array", "minItems": 80, "maxItems": 80, "items": {"type": "string", "maxLength": 24}}
+    },
+    "required": ["cities"],
+    "additionalProperties": False,
+}
 PROMPT = "List eighty European cities as JSON."
 
 
 def timed(llm: LLM, batch: int, tokens: int, constrained: bool) -> dict:
     so = StructuredOutputs(json=SCHEMA) if constrained else None
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, structured_outputs=so)
-    prompts = [{"prompt": llm.tokenizer.apply_chat_template([{"role": "user", "content": f"{PROMPT} ({i})"}])}
-               for i in range(batch)]
+    prompts = [
+        {"prompt": llm.tokenizer.apply_chat_template([{"role": "user", "content": f"{PROMPT} ({i})"}])}
+        for i in range(batch)
+    ]
     m0 = llm.stats().num_grammar_masks
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -6,6 +6,7 @@ rank; ranks share its cores).
 Each setup: one engine, a warm-up request, then `batch` requests of `--tokens` greedy tokens (ignore_eos) at once;
 decode tok/s = generated tokens / wall time of the steps after every prompt is computed. Both in one run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,15 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     rows = {}
     for name, tp, gloo in (("tp1", 1, False), ("shm", args.tp, False), ("gloo", args.tp, True)):
-        e = EngineCore(EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, tensor_parallel_size=tp,
-                                                tensor_parallel_gloo_only=gloo, max_model_len=512))
+        e = EngineCore(
+            EngineConfig.from_kwargs(
+                model=args.model,
+                dtype=args.dtype,
+                tensor_parallel_size=tp,
+                tensor_parallel_gloo_only=gloo,
+                max_model_len=512,
+            )
+        )
         try:
             decode_rate(e, 1, 8)  # warm-up
             rows[name] = [decode_rate(e, b, args.tokens) for b in batches]

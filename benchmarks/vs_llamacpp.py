@@ -12,6 +12,7 @@ scripts/build_llama_server.sh, or $TOKENMILL_LLAMA_QUANTIZE), so all three hold 
     python benchmarks/vs_llamacpp.py --num-threads 2 --int4-model /tmp/smollm2-int4 \
         --int8-model /tmp/smollm2-int8 --make-ggufs /tmp/smollm2-gguf
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,7 @@ from pathlib import Path
 def find_llama_quantize() -> Path | None:
     """$TOKENMILL_LLAMA_QUANTIZE, else llama-quantize beside the llama-server the benchmarks use."""
     from tokenmill.bench.peers import DEFAULT_LLAMA_SERVER, find_llama_server
+
     env = os.environ.get("TOKENMILL_LLAMA_QUANTIZE")
     if env:
         return Path(env) if Path(env).is_file() else None
@@ -38,16 +40,23 @@ def make_ggufs(out_dir: Path, source: Path) -> dict[str, Path]:
     """F16 and Q8_0 GGUFs of `source` (requantized by llama.cpp), written once into out_dir."""
     tool = find_llama_quantize()
     if tool is None:
-        raise SystemExit("--make-ggufs: llama-quantize not found (scripts/build_llama_server.sh builds it, "
-                         "or set $TOKENMILL_LLAMA_QUANTIZE)")
+        raise SystemExit(
+            "--make-ggufs: llama-quantize not found (scripts/build_llama_server.sh builds it, "
+            "or set $TOKENMILL_LLAMA_QUANTIZE)"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {}
     env = dict(os.environ, LD_LIBRARY_PATH=str(tool.parent))
     for kind in ("F16", "Q8_0"):
         dst = out_dir / f"{source.stem.split('.')[0]}-{kind}.gguf"
         if not dst.exists():
-            subprocess.run([str(tool), "--allow-requantize", str(source), str(dst), kind], env=env, check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                [str(tool), "--allow-requantize", str(source), str(dst), kind],
+                env=env,
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         files[kind] = dst
     return files
 
@@ -59,13 +68,18 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--int4-model", default=None, help="our int4 checkpoint dir (tokenmill quantize ...)")
     ap.add_argument("--int8-model", default=None, help="our int8 checkpoint dir")
-    ap.add_argument("--make-ggufs", default=None, metavar="DIR",
-                    help="write F16 and Q8_0 GGUFs of the model into DIR with llama-quantize and compare the "
-                         "same precision classes (bf16 vs F16, int8 vs Q8_0)")
+    ap.add_argument(
+        "--make-ggufs",
+        default=None,
+        metavar="DIR",
+        help="write F16 and Q8_0 GGUFs of the model into DIR with llama-quantize and compare the "
+        "same precision classes (bf16 vs F16, int8 vs Q8_0)",
+    )
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     os.environ["TOKENMILL_NUM_THREADS"] = str(args.num_threads)
     import torch
+
     torch.set_num_threads(args.num_threads)
     from tokenmill import LLM, SamplingParams
     from tokenmill.bench.peers import LlamaCppPeer, llamacpp_available
@@ -75,6 +89,7 @@ def main() -> int:
         print(f"llama.cpp: absent ({reason})")
         return 1
     from tokenmill.models.loader import resolve_model_path
+
     theirs = {"Q4_1": LlamaCppPeer("smollm2-135m", args.num_threads)}
     if args.make_ggufs:
         for kind, path in make_ggufs(Path(args.make_ggufs), Path(resolve_model_path("smollm2-135m"))).items():
@@ -85,7 +100,9 @@ def main() -> int:
         ours["int8"] = LLM(args.int8_model, dtype="bfloat16", kv_cache_memory_bytes=64 << 20)
     if args.int4_model:
         ours["int4"] = LLM(args.int4_model, dtype="bfloat16", kv_cache_memory_bytes=64 << 20)
-    prompt = ours["bf16"].tokenizer.encode("Write a short story about a lighthouse keeper who finds a message in a bottle.")
+    prompt = ours["bf16"].tokenizer.encode(
+        "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    )
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
 
     def ours_tok_s(llm) -> float:
@@ -109,8 +126,10 @@ def main() -> int:
             runs[f"llama.cpp {kind}"].append(theirs_tok_s(peer))
     med = {k: statistics.median(v) for k, v in runs.items()}
     ref = med["llama.cpp Q4_1"]
-    print(f"single-stream decode, {args.new_tokens} new tokens, {args.num_threads} threads, "
-          f"loadavg {os.getloadavg()[0]:.2f}, median of {args.repeats} interleaved runs")
+    print(
+        f"single-stream decode, {args.new_tokens} new tokens, {args.num_threads} threads, "
+        f"loadavg {os.getloadavg()[0]:.2f}, median of {args.repeats} interleaved runs"
+    )
     print("| engine | decode tok/s | vs llama.cpp Q4_1 | vs llama.cpp, same precision class |")
     print("|---|---|---|---|")
     for k, v in med.items():

@@ -28,6 +28,7 @@ Both engines see the same prompt tokens (checked: the chat template of the HF di
 one request's usage.prompt_tokens is compared). Results: a table on stdout, JSON and an ITL percentile plot
 in --result-dir. vLLM absent: its rows say why and tokenmill still runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,23 +42,44 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenmill.bench.common import (SampleRequest, environment, format_table, load_sharegpt,  # noqa: E402
-                                    write_json)
+from tokenmill.bench.common import (
+    SampleRequest,
+    environment,
+    format_table,
+    load_sharegpt,  # noqa: E402
+    write_json,
+)
 from tokenmill.bench.serve import LaunchedServer, calculate_metrics, discover_model, free_port, load_tokenizer, run_load  # noqa: E402
-from tokenmill.bench.vllm_peer import (BINDINGS, DEFAULT_VLLM_MODEL, VLLMServer, VLLMServerConfig,  # noqa: E402
-                                       vllm_available)
+from tokenmill.bench.vllm_peer import (
+    BINDINGS,
+    DEFAULT_VLLM_MODEL,
+    VLLMServer,
+    VLLMServerConfig,  # noqa: E402
+    vllm_available,
+)
 
 ITL_PERCENTILES = (10, 25, 50, 75, 90, 95, 99, 99.5, 99.9)
 
 
 def measure_load(base_url: str, load: list[SampleRequest], concurrency: int) -> dict:
     model = discover_model(base_url)
-    warm, _ = asyncio.run(run_load(base_url, model, [SampleRequest(load[0].prompt, load[0].prompt_token_ids, 8)],
-                                   math.inf, "poisson", None, chat=True, ignore_eos=True))
+    warm, _ = asyncio.run(
+        run_load(
+            base_url,
+            model,
+            [SampleRequest(load[0].prompt, load[0].prompt_token_ids, 8)],
+            math.inf,
+            "poisson",
+            None,
+            chat=True,
+            ignore_eos=True,
+        )
+    )
     if not warm[0].success:
         raise RuntimeError(f"warm-up request to {base_url} failed: {warm[0].error}")
-    results, duration = asyncio.run(run_load(base_url, model, load, math.inf, "poisson", concurrency, chat=True,
-                                             ignore_eos=True))
+    results, duration = asyncio.run(
+        run_load(base_url, model, load, math.inf, "poisson", concurrency, chat=True, ignore_eos=True)
+    )
     m = calculate_metrics(results, duration, percentiles=ITL_PERCENTILES)
     itls = sorted(g * 1e3 for r in results if r.success for g in r.itl)
     return {"model": model, "load": m, "itl_sorted_ms": itls[:: max(1, len(itls) // 4000)]}
@@ -67,8 +89,18 @@ def measure_single(base_url: str, single: list[SampleRequest], offline: OfflineD
     """One stream, one request at a time; with `offline`, each request is followed by the same one decoded
     offline, and the pairs' TPOTs are kept side by side."""
     model = discover_model(base_url)
-    warm, _ = asyncio.run(run_load(base_url, model, [SampleRequest(single[0].prompt, single[0].prompt_token_ids, 8)],
-                                   math.inf, "poisson", 1, chat=True, ignore_eos=True))
+    warm, _ = asyncio.run(
+        run_load(
+            base_url,
+            model,
+            [SampleRequest(single[0].prompt, single[0].prompt_token_ids, 8)],
+            math.inf,
+            "poisson",
+            1,
+            chat=True,
+            ignore_eos=True,
+        )
+    )
     results, pairs = [], []
     for r in single:
         res, _ = asyncio.run(run_load(base_url, model, [r], math.inf, "poisson", 1, chat=True, ignore_eos=True))
@@ -83,10 +115,12 @@ def measure_single(base_url: str, single: list[SampleRequest], offline: OfflineD
         out["pairs"] = pairs
         out["offline_tpot_ms"] = statistics.median(p["offline_tpot_ms"] for p in pairs)
         # every request decodes the same number of tokens both ways, so this is tokens / second over the set
-        out["http_over_offline_speed"] = (sum(p["offline_tpot_ms"] for p in pairs)
-                                          / sum(p["http_tpot_ms"] for p in pairs))
-        out["http_over_offline_speed_median_pair"] = statistics.median(p["offline_tpot_ms"] / p["http_tpot_ms"]
-                                                                       for p in pairs)
+        out["http_over_offline_speed"] = sum(p["offline_tpot_ms"] for p in pairs) / sum(
+            p["http_tpot_ms"] for p in pairs
+        )
+        out["http_over_offline_speed_median_pair"] = statistics.median(
+            p["offline_tpot_ms"] / p["http_tpot_ms"] for p in pairs
+        )
     return out
 
 
@@ -97,6 +131,7 @@ class OfflineDecoder:
     def __init__(self, server_args: list[str]) -> None:
         from tokenmill.engine.core import EngineCore
         from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
         parser = argparse.ArgumentParser()
         add_engine_args(parser)
         self.core = EngineCore(engine_config_from_args(parser.parse_args(server_args)))
@@ -105,12 +140,13 @@ class OfflineDecoder:
 
     def _decode(self, ids: list[int], max_tokens: int) -> float:
         from tokenmill import SamplingParams
+
         self._n += 1
         self.core.add_request(f"o{self._n}", ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         times, tokens = [], 0
         while self.core.has_unfinished_requests():
             outs = self.core.step()
-            if outs:   # cumulative outputs: the request's tokens so far
+            if outs:  # cumulative outputs: the request's tokens so far
                 tokens = sum(c.num_tokens for o in outs for c in o.outputs)
             times.append((time.perf_counter(), tokens))
         (t_first, n_first), (t_last, n_last) = next(x for x in times if x[1] > 0), times[-1]
@@ -131,8 +167,8 @@ def check_held_out(single: list[SampleRequest]) -> None:
     seed-0 shuffle): speculation measured on its own training answers would be retrieval, not speed."""
     from tokenmill.bench.common import DEFAULT_SHAREGPT
     from tokenmill.training.eagle import sharegpt_rows
-    trained = {r["conversations"][0]["value"] for r in sharegpt_rows(DEFAULT_SHAREGPT)[1000:]
-               if r.get("conversations")}
+
+    trained = {r["conversations"][0]["value"] for r in sharegpt_rows(DEFAULT_SHAREGPT)[1000:] if r.get("conversations")}
     seen = [r.prompt[:60] for r in single if r.prompt in trained]
     if seen:
         raise SystemExit(f"single-stream prompts overlap the draft corpora (rows >= 1000): {seen}")
@@ -141,6 +177,7 @@ def check_held_out(single: list[SampleRequest]) -> None:
 def chat_usage(base_url: str, messages: list[dict]) -> dict:
     """usage of a one-token chat completion: both engines must see the same prompt tokens."""
     import httpx
+
     body = {"model": discover_model(base_url), "messages": messages, "max_tokens": 1, "temperature": 0}
     return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120).json()["usage"]
 
@@ -148,6 +185,7 @@ def chat_usage(base_url: str, messages: list[dict]) -> dict:
 def plot_itl(results: dict, path: Path) -> str | None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -183,16 +221,23 @@ def main() -> int:
     p.add_argument("--single-requests", type=int, default=4)
     p.add_argument("--single-output-len", type=int, default=256)
     p.add_argument("--server-args", default="--dtype bfloat16", help="tokenmill serve's engine flags (one string)")
-    p.add_argument("--single-server-args", default=None,
-                   help="also run the single stream on a tokenmill server with these flags (a second row)")
+    p.add_argument(
+        "--single-server-args",
+        default=None,
+        help="also run the single stream on a tokenmill server with these flags (a second row)",
+    )
     p.add_argument("--vllm-venv", default=None, help="vLLM's virtualenv (default ../peers/vllm)")
     p.add_argument("--vllm-model", default=str(DEFAULT_VLLM_MODEL), help="the model as an HF directory, for vLLM")
     p.add_argument("--vllm-bindings", default=",".join(BINDINGS), help=f"comma list of {BINDINGS}")
     p.add_argument("--skip-tokenmill", action="store_true")
     p.add_argument("--single-only", action="store_true", help="only the single-stream rows (no load runs)")
-    p.add_argument("--load-rounds", type=int, default=1,
-                   help="run the load this many times per engine, engines alternating (tokenmill, vLLM, tokenmill, "
-                        "...); ratios are taken per round, between runs minutes apart, and their median printed")
+    p.add_argument(
+        "--load-rounds",
+        type=int,
+        default=1,
+        help="run the load this many times per engine, engines alternating (tokenmill, vLLM, tokenmill, "
+        "...); ratios are taken per round, between runs minutes apart, and their median printed",
+    )
     p.add_argument("--result-dir", default="bench_out/vs_vllm")
     args = p.parse_args()
     if args.single_requests < 1:
@@ -200,8 +245,10 @@ def main() -> int:
     out = Path(args.result_dir)
     tok = load_tokenizer("smollm2-135m")
     load = load_sharegpt(None, tok, args.num_prompts, seed=0, max_output_len=args.max_output_len)
-    single = [SampleRequest(r.prompt, r.prompt_token_ids, args.single_output_len)
-              for r in load_sharegpt(None, tok, args.num_prompts + args.single_requests, seed=0)[args.num_prompts:]]
+    single = [
+        SampleRequest(r.prompt, r.prompt_token_ids, args.single_output_len)
+        for r in load_sharegpt(None, tok, args.num_prompts + args.single_requests, seed=0)[args.num_prompts :]
+    ]
     check_held_out(single)
     server_args = shlex.split(args.server_args)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,15 +271,16 @@ def main() -> int:
                 offline.close()
             results[name] = r
     reason = vllm_available(args.vllm_venv, args.vllm_model)
-    vllm_configs: dict[str, VLLMServerConfig] = {}   # result name -> how its server starts
+    vllm_configs: dict[str, VLLMServerConfig] = {}  # result name -> how its server starts
     for binding in [b.strip() for b in args.vllm_bindings.split(",") if b.strip()]:
         name = f"vllm ({binding})"
         if reason is not None:
             results[name] = {"available": False, "reason": reason}
             continue
         print(f"{name}: starting (it compiles the model at start: minutes) ...", flush=True)
-        cfg = vllm_configs[name] = VLLMServerConfig(model_dir=Path(args.vllm_model), binding=binding,
-                                                    venv=Path(args.vllm_venv) if args.vllm_venv else None)
+        cfg = vllm_configs[name] = VLLMServerConfig(
+            model_dir=Path(args.vllm_model), binding=binding, venv=Path(args.vllm_venv) if args.vllm_venv else None
+        )
         with VLLMServer(cfg, free_port()) as v:  # NOTE: one engine on the cores at a time
             r = {} if args.single_only else measure_load(v.base_url, load, args.concurrency)
             r.update(measure_single(v.base_url, single))
@@ -240,11 +288,12 @@ def main() -> int:
             r["threads_log"] = v.log_lines("hreads")[-3:]
             prompt_tokens[name] = chat_usage(v.base_url, check_msgs)["prompt_tokens"]
         results[name] = r
-    for _ in range(1, args.load_rounds if not args.single_only else 1):   # the load again, engines alternating
+    for _ in range(1, args.load_rounds if not args.single_only else 1):  # the load again, engines alternating
         if "load" in results.get("tokenmill", {}):
             with LaunchedServer(server_args, log_path=str(out / "tokenmill-server-rounds.log")) as tm:
                 results["tokenmill"].setdefault("load_rounds", [results["tokenmill"]["load"]]).append(
-                    measure_load(tm.base_url, load, args.concurrency)["load"])
+                    measure_load(tm.base_url, load, args.concurrency)["load"]
+                )
         for name, cfg in vllm_configs.items():
             r = results[name]
             with VLLMServer(cfg, free_port()) as v:
@@ -258,23 +307,61 @@ def main() -> int:
             rows.append([name, "absent: " + r["reason"]] + [""] * 8)
             continue
         m, s = r.get("load"), r["single"]
-        ms = r.get("load_rounds", [m] if m else [])   # with --load-rounds: medians over the rounds
+        ms = r.get("load_rounds", [m] if m else [])  # with --load-rounds: medians over the rounds
         med = lambda f: statistics.median(f(x) for x in ms)  # noqa: E731
-        load_cols = [med(lambda x: x["output_throughput"]), med(lambda x: x["ttft_ms"]["median"]),
-                     med(lambda x: x["itl_ms"]["median"]), med(lambda x: x["itl_ms"]["p99"]),
-                     med(lambda x: x["tpot_ms"]["median"])] if ms else ["", "", "", "", ""]
-        rows.append([name, *load_cols, s["tpot_ms"]["median"], 1e3 / s["tpot_ms"]["median"],
-                     r.get("offline_tpot_ms", ""), sum(x["failed"] for x in ms) + s["failed"]])
-    print(f"\n{args.num_prompts} ShareGPT chat requests, {args.concurrency} concurrent streams, temperature 0, "
-          f"ignore_eos ({args.load_rounds} round(s), engines alternating; medians); single stream: "
-          f"{args.single_requests} x {args.single_output_len} tokens (latencies in ms)")
-    print(format_table(["engine", "out tok/s", "TTFT p50", "ITL p50", "ITL p99", "TPOT p50", "1-stream TPOT",
-                        "1-stream tok/s", "offline TPOT (paired)", "failed"], rows))
+        load_cols = (
+            [
+                med(lambda x: x["output_throughput"]),
+                med(lambda x: x["ttft_ms"]["median"]),
+                med(lambda x: x["itl_ms"]["median"]),
+                med(lambda x: x["itl_ms"]["p99"]),
+                med(lambda x: x["tpot_ms"]["median"]),
+            ]
+            if ms
+            else ["", "", "", "", ""]
+        )
+        rows.append(
+            [
+                name,
+                *load_cols,
+                s["tpot_ms"]["median"],
+                1e3 / s["tpot_ms"]["median"],
+                r.get("offline_tpot_ms", ""),
+                sum(x["failed"] for x in ms) + s["failed"],
+            ]
+        )
+    print(
+        f"\n{args.num_prompts} ShareGPT chat requests, {args.concurrency} concurrent streams, temperature 0, "
+        f"ignore_eos ({args.load_rounds} round(s), engines alternating; medians); single stream: "
+        f"{args.single_requests} x {args.single_output_len} tokens (latencies in ms)"
+    )
+    print(
+        format_table(
+            [
+                "engine",
+                "out tok/s",
+                "TTFT p50",
+                "ITL p50",
+                "ITL p99",
+                "TPOT p50",
+                "1-stream TPOT",
+                "1-stream tok/s",
+                "offline TPOT (paired)",
+                "failed",
+            ],
+            rows,
+        )
+    )
     summary = ratios(results)
     for k, v in summary.items():
         print(f"{k}: {v:.3g}")
-    payload = {"env": environment(), "args": vars(args), "prompt_tokens_check": prompt_tokens, "results": results,
-               "summary": summary}
+    payload = {
+        "env": environment(),
+        "args": vars(args),
+        "prompt_tokens_check": prompt_tokens,
+        "results": results,
+        "summary": summary,
+    }
     write_json(out / "vs_vllm.json", payload)
     png = plot_itl({k: v for k, v in results.items() if "load" in v}, out / "itl_percentiles.png")
     if png:
@@ -300,18 +387,24 @@ def ratios(results: dict) -> dict[str, float]:
     if peers and m and all("load" in r for r in peers):
         # per round (--load-rounds: the engines' runs of round i are minutes apart), then the median over rounds
         rounds = tm.get("load_rounds", [m])
-        per_round: dict[str, list[float]] = {"output throughput / vLLM's best": [], "ITL p99 / vLLM's best p99": [],
-                                             "TTFT p50 / vLLM's best p50": [], "tokenmill ITL p99 / own median": []}
+        per_round: dict[str, list[float]] = {
+            "output throughput / vLLM's best": [],
+            "ITL p99 / vLLM's best p99": [],
+            "TTFT p50 / vLLM's best p50": [],
+            "tokenmill ITL p99 / own median": [],
+        }
         for i, mi in enumerate(rounds):
             pi = [r.get("load_rounds", [r["load"]])[i] for r in peers if i < len(r.get("load_rounds", [r["load"]]))]
             per_round["tokenmill ITL p99 / own median"].append(mi["itl_ms"]["p99"] / mi["itl_ms"]["median"])
             if not pi:
                 continue
             per_round["output throughput / vLLM's best"].append(
-                mi["output_throughput"] / max(x["output_throughput"] for x in pi))
+                mi["output_throughput"] / max(x["output_throughput"] for x in pi)
+            )
             per_round["ITL p99 / vLLM's best p99"].append(mi["itl_ms"]["p99"] / min(x["itl_ms"]["p99"] for x in pi))
             per_round["TTFT p50 / vLLM's best p50"].append(
-                mi["ttft_ms"]["median"] / min(x["ttft_ms"]["median"] for x in pi))
+                mi["ttft_ms"]["median"] / min(x["ttft_ms"]["median"] for x in pi)
+            )
         for k, v in per_round.items():
             out[k] = statistics.median(v)
             if len(v) > 1:

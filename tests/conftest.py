@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random checkpoints (Llama-like and Qwen2-like) written as Hugging Face
 directories, and the path of the real default model."""
+
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 @pytest.fixture(scope="session")
 def real_model_path() -> Path:
     from tokenmill.models.loader import resolve_model_path
+
     return resolve_model_path("smollm2-135m")
 
 
@@ -26,16 +28,29 @@ def real_model_path() -> Path:
 def gguf_tokenizer():
     """The default model's tokenizer (real vocabulary), reused by the tiny models."""
     from tokenmill.models.loader import GGUFSource, resolve_model_path
+
     return GGUFSource(resolve_model_path("smollm2-135m")).tokenizer()
 
 
 def write_tiny_checkpoint(path: Path, arch: str, tokenizer, seed: int = 0, **overrides) -> Path:
     """Random-weight HF checkpoint written by transformers itself (the oracle's own format)."""
     import transformers
+
     torch.manual_seed(seed)
-    common = dict(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     common.update(overrides)
     if arch == "llama":
         cfg = transformers.LlamaConfig(**common)
@@ -47,14 +62,32 @@ def write_tiny_checkpoint(path: Path, arch: str, tokenizer, seed: int = 0, **ove
         cfg = transformers.Qwen3Config(**{"head_dim": 24, **common})
         model = transformers.Qwen3ForCausalLM(cfg)
     elif arch == "llama3":  # Llama 3.1's rope scaling, stretched so it bites within 512 positions
-        cfg = transformers.LlamaConfig(**{**common, "rope_theta": 500000.0, "rope_scaling": {
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}})
+        cfg = transformers.LlamaConfig(
+            **{
+                **common,
+                "rope_theta": 500000.0,
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            }
+        )
         model = transformers.LlamaForCausalLM(cfg)
     elif arch == "gemma3":  # 6 layers, every 6th global; an 8-token window so it bites within a short prompt
-        cfg = transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 6, "head_dim": 16,
-                                               "sliding_window": 8, "query_pre_attn_scalar": 16,
-                                               "rope_theta": 1e6})
+        cfg = transformers.Gemma3TextConfig(
+            **{
+                **common,
+                "num_hidden_layers": 6,
+                "head_dim": 16,
+                "sliding_window": 8,
+                "query_pre_attn_scalar": 16,
+                "rope_theta": 1e6,
+            }
+        )
         model = transformers.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(arch)
@@ -66,9 +99,15 @@ def write_tiny_checkpoint(path: Path, arch: str, tokenizer, seed: int = 0, **ove
                 p.normal_(0, 0.15)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.hf.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": tokenizer.special_tokens.get("bos_token"), "eos_token": tokenizer.special_tokens.get("eos_token"),
-        "chat_template": tokenizer.chat_template}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": tokenizer.special_tokens.get("bos_token"),
+                "eos_token": tokenizer.special_tokens.get("eos_token"),
+                "chat_template": tokenizer.chat_template,
+            }
+        )
+    )
     return path
 
 
@@ -100,14 +139,16 @@ def tiny_gemma3(tmp_path_factory, gguf_tokenizer) -> Path:
 def supported_isas() -> list[str]:
     """The instruction-set levels the C++ kernels can run at on this CPU, lowest first."""
     from tokenmill import native
+
     detected = native.module().detected_isa()
-    return list(native.ISA_LEVELS[:native.ISA_LEVELS.index(detected) + 1])
+    return list(native.ISA_LEVELS[: native.ISA_LEVELS.index(detected) + 1])
 
 
 @pytest.fixture(params=supported_isas())
 def each_isa(request):
     """Runs the test once per instruction-set level this CPU supports (the kernels' generic paths too)."""
     from tokenmill import native
+
     previous = native.module().set_max_isa(request.param)
     yield request.param
     native.module().set_max_isa(previous)

@@ -1,5 +1,6 @@
 """The package layout stays layered: no import cycle between tokenmill's subpackages (function-level
 imports count, TYPE_CHECKING-only imports do not), and no module imports another module's private name."""
+
 from __future__ import annotations
 
 import ast

@@ -1,6 +1,7 @@
 """The C++ kernels (tokenmill._C, csrc/): present, current, dispatched on this CPU's real features, and
 loud when missing. Each op is called directly (torch.ops.tokenmill.*) against its PyTorch reference at
 every instruction-set level this CPU supports, so a dispatcher that falls back cannot pass for a kernel."""
+
 from __future__ import annotations
 
 import os
@@ -16,10 +17,23 @@ from tokenmill.layers import fused_ops
 
 # Every op csrc/ops.cpp registers, with the arguments its schema declares as written in place.
 EXPECTED_OPS = {
-    "rms_norm": {"out"}, "add_rms_norm": {"out", "sum"}, "rope_inplace": {"qk"}, "silu_mul": {"out"},
-    "linear_bf16_small": {"y"}, "linear_bf16_avx2": {"y"}, "linear_bf16_vnni": {"y"}, "linear_f32_small": {"y"}, "linear_bf16_amx": {"y"},
-    "paged_decode": {"out"}, "write_and_decode": {"out", "k_cache", "v_cache"}, "paged_prefill": {"out"},
-    "int4_linear": {"y"}, "int8_linear": {"y"}, "dense_linear": set(), "argmax_rows": set(), "stream_read": set(),
+    "rms_norm": {"out"},
+    "add_rms_norm": {"out", "sum"},
+    "rope_inplace": {"qk"},
+    "silu_mul": {"out"},
+    "linear_bf16_small": {"y"},
+    "linear_bf16_avx2": {"y"},
+    "linear_bf16_vnni": {"y"},
+    "linear_f32_small": {"y"},
+    "linear_bf16_amx": {"y"},
+    "paged_decode": {"out"},
+    "write_and_decode": {"out", "k_cache", "v_cache"},
+    "paged_prefill": {"out"},
+    "int4_linear": {"y"},
+    "int8_linear": {"y"},
+    "dense_linear": set(),
+    "argmax_rows": set(),
+    "stream_read": set(),
 }
 
 
@@ -43,6 +57,7 @@ def test_kernels_are_built_and_current():
     """Fails (never skips) when tokenmill._C is missing, does not load, or is older than csrc/."""
     assert native.module() is not None, "tokenmill._C is not usable: run `bash scripts/install.sh`"
     from tokenmill.native_source import source_hash
+
     assert native.module().source_hash == source_hash(native.CSRC)
 
 
@@ -72,8 +87,9 @@ def test_no_cpp_source_left_in_python():
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    )
 
 
 def test_required_kernels_fail_loudly_when_disabled():
@@ -105,11 +121,12 @@ def test_unknown_isa_name_is_an_error():
 
 # ------------------------------------------------------------------- each op at each level this CPU has
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_ops_match_references(each_isa, dtype):
     ops = torch.ops.tokenmill
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(5, 200, generator=g) * 3).to(dtype)   # 200: a multiple of 16 plus a tail
+    x = (torch.randn(5, 200, generator=g) * 3).to(dtype)  # 200: a multiple of 16 plus a tail
     r = torch.randn(5, 200, generator=g).to(dtype)
     w = (torch.rand(200, generator=g) + 0.5).to(dtype)
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1.6e-2)
@@ -138,11 +155,11 @@ def test_few_row_linears_serve_exactly_where_the_cpu_allows(each_isa):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(128, 256, generator=g).bfloat16()
     x = torch.randn(3, 256, generator=g).bfloat16()
-    ref = (x.float() @ w.float().T)
+    ref = x.float() @ w.float().T
     y = x.new_empty(3, 128)
     bf16 = each_isa in ("avx512_bf16", "amx")
     served = ops.linear_bf16_small(y, x, w, None)
-    assert served == (each_isa != "generic")          # AVX-512 BF16's GEMV, else the AVX2 kernel
+    assert served == (each_isa != "generic")  # AVX-512 BF16's GEMV, else the AVX2 kernel
     if served:
         torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=0.02)
     vnni = w.reshape(2, 64, 128, 2).permute(0, 2, 1, 3).contiguous()
@@ -182,7 +199,7 @@ def test_amx_linear_gives_a_row_the_same_bits_whatever_the_row_count(each_isa):
         return
     assert ops.linear_bf16_amx(full, x, vnni, b)
     ref = x.double() @ w.double().T + b.double()
-    assert torch.all((full.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-2)
+    assert torch.all((full.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-2)
     for m in (1, 2, 5, 16, 17, 33):
         y = x.new_empty(m, 192)
         assert ops.linear_bf16_amx(y, x[:m].contiguous(), vnni, b)
@@ -195,7 +212,7 @@ def test_avx2_linear_gives_a_row_the_same_bits_whatever_the_row_count(each_isa):
     the few-row entry point (linear_bf16_small) gives the same bits as the any-row one."""
     ops = torch.ops.tokenmill
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(200, 576, generator=g).bfloat16()      # 200 outputs: the 4- and 2-wide tiles leave tails
+    w = torch.randn(200, 576, generator=g).bfloat16()  # 200 outputs: the 4- and 2-wide tiles leave tails
     b = torch.randn(200, generator=g).bfloat16()
     x = torch.randn(70, 576, generator=g).bfloat16()
     full = x.new_empty(70, 200)
@@ -204,7 +221,7 @@ def test_avx2_linear_gives_a_row_the_same_bits_whatever_the_row_count(each_isa):
     if not served:
         return
     ref = x.double() @ w.double().T + b.double()
-    assert torch.all((full.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-2)
+    assert torch.all((full.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-2)
     for m in (1, 2, 3, 4, 5, 9, 33):
         y = x.new_empty(m, 200)
         assert ops.linear_bf16_avx2(y, x[:m].contiguous(), w, b)
@@ -220,6 +237,7 @@ def test_prompt_attention_is_per_token_exactly_where_the_linears_are_invariant(e
     """ModelConfig.batch_invariant unset: per-token prompt attention for float32, and for bf16 only where the
     dense rule's bf16 linears are invariant (AMX; AVX2 without AVX-512); explicit settings win."""
     from tokenmill.config import ModelConfig
+
     assert native.bf16_linears_batch_invariant() == (each_isa in ("amx", "avx2"))
     assert ModelConfig(dtype="bfloat16").attends_prompts_per_token == (each_isa in ("amx", "avx2"))
     assert ModelConfig(dtype="float32").attends_prompts_per_token

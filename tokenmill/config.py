@@ -3,10 +3,12 @@
 Never mutate a config; derive a new one with dataclasses.replace. Each field's docstring doubles
 as CLI help (see entrypoints/cli.py).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -51,7 +53,8 @@ class ModelArchConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})")
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
 
     def layer_windows(self) -> list[int | None]:
         """Per layer, its sliding window (None: a global layer): the KV-cache groups come from this."""
@@ -87,13 +90,20 @@ def plan_kv_groups(layer_windows: Sequence[int | None]) -> list[KVCacheGroup]:
     groups = []
     for w in sorted(kinds, key=lambda w: (w is not None, w or 0)):
         layers = kinds[w]
-        groups.extend(KVCacheGroup(tuple(layers[i:i + size]), w) for i in range(0, len(layers), size))
+        groups.extend(KVCacheGroup(tuple(layers[i : i + size]), w) for i in range(0, len(layers), size))
     return groups
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
 
 
 def auto_dtype(device: str = "cpu") -> torch.dtype:
@@ -104,6 +114,7 @@ def auto_dtype(device: str = "cpu") -> torch.dtype:
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float16
     from tokenmill import native  # lazy: loading the kernels is not needed to validate a config
+
     return torch.bfloat16 if native.has_amx() else torch.float32
 
 
@@ -161,7 +172,9 @@ class ModelConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.distributed_executor_backend not in ("uni", "mp"):
-            raise ValueError(f"distributed_executor_backend must be uni or mp, got {self.distributed_executor_backend!r}")
+            raise ValueError(
+                f"distributed_executor_backend must be uni or mp, got {self.distributed_executor_backend!r}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
@@ -176,6 +189,7 @@ class ModelConfig:
         if self.device.startswith("cuda") or self.torch_dtype != torch.bfloat16:
             return False
         from tokenmill import native  # lazy, as in auto_dtype
+
         return not native.bf16_linears_batch_invariant()
 
     @property
@@ -267,16 +281,18 @@ class TreeConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_nodes <= 14:
-            raise ValueError("speculative_config.tree.max_nodes must be in [1, 14] (a tree step of 1 + 14 tokens "
-                             "stays below TILED_PREFILL_MIN_TOKENS, in the per-token attention plan, "
-                             "attention/plan.py)")
+            raise ValueError(
+                "speculative_config.tree.max_nodes must be in [1, 14] (a tree step of 1 + 14 tokens "
+                "stays below TILED_PREFILL_MIN_TOKENS, in the per-token attention plan, "
+                "attention/plan.py)"
+            )
         if self.max_width < 1:
             raise ValueError("speculative_config.tree.max_width must be >= 1")
         if self.max_depth is not None and self.max_depth < 1:
             raise ValueError("speculative_config.tree.max_depth must be >= 1")
 
     @classmethod
-    def from_value(cls, v: Any) -> "TreeConfig | None":
+    def from_value(cls, v: Any) -> TreeConfig | None:
         if v is None or v is False:
             return None
         if v is True:
@@ -322,7 +338,9 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model", "eagle", "medusa"):
-            raise ValueError(f"speculative_config.method must be ngram, draft_model, eagle or medusa, got {self.method!r}")
+            raise ValueError(
+                f"speculative_config.method must be ngram, draft_model, eagle or medusa, got {self.method!r}"
+            )
         if self.num_speculative_tokens < 1:
             raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
         if self.method in ("draft_model", "eagle", "medusa") and not self.model:
@@ -336,8 +354,10 @@ class SpeculativeConfig:
         if not 0.0 <= self.datastore_min_share <= 1.0:
             raise ValueError("speculative_config.datastore_min_share must be in [0, 1]")
         if self.tree is not None and self.method not in ("ngram", "medusa", "eagle"):
-            raise ValueError(f"speculative_config.tree: method {self.method} drafts chains only here "
-                             "(ngram, medusa and eagle draft trees)")
+            raise ValueError(
+                f"speculative_config.tree: method {self.method} drafts chains only here "
+                "(ngram, medusa and eagle draft trees)"
+            )
 
     @property
     def tree_max_depth(self) -> int:
@@ -349,7 +369,7 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.tree is None else self.tree.max_nodes
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -389,7 +409,7 @@ class KVTransferConfig:
         return self.kv_role in ("prefill", "both")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "KVTransferConfig":
+    def from_dict(cls, d: dict[str, Any]) -> KVTransferConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -407,7 +427,7 @@ class EngineConfig:
     """Disaggregation role and KV endpoint, or None (a colocated engine)."""
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat vLLM-style keyword arguments (LLM(model=..., max_num_seqs=..., ...))."""
         groups: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
         owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
@@ -424,5 +444,10 @@ class EngineConfig:
             spec = SpeculativeConfig.from_dict(spec)
         if isinstance(kvt, dict):
             kvt = KVTransferConfig.from_dict(kvt)
-        return cls(model=ModelConfig(**groups["model"]), cache=CacheConfig(**groups["cache"]),
-                   scheduler=SchedulerConfig(**groups["scheduler"]), speculative=spec, kv_transfer=kvt)
+        return cls(
+            model=ModelConfig(**groups["model"]),
+            cache=CacheConfig(**groups["cache"]),
+            scheduler=SchedulerConfig(**groups["scheduler"]),
+            speculative=spec,
+            kv_transfer=kvt,
+        )

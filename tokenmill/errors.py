@@ -1,4 +1,5 @@
 """Errors that carry their structure from where they are found to where they are reported."""
+
 from __future__ import annotations
 
 

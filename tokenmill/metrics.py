@@ -10,14 +10,16 @@ Adding a counter (for example speculative decoding's): give EngineStats the cumu
 and add one row to ENGINE_COUNTERS. Rows whose field a core does not report are skipped, so the
 speculative-decoding rows below appear as soon as EngineStats.spec_decode carries their keys.
 """
+
 from __future__ import annotations
 
 import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -45,66 +47,172 @@ ENGINE_GAUGES: tuple[StatRow, ...] = (
     StatRow("kv_cache_usage", "tokenmill:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent."),
     StatRow("num_blocks_total", "tokenmill:kv_cache_num_blocks", "Number of KV-cache blocks in the pool."),
     StatRow("num_blocks_free", "tokenmill:kv_cache_num_free_blocks", "Number of free KV-cache blocks."),
-    StatRow("spec_decode.mean_acceptance_length", "tokenmill:spec_decode_mean_acceptance_length",
-            "Mean tokens emitted per verified draft: 1 + accepted / drafts."),
-    StatRow("spec_decode.mean_draft_size", "tokenmill:spec_decode_mean_draft_size",
-            "Mean draft tokens (token-tree nodes) per verified draft."),
+    StatRow(
+        "spec_decode.mean_acceptance_length",
+        "tokenmill:spec_decode_mean_acceptance_length",
+        "Mean tokens emitted per verified draft: 1 + accepted / drafts.",
+    ),
+    StatRow(
+        "spec_decode.mean_draft_size",
+        "tokenmill:spec_decode_mean_draft_size",
+        "Mean draft tokens (token-tree nodes) per verified draft.",
+    ),
 )
 
 LABELED_SPEC_COUNTERS: tuple[tuple[str, str, str, str], ...] = (
     # (key prefix in EngineStats.spec_decode, name, label, documentation): one series per label value
-    ("num_accepted_tokens_per_pos_", "tokenmill:spec_decode_num_accepted_tokens_per_pos", "position",
-     "Accepted draft tokens at each draft position (a token tree's depth - 1)."),
-    ("acceptance_length_", "tokenmill:spec_decode_acceptance_length", "length",
-     "Verified drafts by tokens emitted (1 + accepted): the acceptance length distribution."),
+    (
+        "num_accepted_tokens_per_pos_",
+        "tokenmill:spec_decode_num_accepted_tokens_per_pos",
+        "position",
+        "Accepted draft tokens at each draft position (a token tree's depth - 1).",
+    ),
+    (
+        "acceptance_length_",
+        "tokenmill:spec_decode_acceptance_length",
+        "length",
+        "Verified drafts by tokens emitted (1 + accepted): the acceptance length distribution.",
+    ),
 )
 
 ENGINE_COUNTERS: tuple[StatRow, ...] = (
-    StatRow("prefix_cache_queries", "tokenmill:prefix_cache_queries",
-            "Prefix-cache queries, in tokens (prompt tokens looked up)."),
+    StatRow(
+        "prefix_cache_queries",
+        "tokenmill:prefix_cache_queries",
+        "Prefix-cache queries, in tokens (prompt tokens looked up).",
+    ),
     StatRow("prefix_cache_hits", "tokenmill:prefix_cache_hits", "Prefix-cache hits, in tokens."),
     StatRow("num_preemptions", "tokenmill:num_preemptions", "Cumulative number of preemptions."),
-    StatRow("num_blocks_slid_out", "tokenmill:kv_cache_blocks_slid_out",
-            "KV blocks sliding-window layers returned to the pool (no later query could see them)."),
+    StatRow(
+        "num_blocks_slid_out",
+        "tokenmill:kv_cache_blocks_slid_out",
+        "KV blocks sliding-window layers returned to the pool (no later query could see them).",
+    ),
     StatRow("num_prompt_tokens", "tokenmill:prompt_tokens", "Number of prefill tokens processed."),
     StatRow("num_generation_tokens", "tokenmill:generation_tokens", "Number of generation tokens processed."),
     StatRow("num_steps", "tokenmill:engine_steps", "Engine steps that ran the model."),
-    StatRow("step_seconds", "tokenmill:engine_step_seconds",
-            "Wall seconds inside engine steps (scheduling, forward, sampling, detokenizing, outputs)."),
-    StatRow("forward_seconds", "tokenmill:engine_forward_seconds",
-            "Of the step seconds, the model runner's part (inputs, forward, LM head, sampling)."),
+    StatRow(
+        "step_seconds",
+        "tokenmill:engine_step_seconds",
+        "Wall seconds inside engine steps (scheduling, forward, sampling, detokenizing, outputs).",
+    ),
+    StatRow(
+        "forward_seconds",
+        "tokenmill:engine_forward_seconds",
+        "Of the step seconds, the model runner's part (inputs, forward, LM head, sampling).",
+    ),
     # Speculative decoding (vLLM's names); emitted once EngineStats carries these fields.
     StatRow("spec_decode.num_drafts", "tokenmill:spec_decode_num_drafts", "Number of spec-decode drafts."),
     StatRow("spec_decode.num_draft_tokens", "tokenmill:spec_decode_num_draft_tokens", "Number of draft tokens."),
-    StatRow("spec_decode.num_accepted_tokens", "tokenmill:spec_decode_num_accepted_tokens",
-            "Number of accepted draft tokens."),
+    StatRow(
+        "spec_decode.num_accepted_tokens",
+        "tokenmill:spec_decode_num_accepted_tokens",
+        "Number of accepted draft tokens.",
+    ),
     # Disaggregation (distributed/kv_connector.ConnectorStats); emitted on prefill and decode workers.
     StatRow("kv_transfer.num_loads", "tokenmill:kv_transfer_loads", "KV pulls started (decode side)."),
-    StatRow("kv_transfer.num_loads_failed", "tokenmill:kv_transfer_loads_failed",
-            "KV pulls that failed; the request recomputed its prompt locally."),
+    StatRow(
+        "kv_transfer.num_loads_failed",
+        "tokenmill:kv_transfer_loads_failed",
+        "KV pulls that failed; the request recomputed its prompt locally.",
+    ),
     StatRow("kv_transfer.num_blocks_loaded", "tokenmill:kv_transfer_blocks_loaded", "KV blocks pulled in."),
-    StatRow("kv_transfer.num_blocks_skipped", "tokenmill:kv_transfer_blocks_skipped",
-            "Prompt blocks not pulled because the local prefix cache held them."),
+    StatRow(
+        "kv_transfer.num_blocks_skipped",
+        "tokenmill:kv_transfer_blocks_skipped",
+        "Prompt blocks not pulled because the local prefix cache held them.",
+    ),
     StatRow("kv_transfer.bytes_loaded", "tokenmill:kv_transfer_bytes_loaded", "Bytes of K/V pulled in."),
-    StatRow("kv_transfer.load_seconds", "tokenmill:kv_transfer_load_seconds",
-            "Seconds from pull to blocks in place, summed over pulls."),
+    StatRow(
+        "kv_transfer.load_seconds",
+        "tokenmill:kv_transfer_load_seconds",
+        "Seconds from pull to blocks in place, summed over pulls.",
+    ),
     StatRow("kv_transfer.num_holds", "tokenmill:kv_transfer_holds", "Prompts whose K/V were held for a decode worker."),
-    StatRow("kv_transfer.num_holds_expired", "tokenmill:kv_transfer_holds_expired",
-            "Held K/V nobody pulled in time (blocks returned to the pool)."),
+    StatRow(
+        "kv_transfer.num_holds_expired",
+        "tokenmill:kv_transfer_holds_expired",
+        "Held K/V nobody pulled in time (blocks returned to the pool).",
+    ),
     StatRow("kv_transfer.num_sends", "tokenmill:kv_transfer_sends", "Transfers sent (prefill side)."),
     StatRow("kv_transfer.num_blocks_sent", "tokenmill:kv_transfer_blocks_sent", "KV blocks sent."),
     StatRow("kv_transfer.bytes_sent", "tokenmill:kv_transfer_bytes_sent", "Bytes of K/V sent."),
-    StatRow("kv_transfer.send_seconds", "tokenmill:kv_transfer_send_seconds",
-            "Seconds spent sending, summed over transfers."),
+    StatRow(
+        "kv_transfer.send_seconds",
+        "tokenmill:kv_transfer_send_seconds",
+        "Seconds spent sending, summed over transfers.",
+    ),
 )
 
 # vLLM's buckets.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -140,7 +248,7 @@ class _EngineStatsCollector(Collector):
                 yield c
         spec = stats.spec_decode
         for prefix, name, label, doc in LABELED_SPEC_COUNTERS:  # e.g. vLLM's per-position acceptance counter
-            series = sorted((int(k[len(prefix):]), v) for k, v in spec.items() if k.startswith(prefix))
+            series = sorted((int(k[len(prefix) :]), v) for k, v in spec.items() if k.startswith(prefix))
             if series:
                 c = CounterMetricFamily(name, doc, labels=["model_name", label])
                 for key, v in series:
@@ -188,30 +296,48 @@ class EngineMetrics:
         labels = {"model_name": model_name}
 
         def hist(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(name, doc, labelnames=["model_name"], buckets=buckets,
-                             registry=self.registry).labels(**labels)
+            return Histogram(name, doc, labelnames=["model_name"], buckets=buckets, registry=self.registry).labels(
+                **labels
+            )
 
-        self.time_to_first_token = hist("tokenmill:time_to_first_token_seconds",
-                                        "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
-        self.inter_token_latency = hist("tokenmill:inter_token_latency_seconds",
-                                        "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
-        self.e2e_request_latency = hist("tokenmill:e2e_request_latency_seconds",
-                                        "Histogram of end-to-end request latency in seconds.", _REQUEST_BUCKETS)
-        self.request_queue_time = hist("tokenmill:request_queue_time_seconds",
-                                       "Histogram of time spent waiting before first scheduled, in seconds.",
-                                       _REQUEST_BUCKETS)
-        self.request_prefill_time = hist("tokenmill:request_prefill_time_seconds",
-                                         "Histogram of time from first scheduled to first token, in seconds.",
-                                         _REQUEST_BUCKETS)
-        self.request_decode_time = hist("tokenmill:request_decode_time_seconds",
-                                        "Histogram of time from first token to last token, in seconds.",
-                                        _REQUEST_BUCKETS)
-        self.request_prompt_tokens = hist("tokenmill:request_prompt_tokens",
-                                          "Number of prompt tokens per finished request.", _TOKEN_BUCKETS)
-        self.request_generation_tokens = hist("tokenmill:request_generation_tokens",
-                                              "Number of generated tokens per finished request.", _TOKEN_BUCKETS)
-        self._success = Counter("tokenmill:request_success", "Count of finished requests by finish reason.",
-                                labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.time_to_first_token = hist(
+            "tokenmill:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS
+        )
+        self.inter_token_latency = hist(
+            "tokenmill:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL_BUCKETS
+        )
+        self.e2e_request_latency = hist(
+            "tokenmill:e2e_request_latency_seconds",
+            "Histogram of end-to-end request latency in seconds.",
+            _REQUEST_BUCKETS,
+        )
+        self.request_queue_time = hist(
+            "tokenmill:request_queue_time_seconds",
+            "Histogram of time spent waiting before first scheduled, in seconds.",
+            _REQUEST_BUCKETS,
+        )
+        self.request_prefill_time = hist(
+            "tokenmill:request_prefill_time_seconds",
+            "Histogram of time from first scheduled to first token, in seconds.",
+            _REQUEST_BUCKETS,
+        )
+        self.request_decode_time = hist(
+            "tokenmill:request_decode_time_seconds",
+            "Histogram of time from first token to last token, in seconds.",
+            _REQUEST_BUCKETS,
+        )
+        self.request_prompt_tokens = hist(
+            "tokenmill:request_prompt_tokens", "Number of prompt tokens per finished request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = hist(
+            "tokenmill:request_generation_tokens", "Number of generated tokens per finished request.", _TOKEN_BUCKETS
+        )
+        self._success = Counter(
+            "tokenmill:request_success",
+            "Count of finished requests by finish reason.",
+            labelnames=["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name=model_name, finished_reason=reason)
         self._model_name = model_name
@@ -229,13 +355,22 @@ class EngineMetrics:
         self.inter_token_latency.observe(seconds)
         self.itl_window.observe(seconds)
 
-    def observe_finished(self, *, e2e: float, timings: RequestMetrics | None, num_prompt_tokens: int,
-                         num_generation_tokens: int, finish_reasons: list[str]) -> None:
+    def observe_finished(
+        self,
+        *,
+        e2e: float,
+        timings: RequestMetrics | None,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        finish_reasons: list[str],
+    ) -> None:
         """timings: the engine's clock for the request (queue, prefill and decode times; None: not reported)."""
         self.e2e_request_latency.observe(e2e)
-        for hist, seconds in ((self.request_queue_time, timings.queue_time if timings else None),
-                              (self.request_prefill_time, timings.prefill_time if timings else None),
-                              (self.request_decode_time, timings.decode_time if timings else None)):
+        for hist, seconds in (
+            (self.request_queue_time, timings.queue_time if timings else None),
+            (self.request_prefill_time, timings.prefill_time if timings else None),
+            (self.request_decode_time, timings.decode_time if timings else None),
+        ):
             if seconds is not None:
                 hist.observe(seconds)
         self.request_prompt_tokens.observe(num_prompt_tokens)
@@ -277,9 +412,11 @@ class StatLogger:
             return None
         self._was_idle = is_idle
         hit_rate = 100.0 * hits / queries if queries else 0.0
-        return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "
-                f"tokens/s, Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
-                f"KV cache usage: {100.0 * stats.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%")
+        return (
+            f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "
+            f"tokens/s, Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+            f"KV cache usage: {100.0 * stats.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%"
+        )
 
     def log(self) -> None:
         line = self.format_line()

@@ -10,6 +10,7 @@ it) a missing, stale or disabled build raises `KernelsUnavailable` instead, so a
 hide behind a slower green run. A build is stale when the csrc/ tree beside the package (a source
 checkout) no longer matches the fingerprint compiled into it: rerun `bash scripts/install.sh`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,8 +58,10 @@ def module() -> ModuleType | None:
     if CSRC.is_dir():
         current = source_hash(CSRC)
         if current != _C.source_hash:
-            _unusable(f"tokenmill._C was built from other sources ({_C.source_hash}) than {CSRC} ({current}); "
-                      "run `bash scripts/install.sh` to rebuild")
+            _unusable(
+                f"tokenmill._C was built from other sources ({_C.source_hash}) than {CSRC} ({current}); "
+                "run `bash scripts/install.sh` to rebuild"
+            )
             return None
     return _C
 

@@ -1,6 +1,7 @@
 """The fingerprint of the C++ sources (csrc/): compiled into tokenmill._C by setup.py and compared with
 the tree at import (tokenmill/native.py), so a build older than its sources is noticed. No imports
 beyond the standard library: setup.py loads this file before torch or the package exist."""
+
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,5 @@
 """Result dataclasses passed between layers and returned to users."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,14 +42,21 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def merged(self, later: "CompletionOutput") -> "CompletionOutput":
+    def merged(self, later: CompletionOutput) -> CompletionOutput:
         """This delta followed by `later`: texts, tokens and logprobs joined, the rest from `later`."""
         lps = None
         if self.logprobs is not None or later.logprobs is not None:
             lps = (self.logprobs or []) + (later.logprobs or [])
-        return CompletionOutput(later.index, self.text + later.text, self.token_ids + later.token_ids,
-                                later.finish_reason, later.stop_reason, lps, later.cumulative_logprob,
-                                later.num_tokens)
+        return CompletionOutput(
+            later.index,
+            self.text + later.text,
+            self.token_ids + later.token_ids,
+            later.finish_reason,
+            later.stop_reason,
+            lps,
+            later.cumulative_logprob,
+            later.num_tokens,
+        )
 
 
 @dataclass
@@ -117,7 +125,7 @@ class RequestOutput:
     """A prefill worker's finished request: where its prompt K/V wait for a decode worker (the fields of
     distributed/kv_connector.PullFromPrefill), passed on to the decode worker's request."""
 
-    def merged(self, later: "RequestOutput") -> "RequestOutput":
+    def merged(self, later: RequestOutput) -> RequestOutput:
         """Two consecutive outputs as one (a reader that lagged): deltas are joined choice by choice,
         nothing lost and nothing repeated; a cumulative output simply supersedes."""
         if not (self.is_delta and later.is_delta):
@@ -126,5 +134,14 @@ class RequestOutput:
         outs = [mine.pop(c.index).merged(c) if c.index in mine else c for c in later.outputs]
         outs.extend(mine.values())  # choices with nothing new in `later`
         outs.sort(key=lambda c: c.index)
-        return RequestOutput(later.request_id, later.prompt, later.prompt_token_ids, outs, later.finished,
-                             later.metrics, later.num_cached_tokens, later.prompt_logprobs, True)
+        return RequestOutput(
+            later.request_id,
+            later.prompt,
+            later.prompt_token_ids,
+            outs,
+            later.finished,
+            later.metrics,
+            later.num_cached_tokens,
+            later.prompt_logprobs,
+            True,
+        )

@@ -1,9 +1,10 @@
 """A request as the scheduler sees it: token lists and one progress counter.
 
-    all_token_ids = prompt_token_ids + output_token_ids (+ spec_token_ids while scheduled)
-    num_computed_tokens: tokens whose K/V are in the cache; the scheduler lets it catch up to
-    num_tokens_with_spec, a chunk at a time.
+all_token_ids = prompt_token_ids + output_token_ids (+ spec_token_ids while scheduled)
+num_computed_tokens: tokens whose K/V are in the cache; the scheduler lets it catch up to
+num_tokens_with_spec, a chunk at a time.
 """
+
 from __future__ import annotations
 
 import enum
@@ -34,15 +35,27 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_id: int | None, max_tokens: int, arrival_time: float | None = None,
-                 cache_salt: str | None = None, sample_index: int = 0, parent_id: str | None = None,
-                 kv_transfer: KVTransferRequest | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        max_tokens: int,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        sample_index: int = 0,
+        parent_id: str | None = None,
+        kv_transfer: KVTransferRequest | None = None,
+    ) -> None:
         self.request_id = RequestId(request_id)
         self.parent_id = parent_id or request_id
         self.sample_index = sample_index
@@ -117,5 +130,7 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
-                f"computed={self.num_computed_tokens}, {self.status.name})")
+        return (
+            f"Request({self.request_id}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.name})"
+        )

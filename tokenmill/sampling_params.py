@@ -1,4 +1,5 @@
 """Per-request sampling parameters. Temperature 0 means greedy."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,16 +32,29 @@ class StructuredOutputs:
             object.__setattr__(self, "choice", tuple(self.choice))
         kinds = self.kinds()
         if len(kinds) != 1:
-            raise InvalidRequest("structured_outputs: set exactly one of json, json_object, regex, choice, grammar"
-                                 + (f" (got {', '.join(kinds)})" if kinds else ""), param="structured_outputs")
+            raise InvalidRequest(
+                "structured_outputs: set exactly one of json, json_object, regex, choice, grammar"
+                + (f" (got {', '.join(kinds)})" if kinds else ""),
+                param="structured_outputs",
+            )
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
-            raise InvalidRequest("structured_outputs.choice must be a non-empty list of non-empty strings",
-                                 param="structured_outputs.choice")
+            raise InvalidRequest(
+                "structured_outputs.choice must be a non-empty list of non-empty strings",
+                param="structured_outputs.choice",
+            )
 
     def kinds(self) -> list[str]:
-        return [k for k, v in (("json", self.json is not None), ("json_object", self.json_object),
-                               ("regex", self.regex is not None), ("choice", self.choice is not None),
-                               ("grammar", self.grammar is not None)) if v]
+        return [
+            k
+            for k, v in (
+                ("json", self.json is not None),
+                ("json_object", self.json_object),
+                ("regex", self.regex is not None),
+                ("choice", self.choice is not None),
+                ("grammar", self.grammar is not None),
+            )
+            if v
+        ]
 
 
 @dataclass
@@ -137,5 +151,5 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)

@@ -3,6 +3,7 @@
 Built from tokenizer.json (+ tokenizer_config.json) for HF directories, or from GGUF metadata
 (vocabulary, merges, token types, pre-tokenizer name) for GGUF files.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,21 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 # GGUF `tokenizer.ggml.pre` -> split regex used before byte-level mapping.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -74,8 +84,12 @@ class Tokenizer:
         """The chat template has a tool format of its own (it reads a `tools` variable): Qwen2.5/3, Llama 3.x."""
         return bool(self.chat_template) and "tools" in self.chat_template
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; use a completion (prompt) instead")
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -86,7 +100,8 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens)
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens
+        )
 
 
 _NORMAL, _UNKNOWN, _CONTROL, _USER, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -136,15 +151,26 @@ def _spm_tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
     for i, tok in enumerate(pieces):
         vocab.setdefault(tok, i)
     unk = fields.get("tokenizer.ggml.unknown_token_id")
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=_spm_merges(pieces, types), byte_fallback=True,
-                                unk_token=tokens[unk] if unk is not None else None, fuse_unk=True))
+    hf = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_spm_merges(pieces, types),
+            byte_fallback=True,
+            unk_token=tokens[unk] if unk is not None else None,
+            fuse_unk=True,
+        )
+    )
     hf.normalizer = normalizers.Replace(" ", "▁")
     hf.pre_tokenizer = None
     hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                           for i, t in enumerate(types) if t == _CONTROL])
-    user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types)
-            if t == _USER and " " not in tokens[i]]
+    hf.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+    )
+    user = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i, t in enumerate(types)
+        if t == _USER and " " not in tokens[i]
+    ]
     if user:
         hf.add_tokens(user)
     return _gguf_tokenizer(hf, tokens, fields)
@@ -158,8 +184,14 @@ def _gguf_tokenizer(hf: HFTokenizer, tokens: list[str], fields: dict[str, Any]) 
         special["bos_token"] = tokens[bos]
     if eos is not None:
         special["eos_token"] = tokens[eos]
-    return Tokenizer(hf=hf, bos_token_id=bos, eos_token_id=eos, chat_template=fields.get("tokenizer.chat_template"),
-                     add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)), special_tokens=special)
+    return Tokenizer(
+        hf=hf,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        chat_template=fields.get("tokenizer.chat_template"),
+        add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        special_tokens=special,
+    )
 
 
 def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
@@ -168,8 +200,9 @@ def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
     if kind == "llama":
         return _spm_tokenizer_from_gguf(fields)
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE, "
-                         "llama SentencePiece BPE)")
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE, llama SentencePiece BPE)"
+        )
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
     types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -183,19 +216,28 @@ def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     pre = fields.get("tokenizer.ggml.pre", "default")
     if pre in _SPLITS:
-        hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     elif pre == "smollm":
         # SmolLM's own tokenizer.json: digits one by one, then GPT-2's byte-level split.
-        hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        hf.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     else:
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()
-    control = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types)
-               if t == 3 and set(tokens[i]) <= alphabet]
+    control = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i, t in enumerate(types)
+        if t == 3 and set(tokens[i]) <= alphabet
+    ]
     hf.add_special_tokens(control)
     user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER]
     if user:
@@ -229,5 +271,6 @@ def tokenizer_from_dir(path: Path, config: dict[str, Any]) -> Tokenizer:
     if template is None and (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text()
     special = {k: v for k, v in (("bos_token", bos_s), ("eos_token", eos_s)) if v}
-    return Tokenizer(hf=hf, bos_token_id=bos, eos_token_id=eos, chat_template=template,
-                     add_bos_token=False, special_tokens=special)
+    return Tokenizer(
+        hf=hf, bos_token_id=bos, eos_token_id=eos, chat_template=template, add_bos_token=False, special_tokens=special
+    )

@@ -1,4 +1,5 @@
 """The C++ paged decode-attention kernel against the reference PyTorch path (gather + SDPA)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,14 +20,21 @@ def make_decode_meta(seq_lens: list[int], num_blocks: int, block_size: int, gen:
     used = 0
     for i, n in enumerate(seq_lens):
         nb = -(-n // block_size)
-        tables[i, :nb] = perm[used:used + nb]
+        tables[i, :nb] = perm[used : used + nb]
         used += nb
     mask = (torch.arange(max_blocks * block_size)[None, :] < torch.tensor(seq_lens)[:, None])[:, None, None, :]
     return AttentionMetadata(
-        num_decodes=len(seq_lens), num_prefills=0, slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
-        block_tables=tables, seq_lens=torch.tensor(seq_lens), query_start_loc=torch.arange(len(seq_lens) + 1),
-        seq_lens_cpu=list(seq_lens), query_start_loc_cpu=list(range(len(seq_lens) + 1)),
-        max_decode_seq_len=max(seq_lens), decode_mask=mask)
+        num_decodes=len(seq_lens),
+        num_prefills=0,
+        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens),
+        query_start_loc=torch.arange(len(seq_lens) + 1),
+        seq_lens_cpu=list(seq_lens),
+        query_start_loc_cpu=list(range(len(seq_lens) + 1)),
+        max_decode_seq_len=max(seq_lens),
+        decode_mask=mask,
+    )
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -38,7 +46,7 @@ def test_paged_decode_matches_reference(dtype, tol, num_heads, num_kv_heads, hea
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
     meta = make_decode_meta(seq_lens, num_blocks, block_size, gen)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     fast = cpu_kernels.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, scale)
     assert fast is not None and fast.shape == q.shape and fast.dtype == dtype
     monkeypatch.setattr("tokenmill.attention.backend.paged_decode_attention", lambda *a, **k: None)
@@ -47,8 +55,13 @@ def test_paged_decode_matches_reference(dtype, tol, num_heads, num_kv_heads, hea
 
 
 # the loop each instruction-set level must choose for a 64- or 128-wide head (fp32, bf16)
-VECTOR_LOOP = {"generic": ("generic", "generic"), "avx2": ("avx2", "avx2"), "avx512": ("avx512", "avx512"),
-               "avx512_bf16": ("avx512", "avx512_bf16"), "amx": ("avx512", "avx512_bf16")}
+VECTOR_LOOP = {
+    "generic": ("generic", "generic"),
+    "avx2": ("avx2", "avx2"),
+    "avx512": ("avx512", "avx512"),
+    "avx512_bf16": ("avx512", "avx512_bf16"),
+    "amx": ("avx512", "avx512_bf16"),
+}
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -57,7 +70,7 @@ def test_decode_runs_the_vector_loop_of_the_level_in_force(each_isa, head_dim):
     for dtype, want in zip((torch.float32, torch.bfloat16), VECTOR_LOOP[each_isa]):
         q, cache = torch.zeros(2, 9, head_dim, dtype=dtype), torch.zeros(2, 4, 16, 3, head_dim, dtype=dtype)
         assert cpu_kernels.decode_kernel(q, cache) == want
-        assert cpu_kernels.decode_kernel(q, cache, windowed=True) == "generic"   # no window start in the vector loops
+        assert cpu_kernels.decode_kernel(q, cache, windowed=True) == "generic"  # no window start in the vector loops
     assert cpu_kernels.decode_kernel(torch.zeros(1, 4, 32), torch.zeros(2, 4, 16, 4, 32)) == "generic"
 
 
@@ -70,8 +83,9 @@ def test_a_request_gets_the_same_bits_alone_or_in_a_batch(dtype):
     meta = make_decode_meta(seq_lens, 64, 16, gen)
     batch = cpu_kernels.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.125)
     for i in range(len(seq_lens)):
-        alone = cpu_kernels.paged_decode_attention(q[i:i + 1], cache, meta.block_tables[i:i + 1],
-                                                   meta.seq_lens[i:i + 1], 0.125)
+        alone = cpu_kernels.paged_decode_attention(
+            q[i : i + 1], cache, meta.block_tables[i : i + 1], meta.seq_lens[i : i + 1], 0.125
+        )
         assert torch.equal(alone[0], batch[i]), i
 
 
@@ -90,7 +104,7 @@ def test_hidden_keys_give_the_bits_of_a_decode_without_them(dtype):
     kept = [t for t in range(L) if (L - 1 - t) not in hidden_bits]
     flat = cache.reshape(2, 8 * bs, 3, 64)
     compact = torch.zeros_like(flat)
-    compact[:, :len(kept)] = flat[:, kept]
+    compact[:, : len(kept)] = flat[:, kept]
     plain = cpu_kernels.paged_decode_attention(q, compact.reshape(cache.shape), table, torch.tensor([len(kept)]), 0.125)
     assert torch.equal(masked, plain)
 
@@ -99,7 +113,7 @@ def test_kernel_declines_what_it_does_not_serve():
     q = torch.randn(1, 4, 16)
     cache = torch.zeros(2, 2, 4, 2, 16, dtype=torch.int8)
     tables, seq = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
-    assert cpu_kernels.paged_decode_attention(q, cache, tables, seq, 0.25) is None          # int8 cache
+    assert cpu_kernels.paged_decode_attention(q, cache, tables, seq, 0.25) is None  # int8 cache
     assert cpu_kernels.paged_decode_attention(q.half(), cache.half(), tables, seq, 0.25) is None  # fp16
 
 
@@ -124,9 +138,9 @@ def _causal_reference(q, cache, tables, seq_lens, q_start, q_len, scale):
         v = cache[1][tables[s, :nb]].flatten(0, 1)[:L].float()
         g = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        scores = torch.einsum("thd,lhd->htl", q[a:a + n].float(), k) * scale
+        scores = torch.einsum("thd,lhd->htl", q[a : a + n].float(), k) * scale
         visible = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
-        out[a:a + n] = torch.einsum("htl,lhd->thd", scores.masked_fill(~visible[None], float("-inf")).softmax(-1), v)
+        out[a : a + n] = torch.einsum("htl,lhd->thd", scores.masked_fill(~visible[None], float("-inf")).softmax(-1), v)
     return out
 
 
@@ -142,13 +156,13 @@ def test_tiled_prefill_matches_reference(num_heads, num_kv_heads, head_dim, each
     perm, used = torch.randperm(num_blocks, generator=gen), 0
     for i, n in enumerate(seq_lens):
         nb = -(-n // block_size)
-        tables[i, :nb] = perm[used:used + nb]
+        tables[i, :nb] = perm[used : used + nb]
         used += nb
     # query rows strided (a view of a packed qkv tensor), 3 leading rows the kernel must not touch
     total = 3 + sum(q_len)
     q = torch.randn(total, num_heads + 2 * num_kv_heads, head_dim, generator=gen).bfloat16()[:, :num_heads]
     q_start = torch.tensor([3 + sum(q_len[:i]) for i in range(len(q_len))])
-    args = (tables, torch.tensor(seq_lens), q_start, torch.tensor(q_len), head_dim ** -0.5)
+    args = (tables, torch.tensor(seq_lens), q_start, torch.tensor(q_len), head_dim**-0.5)
     out = torch.full((total, num_heads, head_dim), 7.0, dtype=torch.bfloat16)
     got = cpu_kernels.paged_prefill_attention(q, cache, *args, out=out)
     if each_isa not in ("avx512_bf16", "amx"):  # the kernel needs AVX512-BF16: it declines, writing nothing
@@ -162,5 +176,15 @@ def test_tiled_prefill_matches_reference(num_heads, num_kv_heads, head_dim, each
 def test_tiled_prefill_declines_fp32():
     cache = torch.zeros(2, 2, 16, 1, 64)
     one = torch.ones(1, dtype=torch.long)
-    assert cpu_kernels.paged_prefill_attention(torch.zeros(1, 1, 64), cache, torch.zeros(1, 1, dtype=torch.long),
-                                               one, torch.zeros(1, dtype=torch.long), one, 0.125) is None
+    assert (
+        cpu_kernels.paged_prefill_attention(
+            torch.zeros(1, 1, 64),
+            cache,
+            torch.zeros(1, 1, dtype=torch.long),
+            one,
+            torch.zeros(1, dtype=torch.long),
+            one,
+            0.125,
+        )
+        is None
+    )

@@ -1,4 +1,5 @@
 """int8 KV cache packing and the block copy op."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """`tokenmill bench ...` end to end on a tiny random model (peers off): the plumbing, not the numbers."""
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,28 @@ def run_json(tmp_path, argv: list[str]) -> dict:
 
 
 def test_latency(tiny_llama, tmp_path, capsys):
-    r = run_json(tmp_path, ["bench", "latency", "--model", str(tiny_llama), *ENGINE, "--input-len", "8",
-                            "--output-len", "6", "--num-iters", "2", "--peers", "hf,llamacpp"])
+    r = run_json(
+        tmp_path,
+        [
+            "bench",
+            "latency",
+            "--model",
+            str(tiny_llama),
+            *ENGINE,
+            "--input-len",
+            "8",
+            "--output-len",
+            "6",
+            "--num-iters",
+            "2",
+            "--peers",
+            "hf,llamacpp",
+        ],
+    )
     ours = r["tokenmill"]
     assert ours["num_tokens"] == 6 and ours["decode_tok_s"] > 0 and len(ours["decode_tok_s_runs"]) == 2
     assert r["hf"]["num_tokens"] == 6 and r["ratio_vs_hf"] > 0
-    assert r["hf"]["greedy_prefix_match"] == 6          # fp32 tiny model: same greedy tokens as HF
+    assert r["hf"]["greedy_prefix_match"] == 6  # fp32 tiny model: same greedy tokens as HF
     if r["llamacpp"].get("available") is False:
         # absent because the wheel is missing, or (when installed) because this model is not a GGUF file
         assert "llama-cpp-python" in r["llamacpp"]["reason"] or "GGUF files only" in r["llamacpp"]["reason"]
@@ -30,26 +47,80 @@ def test_latency(tiny_llama, tmp_path, capsys):
 
 
 def test_throughput_random(tiny_llama, tmp_path):
-    r = run_json(tmp_path, ["bench", "throughput", "--model", str(tiny_llama), *ENGINE, "--dataset-name", "random",
-                            "--num-prompts", "5", "--input-len", "12", "--output-len", "7", "--range-ratio", "0.5",
-                            "--peers", "hf", "--hf-max-batch-size", "2"])
+    r = run_json(
+        tmp_path,
+        [
+            "bench",
+            "throughput",
+            "--model",
+            str(tiny_llama),
+            *ENGINE,
+            "--dataset-name",
+            "random",
+            "--num-prompts",
+            "5",
+            "--input-len",
+            "12",
+            "--output-len",
+            "7",
+            "--range-ratio",
+            "0.5",
+            "--peers",
+            "hf",
+            "--hf-max-batch-size",
+            "2",
+        ],
+    )
     assert r["tokenmill"]["num_requests"] == 5 and r["tokenmill"]["output_tok_s"] > 0
     assert r["hf"]["num_batches"] == 3 and r["hf"]["output_tokens"] == r["tokenmill"]["output_tokens"]
 
 
 def test_roofline_bound_only(tiny_llama, tmp_path):
-    r = run_json(tmp_path, ["bench", "roofline", "--model", str(tiny_llama), *ENGINE, "--buffer-mib", "64",
-                            "--no-measure-engine"])
+    r = run_json(
+        tmp_path,
+        ["bench", "roofline", "--model", str(tiny_llama), *ENGINE, "--buffer-mib", "64", "--no-measure-engine"],
+    )
     assert r["bandwidth"]["read_gb_s"] > 0 and r["matmul"]["fp32_tflop_s"] > 0
     assert r["single_stream_bound_tok_s"] > 0 and r["model"]["weight_bytes_per_step"] > 0
 
 
 def test_ablation_rows(tiny_llama, tmp_path):
-    r = run_json(tmp_path, ["bench", "ablation", "--model", str(tiny_llama), *ENGINE, "--dataset-name", "random",
-                            "--num-prompts", "4", "--input-len", "10", "--output-len", "5", "--range-ratio", "0.5",
-                            "--only", "batching,chunked_prefill,prefix_caching", "--static-batch-size", "2",
-                            "--num-streams", "2", "--long-prompt-len", "100", "--chunk-budget", "32", "--stream-tokens", "12",
-                            "--shared-prefix-len", "48", "--plot-dir", str(tmp_path / "plots")])
+    r = run_json(
+        tmp_path,
+        [
+            "bench",
+            "ablation",
+            "--model",
+            str(tiny_llama),
+            *ENGINE,
+            "--dataset-name",
+            "random",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "10",
+            "--output-len",
+            "5",
+            "--range-ratio",
+            "0.5",
+            "--only",
+            "batching,chunked_prefill,prefix_caching",
+            "--static-batch-size",
+            "2",
+            "--num-streams",
+            "2",
+            "--long-prompt-len",
+            "100",
+            "--chunk-budget",
+            "32",
+            "--stream-tokens",
+            "12",
+            "--shared-prefix-len",
+            "48",
+            "--plot-dir",
+            str(tmp_path / "plots"),
+        ],
+    )
     assert r["batching"]["speedup"] > 0
     png = tmp_path / "plots" / "ablation.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # one bar per row that ran
@@ -58,8 +129,22 @@ def test_ablation_rows(tiny_llama, tmp_path):
 
 
 def test_bad_dataset_path_is_a_clear_error(tiny_llama, capsys):
-    assert main(["bench", "throughput", "--model", str(tiny_llama), *ENGINE, "--dataset", "/nonexistent.jsonl",
-                 "--peers", "none"]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "throughput",
+                "--model",
+                str(tiny_llama),
+                *ENGINE,
+                "--dataset",
+                "/nonexistent.jsonl",
+                "--peers",
+                "none",
+            ]
+        )
+        == 2
+    )
     assert "--dataset" in capsys.readouterr().err
 
 

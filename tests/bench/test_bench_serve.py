@@ -47,12 +47,16 @@ def make_stub_app(state: dict):
                     chunk = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": f"t{i} "}]}
                     yield f"data: {json.dumps(chunk)}\n\n"
                     await asyncio.sleep(CHUNK_DELAY)
-                usage = {"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n,
-                                                             "total_tokens": n + 3}}
+                usage = {
+                    "id": "x",
+                    "choices": [],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3},
+                }
                 yield f"data: {json.dumps(usage)}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
                 state["in_flight"] -= 1
+
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     return app
@@ -61,6 +65,7 @@ def make_stub_app(state: dict):
 @pytest.fixture(scope="module")
 def stub_server():
     import uvicorn
+
     state = {"bodies": [], "in_flight": 0, "max_in_flight": 0}
     port = serve.free_port()
     server = uvicorn.Server(uvicorn.Config(make_stub_app(state), host="127.0.0.1", port=port, log_level="error"))
@@ -81,12 +86,13 @@ def _requests(n: int, out_len: int = NUM_CHUNKS) -> list[SampleRequest]:
 
 def test_streaming_metrics_follow_vllm_definitions(stub_server):
     url, state = stub_server
-    results, duration = asyncio.run(serve.run_load(url, "stub-model", _requests(4), math.inf, "poisson", None,
-                                                   ignore_eos=True))
+    results, duration = asyncio.run(
+        serve.run_load(url, "stub-model", _requests(4), math.inf, "poisson", None, ignore_eos=True)
+    )
     assert all(r.success for r in results), [r.error for r in results]
     for r in results:
-        assert r.output_tokens == NUM_CHUNKS                    # from the usage block
-        assert len(r.itl) == NUM_CHUNKS - 1                      # one gap per later chunk
+        assert r.output_tokens == NUM_CHUNKS  # from the usage block
+        assert len(r.itl) == NUM_CHUNKS - 1  # one gap per later chunk
         assert r.ttft >= CHUNK_DELAY * 0.8
         assert r.latency == pytest.approx(r.ttft + sum(r.itl), rel=1e-6)
         assert r.generated_text == "".join(f"t{i} " for i in range(NUM_CHUNKS))
@@ -100,7 +106,7 @@ def test_streaming_metrics_follow_vllm_definitions(stub_server):
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) * 1e3 for r in results]
     assert m["tpot_ms"]["mean"] == pytest.approx(sum(tpots) / 4)
     assert m["itl_ms"]["median"] == pytest.approx(percentile([g * 1e3 for r in results for g in r.itl], 50))
-    assert m["request_goodput"] == pytest.approx(4 / duration)   # loose SLOs: every request is good
+    assert m["request_goodput"] == pytest.approx(4 / duration)  # loose SLOs: every request is good
     strict = serve.calculate_metrics(results, duration, {"ttft": 0.001})
     assert strict["request_goodput"] == 0.0
 
@@ -118,8 +124,9 @@ def test_concurrency_cap_and_rate(stub_server):
 
 
 def test_http_errors_are_results_not_crashes():
-    results, duration = asyncio.run(serve.run_load(f"http://127.0.0.1:{serve.free_port()}", "m", _requests(2),
-                                                   math.inf, "poisson", None, timeout=5))
+    results, duration = asyncio.run(
+        serve.run_load(f"http://127.0.0.1:{serve.free_port()}", "m", _requests(2), math.inf, "poisson", None, timeout=5)
+    )
     assert not any(r.success for r in results) and all(r.error for r in results)
     assert serve.calculate_metrics(results, duration)["completed"] == 0
 
@@ -127,8 +134,16 @@ def test_http_errors_are_results_not_crashes():
 def test_sweep_table_json_and_plots(stub_server, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     url, _ = stub_server
-    args = argparse.Namespace(goodput=["ttft:1000"], metric_percentiles="50,99", endpoint="completions",
-                              ignore_eos=False, arrival="poisson", seed=0, api_key=None, share_prefix_cache=False)
+    args = argparse.Namespace(
+        goodput=["ttft:1000"],
+        metric_percentiles="50,99",
+        endpoint="completions",
+        ignore_eos=False,
+        arrival="poisson",
+        seed=0,
+        api_key=None,
+        share_prefix_cache=False,
+    )
     url, state = stub_server
     state["bodies"].clear()
     runs = serve.run_sweep(url, "stub-model", _requests(4), [50.0, math.inf], [None, 2], args)

@@ -1,5 +1,6 @@
 """The llama-server peer: where the binary is looked up and why it is reported absent (nothing is
 started), its command line, and, when a llama-server binary is around, a real 2-slot run."""
+
 from __future__ import annotations
 
 import json
@@ -40,7 +41,7 @@ def test_lookup_order(no_server, monkeypatch, tmp_path):
     assert peers.find_llama_server() == from_env
     explicit = fake_binary(tmp_path / "arg")
     assert peers.find_llama_server(explicit) == explicit
-    assert peers.find_llama_server(explicit.parent) == explicit      # a folder holding llama-server
+    assert peers.find_llama_server(explicit.parent) == explicit  # a folder holding llama-server
 
 
 def test_explicit_choice_that_does_not_exist_is_not_replaced(no_server, monkeypatch, tmp_path):
@@ -67,25 +68,52 @@ def test_command_gives_every_slot_2048_tokens():
 
 def test_throughput_cli_reports_absent_server(tiny_llama, tmp_path):
     from tokenmill.entrypoints.cli import main
+
     out = tmp_path / "r.json"
-    assert main(["bench", "throughput", "--model", str(tiny_llama), "--max-model-len", "256",
-                 "--num-gpu-blocks-override", "128", "--dataset-name", "random", "--num-prompts", "2",
-                 "--input-len", "8", "--output-len", "4", "--peers", "llamaserver",
-                 "--llama-server", str(tmp_path / "missing"), "--output-json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "throughput",
+                "--model",
+                str(tiny_llama),
+                "--max-model-len",
+                "256",
+                "--num-gpu-blocks-override",
+                "128",
+                "--dataset-name",
+                "random",
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "8",
+                "--output-len",
+                "4",
+                "--peers",
+                "llamaserver",
+                "--llama-server",
+                str(tmp_path / "missing"),
+                "--output-json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["llamaserver"]["available"] is False and "not found" in r["llamaserver"]["reason"]
     assert "ratio_vs_llamaserver" not in r
 
 
-@pytest.mark.skipif(peers.llamaserver_available() is not None,
-                    reason=f"no llama-server to run: {peers.llamaserver_available()}")
+@pytest.mark.skipif(
+    peers.llamaserver_available() is not None, reason=f"no llama-server to run: {peers.llamaserver_available()}"
+)
 def test_real_server_two_slots(gguf_tokenizer):
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
     requests = [SampleRequest(p, gguf_tokenizer.encode(p), 8) for p in prompts]
     with peers.LlamaServerPeer("smollm2-135m", num_threads=1, slots=2, startup_timeout=60) as server:
         r = server.throughput(requests)
         proc = server.proc
-    assert proc.poll() is not None                                    # stopped on exit
+    assert proc.poll() is not None  # stopped on exit
     assert r["errors"] == [] and r["num_mismatched_outputs"] == 0
     assert r["generated_tokens"] == r["output_tokens"] == 24 and r["slots"] == 2
     assert r["output_tok_s"] > 0

@@ -1,5 +1,6 @@
 """Block pool + KV cache manager: exact block ids and orders for prefix hits, eviction, salts,
 sharing and copy-on-write."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,6 +31,7 @@ def admit(kv: KVCacheManager, req: Request) -> list[int]:
 
 def finish(kv: KVCacheManager, req: Request) -> None:
     from tokenmill.request import RequestStatus
+
     req.status = RequestStatus.FINISHED_STOPPED
     kv.free(req)
 
@@ -79,13 +81,13 @@ def test_partial_hit_and_miss():
 
 def test_lru_eviction_order():
     kv = make_kv_manager(num_blocks=6)
-    a = make_request("a", list(range(9)))        # blocks [0, 1, 2]; 0 and 1 cached
+    a = make_request("a", list(range(9)))  # blocks [0, 1, 2]; 0 and 1 cached
     admit(kv, a)
     finish(kv, a)
     assert free_order(kv) == [3, 4, 5, 2, 1, 0]
     c = make_request("c", [100 + i for i in range(17)])  # 5 blocks, no hit: takes 3, 4, 5, 2, 1
     assert admit(kv, c) == [3, 4, 5, 2, 1]
-    assert kv.pool.num_evictions == 1                   # block 1 (a's 2nd block) evicted, block 0 kept
+    assert kv.pool.num_evictions == 1  # block 1 (a's 2nd block) evicted, block 0 kept
     h0 = hash_block(None, [0, 1, 2, 3])
     assert kv.pool.cached.get(h0) is kv.pool.blocks[0]
     assert hash_block(h0, [4, 5, 6, 7]) not in kv.pool.cached
@@ -100,10 +102,10 @@ def test_touched_cached_free_block_moves_to_back():
     admit(kv, a)
     finish(kv, a)
     assert free_order(kv) == [3, 4, 5, 2, 1, 0]
-    b = make_request("b", [0, 1, 2, 3, 70, 71])      # hits block 0: taken out of the free queue
+    b = make_request("b", [0, 1, 2, 3, 70, 71])  # hits block 0: taken out of the free queue
     assert admit(kv, b) == [0, 3]
     assert free_order(kv) == [4, 5, 2, 1]
-    finish(kv, b)                                    # tail first: 3 then 0 go to the back
+    finish(kv, b)  # tail first: 3 then 0 go to the back
     assert free_order(kv) == [4, 5, 2, 1, 3, 0]
     kv.check_integrity()
 
@@ -134,7 +136,7 @@ def test_refcounts_under_sharing():
 
 def test_fork_and_copy_on_write_of_partial_block():
     kv = make_kv_manager()
-    a = make_request("a", list(range(6)))            # blocks [0, 1]; block 1 holds 2 of 4 tokens
+    a = make_request("a", list(range(6)))  # blocks [0, 1]; block 1 holds 2 of 4 tokens
     assert admit(kv, a) == [0, 1]
     b = make_request("b", list(range(6)))
     kv.fork(a, b, num_shared_tokens=6)
@@ -156,7 +158,7 @@ def test_fork_and_copy_on_write_of_partial_block():
 
 def test_fork_at_block_boundary_needs_no_copy():
     kv = make_kv_manager()
-    a = make_request("a", list(range(8)))            # two full blocks
+    a = make_request("a", list(range(8)))  # two full blocks
     admit(kv, a)
     b = make_request("b", list(range(8)))
     kv.fork(a, b, 8)
@@ -169,7 +171,7 @@ def test_fork_at_block_boundary_needs_no_copy():
 
 def test_failed_allocation_changes_nothing_and_counts_no_stats():
     kv = make_kv_manager(num_blocks=2)
-    a = make_request("a", list(range(12)))           # needs 3 blocks
+    a = make_request("a", list(range(12)))  # needs 3 blocks
     computed = kv.get_computed_blocks(a)
     assert kv.allocate_slots(a, 12, computed) is None
     assert kv.stats.queries == 0 and kv.stats.hits == 0
@@ -184,7 +186,7 @@ def test_copy_on_write_fails_cleanly_when_pool_is_full():
     kv.fork(a, b, 6)
     b.num_computed_tokens = 6
     b.append_output_token(1)
-    assert kv.allocate_slots(b, 1) is None           # the copy needs a free block
+    assert kv.allocate_slots(b, 1) is None  # the copy needs a free block
     kv.pool.check_integrity({0: 2, 1: 2})
     assert kv.take_block_copies() == []
 
@@ -200,6 +202,7 @@ def test_prefix_caching_off_never_hits(caching):
 
 def test_block_map_names_every_block_and_its_holders():
     from tokenmill.core.kv_cache_manager import BlockMap
+
     kv = make_kv_manager(6)
     a = make_request("a", list(range(10)))
     assert admit(kv, a) == [0, 1, 2]

@@ -1,5 +1,6 @@
 """n > 1 in the scheduler: samples fork from the leader in the step that computes its last prompt
 token, share its blocks, and copy the partly filled last block on first write."""
+
 from __future__ import annotations
 
 from tokenmill.config import CacheConfig, SchedulerConfig
@@ -13,8 +14,12 @@ BS = 4
 
 
 def make_scheduler(num_blocks: int = 16, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
-                     CacheConfig(block_size=BS), num_blocks, max_model_len=256)
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+        CacheConfig(block_size=BS),
+        num_blocks,
+        max_model_len=256,
+    )
 
 
 def make_request(rid: str, tokens: list[int], max_tokens: int = 8) -> Request:
@@ -32,8 +37,10 @@ def test_forks_share_prompt_blocks_then_copy_partial_block():
     sched.add_request(leader, forks=forks)
     out = sched.schedule()
     assert [s.request_id for s in out.scheduled] == ["p#0"] and out.scheduled[0].num_new_tokens == 6
-    assert [(s.request_id, s.fork_of, s.num_new_tokens, s.block_ids) for s in out.forked] == \
-        [("p#1", "p#0", 0, [0, 1]), ("p#2", "p#0", 0, [0, 1])]
+    assert [(s.request_id, s.fork_of, s.num_new_tokens, s.block_ids) for s in out.forked] == [
+        ("p#1", "p#0", 0, [0, 1]),
+        ("p#2", "p#0", 0, [0, 1]),
+    ]
     sched.kv.pool.check_integrity({0: 3, 1: 3})
     sched.update(out, StepOutput(fake_results(out)))
     assert [r.output_token_ids for r in [leader, *forks]] == [[7], [8], [9]]
@@ -47,7 +54,7 @@ def test_forks_share_prompt_blocks_then_copy_partial_block():
 
 
 def test_fork_waits_for_the_last_prompt_chunk():
-    sched = make_scheduler(budget=4)                 # prompt of 10 in chunks of 4, 4, 2
+    sched = make_scheduler(budget=4)  # prompt of 10 in chunks of 4, 4, 2
     leader = make_request("p#0", list(range(10)))
     sched.add_request(leader, forks=[make_request("p#1", list(range(10)))])
     for expected in (4, 4):

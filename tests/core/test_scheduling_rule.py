@@ -1,6 +1,7 @@
 """The one scheduling rule (core/scheduler.py, DESIGN.md): token budget and sequence cap, running
 requests first and oldest first, chunked prefill, prefix hits, preemption of the newest running
 request, and draft tokens cut to the budget. Exact tokens, block ids, orders and preempted ids."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -14,11 +15,13 @@ from tokenmill.sampling_params import SamplingParams
 BS = 4
 
 
-def make_scheduler(num_blocks: int = 16, max_num_seqs: int = 8, budget: int = 64,
-                   chunked: bool = True) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                     enable_chunked_prefill=chunked),
-                     CacheConfig(block_size=BS), num_blocks, max_model_len=256)
+def make_scheduler(num_blocks: int = 16, max_num_seqs: int = 8, budget: int = 64, chunked: bool = True) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked),
+        CacheConfig(block_size=BS),
+        num_blocks,
+        max_model_len=256,
+    )
 
 
 def make_request(rid: str, tokens: list[int], max_tokens: int = 8) -> Request:
@@ -52,7 +55,7 @@ def test_budget_left_by_running_decodes_goes_to_a_waiting_prompt_chunk():
     out = step(sched)
     assert summary(out) == [("a", 1, 5, [0, 4]), ("b", 2, 18, [1, 2, 3, 5, 6])]
     assert out.token_split() == TokenSplit(num_decode=1, num_prefill=2, num_draft=0)  # b's last chunk
-    b = sched.requests["b"]                  # the last chunk reached b's last token: it was sampled
+    b = sched.requests["b"]  # the last chunk reached b's last token: it was sampled
     assert (b.num_computed_tokens, b.output_token_ids) == (20, [7])
     assert out.num_tokens == 3 and not sched.waiting
 
@@ -116,7 +119,7 @@ def test_running_request_preempts_itself_when_it_is_the_newest():
     sched.add_request(make_request("b", [20, 21, 22]))
     sched.add_request(make_request("c", [30, 31, 32, 33]))
     assert summary(step(sched)) == [("a", 3, 0, [0]), ("b", 3, 0, [1]), ("c", 4, 0, [2])]
-    out = step(sched)                        # a and b decode in place; c needs a 2nd block: none free
+    out = step(sched)  # a and b decode in place; c needs a 2nd block: none free
     assert summary(out) == [("a", 1, 3, [0]), ("b", 1, 3, [1])]
     assert out.preempted_ids == ["c"] and [r.request_id for r in sched.waiting] == ["c"]
     assert sched.kv.pool.num_free_blocks == 1 and sched.requests["c"].num_computed_tokens == 0
@@ -129,7 +132,7 @@ def test_draft_tokens_are_cut_to_the_remaining_budget():
     b = make_request("b", [200, 201])
     sched.add_request(a)
     sched.add_request(b)
-    step(sched)                              # a and b: 2 prompt tokens + 1 sampled (7)
+    step(sched)  # a and b: 2 prompt tokens + 1 sampled (7)
     a.spec_token_ids = [110, 111]
     b.spec_token_ids = [210, 211, 212]
     out = sched.schedule()
@@ -171,7 +174,7 @@ def test_without_chunked_prefill_a_prompt_waits_for_room_and_blocks_the_queue():
     assert summary(out) == [("a", 1, 3, [0])]
     assert [r.request_id for r in sched.waiting] == ["b", "c"]
     assert sched.kv.get_block_ids("b") == [] and sched.requests["b"].num_computed_tokens == 0
-    assert sched.requests.get("a") is None            # a reached max_tokens and freed block 0
+    assert sched.requests.get("a") is None  # a reached max_tokens and freed block 0
     assert summary(step(sched)) == [("b", 10, 0, [1, 2, 3])]  # the whole prompt at once; c still waits
     assert [r.request_id for r in sched.waiting] == ["c"]
     assert summary(step(sched)) == [("b", 1, 10, [1, 2, 3]), ("c", 3, 0, [4])]
@@ -182,7 +185,7 @@ def test_prefix_hit_costs_only_the_uncached_tokens():
     sched = make_scheduler(budget=10, chunked=False)
     sched.add_request(make_request("a", list(range(10))))
     assert summary(step(sched)) == [("a", 10, 0, [0, 1, 2])]
-    sched.finish_request("a", RequestStatus.FINISHED_ABORTED)   # frees 2, 1, 0; 0 and 1 stay cached
+    sched.finish_request("a", RequestStatus.FINISHED_ABORTED)  # frees 2, 1, 0; 0 and 1 stay cached
     sched.config = replace(sched.config, max_num_batched_tokens=3)
     b = make_request("b", list(range(10)))
     sched.add_request(b)

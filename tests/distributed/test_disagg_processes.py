@@ -3,6 +3,7 @@
 client. Greedy float32 output equals the colocated engine's; the faults of a prefill worker that dies, a
 transfer that times out and a decode worker that restarts end in a recompute or a clear 503, with every KV
 block back in both pools."""
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,23 @@ from tests.server.conftest import REPO, free_port, metric_values, start_server
 
 pytestmark = pytest.mark.slow
 
-ARGS = ("--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-        "--kv-cache-memory-bytes", str(64 << 20))
+ARGS = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "256",
+    "--kv-cache-memory-bytes",
+    str(64 << 20),
+)
 HOLD_S = 4.0
-LONG = ("Explain, in a few careful sentences, why the sky looks blue during the day and red at sunset, "
-        "and what that has to do with the wavelength of light and the thickness of the atmosphere.")
+LONG = (
+    "Explain, in a few careful sentences, why the sky looks blue during the day and red at sunset, "
+    "and what that has to do with the wavelength of light and the thickness of the atmosphere."
+)
 
 
 TOPICS = ["tides", "volcanoes", "bread yeast", "glaciers", "compilers", "bird migration", "batteries", "coral reefs"]
@@ -35,8 +48,22 @@ def fresh(i: int) -> str:
 
 def start_router(tmp_path, prefill: list[str], decode: list[str], min_prefill_tokens: int = 32):
     port = free_port()
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "router", "--port", str(port), "--cooldown", "1",
-           "--min-prefill-tokens", str(min_prefill_tokens), "--prefill", *prefill, "--decode", *decode]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.entrypoints.cli",
+        "router",
+        "--port",
+        str(port),
+        "--cooldown",
+        "1",
+        "--min-prefill-tokens",
+        str(min_prefill_tokens),
+        "--prefill",
+        *prefill,
+        "--decode",
+        *decode,
+    ]
     log = open(tmp_path / f"router-{port}.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -55,13 +82,25 @@ class Cluster:
         self.tmp = tmp_path
         self.kv_port = free_port()
         self.prefill = self.start_prefill()
-        self.decode = start_server(tmp_path, *ARGS, "--kv-role", "decode", "--kv-transfer-config",
-                                   json.dumps({"transfer_timeout_s": 3.0}), api_key=None)
+        self.decode = start_server(
+            tmp_path,
+            *ARGS,
+            "--kv-role",
+            "decode",
+            "--kv-transfer-config",
+            json.dumps({"transfer_timeout_s": 3.0}),
+            api_key=None,
+        )
         self.router, self.url = start_router(tmp_path, [self.prefill.url], [self.decode.url])
 
     def start_prefill(self, port: int | None = None):
-        args = [*ARGS, "--kv-role", "prefill", "--kv-transfer-config",
-                json.dumps({"kv_port": self.kv_port, "hold_timeout_s": HOLD_S})]
+        args = [
+            *ARGS,
+            "--kv-role",
+            "prefill",
+            "--kv-transfer-config",
+            json.dumps({"kv_port": self.kv_port, "hold_timeout_s": HOLD_S}),
+        ]
         return start_server(self.tmp, *args, api_key=None, **({"port": port} if port else {}))
 
     def stop(self):
@@ -80,17 +119,21 @@ def cluster(tmp_path_factory):
 
 def chat(url: str, content: str, **kw) -> str:
     from openai import OpenAI
+
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    r = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": content}],
-                                       temperature=0, max_tokens=24, **kw)
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=24, **kw
+    )
     return r.choices[0].message.content
 
 
 def chat_stream(url: str, content: str) -> str:
     from openai import OpenAI
+
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    s = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": content}],
-                                       temperature=0, max_tokens=24, stream=True)
+    s = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=24, stream=True
+    )
     return "".join(c.choices[0].delta.content or "" for c in s if c.choices)
 
 
@@ -111,16 +154,22 @@ def pool_whole(url: str, timeout: float = 30.0) -> dict:
 
 
 def test_router_disaggregated_equals_colocated(cluster):
-    prompts = [LONG, LONG.replace("sky", "sea"), "Write a short poem about paged memory and the blocks it holds, "
-               "in the voice of a tired operating system that has seen too many page faults."]
-    colocated = [chat(cluster.prefill.url, p) for p in prompts]      # a plain request: served where it arrives
+    prompts = [
+        LONG,
+        LONG.replace("sky", "sea"),
+        "Write a short poem about paged memory and the blocks it holds, "
+        "in the voice of a tired operating system that has seen too many page faults.",
+    ]
+    colocated = [chat(cluster.prefill.url, p) for p in prompts]  # a plain request: served where it arrives
     before = metrics(cluster.decode.url)
     got = [chat(cluster.url, p) for p in prompts]
     assert got == colocated
     after = metrics(cluster.decode.url)
     assert after["tokenmill:kv_transfer_loads_total"] - before.get("tokenmill:kv_transfer_loads_total", 0) == 3
     assert after["tokenmill:kv_transfer_bytes_loaded_total"] > before.get("tokenmill:kv_transfer_bytes_loaded_total", 0)
-    assert after.get("tokenmill:kv_transfer_loads_failed_total", 0) == before.get("tokenmill:kv_transfer_loads_failed_total", 0)
+    assert after.get("tokenmill:kv_transfer_loads_failed_total", 0) == before.get(
+        "tokenmill:kv_transfer_loads_failed_total", 0
+    )
     fresh = "Describe how a librarian would organise ten thousand books that arrive in one afternoon, step by step."
     assert chat_stream(cluster.url, fresh) == chat(cluster.prefill.url, fresh)
     r = metrics(cluster.url)
@@ -133,8 +182,8 @@ def test_router_disaggregated_equals_colocated(cluster):
 
 def test_short_or_cached_prompts_stay_on_the_decode_worker(cluster):
     before = metrics(cluster.url)
-    assert chat(cluster.url, "Hi!") == chat(cluster.prefill.url, "Hi!")    # a few tokens: not worth a transfer
-    assert chat(cluster.url, LONG) == chat(cluster.prefill.url, LONG)      # cached on the decode worker already
+    assert chat(cluster.url, "Hi!") == chat(cluster.prefill.url, "Hi!")  # a few tokens: not worth a transfer
+    assert chat(cluster.url, LONG) == chat(cluster.prefill.url, LONG)  # cached on the decode worker already
     after = metrics(cluster.url)
     assert after["tokenmill:router_num_colocated_total"] - before["tokenmill:router_num_colocated_total"] == 2
     assert after["tokenmill:router_num_disaggregated_total"] == before["tokenmill:router_num_disaggregated_total"]
@@ -142,24 +191,38 @@ def test_short_or_cached_prompts_stay_on_the_decode_worker(cluster):
 
 def _hold(cluster, content: str) -> dict:
     """The router's first hop by hand: the prefill worker computes the prompt and holds its K/V."""
-    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": content}], "temperature": 0,
-            "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    body = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     r = httpx.post(f"{cluster.prefill.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["kv_transfer_params"]
 
 
 def _decode_with(cluster, content: str, params: dict) -> str:
-    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": content}], "temperature": 0,
-            "max_tokens": 24, "kv_transfer_params": {"do_remote_prefill": True, **params}}
+    body = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 24,
+        "kv_transfer_params": {"do_remote_prefill": True, **params},
+    }
     r = httpx.post(f"{cluster.decode.url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
 
 
 def test_bad_kv_transfer_params_are_a_400(cluster):
-    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "127.0.0.1"}}
+    body = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "127.0.0.1"},
+    }
     r = httpx.post(f"{cluster.decode.url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"]
     body["kv_transfer_params"] = {"do_remote_decode": True}
@@ -172,20 +235,23 @@ def test_transfer_timeout_recomputes_and_leaks_nothing(cluster):
     want = chat(cluster.prefill.url, content)
     params = _hold(cluster, content)
     held_at = time.monotonic()
-    cluster.prefill.proc.send_signal(signal.SIGSTOP)             # frozen: the pull can only time out
+    cluster.prefill.proc.send_signal(signal.SIGSTOP)  # frozen: the pull can only time out
     try:
         before = metrics(cluster.decode.url)
         assert _decode_with(cluster, content, params) == want
         after = metrics(cluster.decode.url)
-        assert after["tokenmill:kv_transfer_loads_failed_total"] - \
-            before.get("tokenmill:kv_transfer_loads_failed_total", 0) == 1
+        assert (
+            after["tokenmill:kv_transfer_loads_failed_total"]
+            - before.get("tokenmill:kv_transfer_loads_failed_total", 0)
+            == 1
+        )
         # Thawed before its deadline, the worker would rightly serve the late pull (no expiry to count): stay
         # frozen past it. Thawed after, the late pull is refused and the hold expires.
         time.sleep(max(0.0, held_at + HOLD_S + 0.5 - time.monotonic()))
     finally:
         cluster.prefill.proc.send_signal(signal.SIGCONT)
     pool_whole(cluster.decode.url)
-    pool_whole(cluster.prefill.url, timeout=HOLD_S + 20)          # the hold expires; its blocks come back
+    pool_whole(cluster.prefill.url, timeout=HOLD_S + 20)  # the hold expires; its blocks come back
     assert metrics(cluster.prefill.url)["tokenmill:kv_transfer_holds_expired_total"] >= 1
 
 
@@ -195,18 +261,21 @@ def test_prefill_worker_death_recomputes_and_router_keeps_serving(cluster):
     params = _hold(cluster, content)
     port = cluster.prefill.port
     cluster.prefill.stop(signal.SIGKILL)
-    assert _decode_with(cluster, content, params) == want       # the pull fails; the decode worker recomputes
+    assert _decode_with(cluster, content, params) == want  # the pull fails; the decode worker recomputes
     before = metrics(cluster.url)
     assert chat(cluster.url, fresh(0)) == chat(cluster.decode.url, fresh(0))
-    assert metrics(cluster.url)["tokenmill:router_num_prefill_failures_total"] > \
-        before.get("tokenmill:router_num_prefill_failures_total", 0)
+    assert metrics(cluster.url)["tokenmill:router_num_prefill_failures_total"] > before.get(
+        "tokenmill:router_num_prefill_failures_total", 0
+    )
     pool_whole(cluster.decode.url)
-    cluster.prefill = cluster.start_prefill(port)                # back on the same ports: disaggregation resumes
-    time.sleep(1.5)                                              # the router's cooldown
+    cluster.prefill = cluster.start_prefill(port)  # back on the same ports: disaggregation resumes
+    time.sleep(1.5)  # the router's cooldown
     before = metrics(cluster.decode.url)
     got = chat(cluster.url, fresh(1))
     assert got == chat(cluster.prefill.url, fresh(1))
-    assert metrics(cluster.decode.url)["tokenmill:kv_transfer_loads_total"] > before["tokenmill:kv_transfer_loads_total"]
+    assert (
+        metrics(cluster.decode.url)["tokenmill:kv_transfer_loads_total"] > before["tokenmill:kv_transfer_loads_total"]
+    )
 
 
 def test_decode_worker_restart(cluster):
@@ -214,13 +283,24 @@ def test_decode_worker_restart(cluster):
     want = chat(cluster.prefill.url, content)
     port = cluster.decode.port
     cluster.decode.stop(signal.SIGKILL)
-    r = httpx.post(f"{cluster.url}/v1/chat/completions", timeout=60, json={
-        "model": "smollm2-135m", "messages": [{"role": "user", "content": content}], "max_tokens": 4})
+    r = httpx.post(
+        f"{cluster.url}/v1/chat/completions",
+        timeout=60,
+        json={"model": "smollm2-135m", "messages": [{"role": "user", "content": content}], "max_tokens": 4},
+    )
     assert r.status_code == 503 and "no decode worker" in r.json()["error"]["message"]
-    pool_whole(cluster.prefill.url, timeout=HOLD_S + 20)          # nothing held for the dead worker stays held
-    cluster.decode = start_server(cluster.tmp, *ARGS, "--kv-role", "decode", "--kv-transfer-config",
-                                  json.dumps({"transfer_timeout_s": 3.0}), api_key=None, port=port)
-    assert chat(cluster.url, content) == want                    # a new session to the same prefill worker
+    pool_whole(cluster.prefill.url, timeout=HOLD_S + 20)  # nothing held for the dead worker stays held
+    cluster.decode = start_server(
+        cluster.tmp,
+        *ARGS,
+        "--kv-role",
+        "decode",
+        "--kv-transfer-config",
+        json.dumps({"transfer_timeout_s": 3.0}),
+        api_key=None,
+        port=port,
+    )
+    assert chat(cluster.url, content) == want  # a new session to the same prefill worker
     assert metrics(cluster.decode.url)["tokenmill:kv_transfer_loads_total"] == 1
     pool_whole(cluster.prefill.url)
     pool_whole(cluster.decode.url)

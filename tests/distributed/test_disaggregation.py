@@ -2,6 +2,7 @@
 engine's, with prefix hits and preemption on the decode side, int8 KV, and every failure ending in a local
 recompute with no block leaked on either side. The torch.distributed transport across real processes is
 tests/distributed/test_disagg_processes.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 def engine(path, role=None, transport=None, **kw):
     hold = kw.pop("hold", 60.0)
-    args = dict(model=str(path), dtype="float32", block_size=4, num_gpu_blocks_override=kw.pop("num_blocks", 64),
-                max_num_batched_tokens=kw.pop("budget", 64), **kw)
+    args = dict(
+        model=str(path),
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks_override=kw.pop("num_blocks", 64),
+        max_num_batched_tokens=kw.pop("budget", 64),
+        **kw,
+    )
     if role is not None:
         args["kv_transfer_config"] = {"kv_role": role, "hold_timeout_s": hold}
     return EngineCore(EngineConfig.from_kwargs(**args), kv_transport=transport)
@@ -98,7 +105,7 @@ def test_a_speculative_decode_worker_equals_colocated(tiny_llama):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 1}
     prefill = engine(tiny_llama, "prefill", hub.endpoint(1))
     decode = engine(tiny_llama, "decode", hub.endpoint(2), speculative_config=spec)
-    ps = [[9] * 6, [1, 5, 6, 7, 8, 5, 6, 7] * 3, prompts(1, seed=3)[0]]   # the tiny model repeats itself on these
+    ps = [[9] * 6, [1, 5, 6, 7, 8, 5, 6, 7] * 3, prompts(1, seed=3)[0]]  # the tiny model repeats itself on these
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     got = prefill_then_decode(prefill, decode, ps, params)
     assert got == colocated(tiny_llama, ps, params)
@@ -110,14 +117,14 @@ def test_a_speculative_decode_worker_equals_colocated(tiny_llama):
 
 def test_decode_side_prefix_hit_pulls_only_missing_blocks(tiny_llama, pair):
     prefill, decode = pair
-    shared = prompts(1, seed=1, lo=20, hi=21)[0]       # 20 tokens: 5 full blocks
+    shared = prompts(1, seed=1, lo=20, hi=21)[0]  # 20 tokens: 5 full blocks
     ps = [shared + [7, 8, 9], shared + [11, 12, 13, 14, 15]]
     first = prefill_then_decode(prefill, decode, ps[:1], tag="a")
     loaded = decode.stats().kv_transfer["num_blocks_loaded"]
     second = prefill_then_decode(prefill, decode, ps[1:], tag="b")
     st = decode.stats().kv_transfer
-    assert st["num_blocks_skipped"] == 5                # the shared 20 tokens hit the decode side's cache
-    assert st["num_blocks_loaded"] - loaded == 1        # tokens 20..23 of the second prompt: one block
+    assert st["num_blocks_skipped"] == 5  # the shared 20 tokens hit the decode side's cache
+    assert st["num_blocks_loaded"] - loaded == 1  # tokens 20..23 of the second prompt: one block
     ref = colocated(tiny_llama, ps)
     assert first["a0"] == ref["r0"] and second["b0"] == ref["r1"]
     idle_and_whole(prefill, decode)
@@ -126,7 +133,7 @@ def test_decode_side_prefix_hit_pulls_only_missing_blocks(tiny_llama, pair):
 def test_preemption_on_the_decode_side(tiny_llama):
     hub = InProcessHub()
     prefill = engine(tiny_llama, "prefill", hub.endpoint(1))
-    decode = engine(tiny_llama, "decode", hub.endpoint(2), num_blocks=24)   # too few blocks for all 6 at once
+    decode = engine(tiny_llama, "decode", hub.endpoint(2), num_blocks=24)  # too few blocks for all 6 at once
     ps = prompts(6, seed=2, lo=20, hi=30)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert prefill_then_decode(prefill, decode, ps, params) == colocated(tiny_llama, ps, params)
@@ -156,12 +163,15 @@ def test_expired_hold_means_local_recompute(tiny_llama):
         prefill.add_request(f"r{i}", p, GREEDY.clone(max_tokens=1), kv_transfer=HoldForDecode())
     held = drain(prefill, until=lambda o: len(o) == 2)
     import time
+
     time.sleep(0.05)
-    drain(prefill)                                       # the holds expire: blocks back to the pool
+    drain(prefill)  # the holds expire: blocks back to the pool
     assert prefill.stats().kv_transfer["num_holds_expired"] == 2
     idle_and_whole(prefill)
     for i, p in enumerate(ps):
-        decode.add_request(f"r{i}", p, GREEDY, kv_transfer=PullFromPrefill.from_params(held[f"r{i}"].kv_transfer_params))
+        decode.add_request(
+            f"r{i}", p, GREEDY, kv_transfer=PullFromPrefill.from_params(held[f"r{i}"].kv_transfer_params)
+        )
     got = {k: o.outputs[0].token_ids for k, o in drain(prefill, decode).items()}
     assert got == colocated(tiny_llama, ps)
     assert decode.stats().kv_transfer["num_loads_failed"] == 2
@@ -177,11 +187,12 @@ def test_a_pull_that_arrives_after_the_deadline_is_refused(tiny_llama):
     p = prompts(1, seed=7)[0]
     prefill.add_request("r0", p, GREEDY.clone(max_tokens=1), kv_transfer=HoldForDecode())
     held = drain(prefill, until=lambda o: "r0" in o)["r0"].kv_transfer_params
-    prefill.step()                                       # the hold reaches the worker half
+    prefill.step()  # the hold reaches the worker half
     import time
-    time.sleep(0.3)                                      # then the prefill worker stalls past the deadline
+
+    time.sleep(0.3)  # then the prefill worker stalls past the deadline
     decode.add_request("r0", p, GREEDY, kv_transfer=PullFromPrefill.from_params(held))
-    decode.step()                                        # the pull is on its way
+    decode.step()  # the pull is on its way
     got = drain(prefill, decode)["r0"].outputs[0].token_ids
     assert got == colocated(tiny_llama, [p])["r0"]
     assert prefill.stats().kv_transfer["num_sends"] == 0
@@ -206,7 +217,7 @@ def test_abort_while_loading_leaks_nothing(tiny_llama, pair):
     prefill.add_request("r0", p, GREEDY.clone(max_tokens=1), kv_transfer=HoldForDecode())
     held = drain(prefill, until=lambda o: "r0" in o)["r0"].kv_transfer_params
     decode.add_request("r0", p, GREEDY, kv_transfer=PullFromPrefill.from_params(held))
-    decode.step()                                       # admitted: waiting for its K/V
+    decode.step()  # admitted: waiting for its K/V
     assert "r0" in decode.scheduler.loading
     decode.abort_request("r0")
     drain(prefill, decode)

@@ -1,5 +1,6 @@
 """The KV connector's scheduler half, torch-free: which blocks a decode worker pulls (exact block ids), holds and
 their expiry, and the scheduler's WAITING_FOR_REMOTE_KV state."""
+
 from __future__ import annotations
 
 import time
@@ -7,26 +8,42 @@ import time
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_io import SamplerResult, StepOutput
-from tokenmill.distributed.kv_connector import (ConnectorEvents, HoldForDecode, KVConnectorScheduler, LoadPlan,
-                                                PullFromPrefill)
+from tokenmill.distributed.kv_connector import (
+    ConnectorEvents,
+    HoldForDecode,
+    KVConnectorScheduler,
+    LoadPlan,
+    PullFromPrefill,
+)
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
 
 def sched(num_blocks=16, role="both", hold=60.0):
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), CacheConfig(block_size=4), num_blocks,
-                     128, KVConnectorScheduler(role, hold))
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+        CacheConfig(block_size=4),
+        num_blocks,
+        128,
+        KVConnectorScheduler(role, hold),
+    )
 
 
 def req(rid, n, kvt=None, max_tokens=4):
-    return Request(rid, list(range(10, 10 + n)), SamplingParams(temperature=0, max_tokens=max_tokens), None, max_tokens,
-                   kv_transfer=kvt)
+    return Request(
+        rid,
+        list(range(10, 10 + n)),
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+        None,
+        max_tokens,
+        kv_transfer=kvt,
+    )
 
 
 def test_plan_load_examples():
     c = KVConnectorScheduler("decode", 1.0)
     src = PullFromPrefill("h", 1, "t", 11)
-    assert c.plan_load(src, 11, 4, 4) == LoadPlan(1, 2)     # tokens 4..9: blocks 1, 2
+    assert c.plan_load(src, 11, 4, 4) == LoadPlan(1, 2)  # tokens 4..9: blocks 1, 2
     assert c.plan_load(PullFromPrefill("h", 1, "t", 9), 9, 8, 4) == LoadPlan(2, 0)
 
 
@@ -38,7 +55,7 @@ def test_decode_side_admission_pulls_the_uncached_blocks_then_runs():
     assert out.scheduled == [] and r.status == RequestStatus.WAITING_FOR_REMOTE_KV
     (load,) = out.kv.loads
     assert (load.first_block, load.block_ids) == (0, s.kv.get_block_ids("a")[:3]) == (0, [0, 1, 2])
-    assert s.kv.get_block_ids("a") == [0, 1, 2]                # the whole prompt's blocks
+    assert s.kv.get_block_ids("a") == [0, 1, 2]  # the whole prompt's blocks
     assert not s.kv.pool.get_cached_block(s.kv.block_hashes(r)[0])  # not in the prefix cache before the K/V arrive
     s.apply_kv_events(ConnectorEvents(loads_done={"a": True}))
     assert r.status == RequestStatus.RUNNING and r.num_computed_tokens == 10

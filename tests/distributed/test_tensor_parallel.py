@@ -1,17 +1,17 @@
 """Tensor parallelism across real processes (torch.distributed gloo on 127.0.0.1): greedy float32 tokens of
 TP = N equal TP = 1 on a tiny model and on the default model, through batching, chunked prefill and
 preemption; the collectives really run; a size that does not divide the heads is refused by name."""
+
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests.distributed.test_disaggregation import drain, prompts
 from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.tensor_parallel import check_tensor_parallel
 from tokenmill.engine.core import EngineCore
 from tokenmill.worker.tp_executor import TPExecutor
-from tests.distributed.test_disaggregation import drain, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -33,11 +33,11 @@ def run(path, ps, tp, params=GREEDY, **kw):
 def test_tp2_equals_tp1_on_the_tiny_model(tiny_llama):
     ps = prompts(5, seed=7, lo=20, hi=40)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    kw = dict(block_size=4, num_gpu_blocks_override=24, max_num_batched_tokens=32)   # chunked prefill, preemption
+    kw = dict(block_size=4, num_gpu_blocks_override=24, max_num_batched_tokens=32)  # chunked prefill, preemption
     want, _, _ = run(tiny_llama, ps, 1, params, **kw)
     got, (reduces, shm), stats = run(tiny_llama, ps, 2, params, **kw)
     assert got == want
-    assert reduces > 0 and shm == reduces and stats.num_preemptions > 0     # every all-reduce took shared memory
+    assert reduces > 0 and shm == reduces and stats.num_preemptions > 0  # every all-reduce took shared memory
     gloo, (reduces, shm), _ = run(tiny_llama, ps, 2, params, tensor_parallel_gloo_only=True, **kw)
     assert gloo == want and reduces > 0 and shm == 0
 
@@ -45,9 +45,12 @@ def test_tp2_equals_tp1_on_the_tiny_model(tiny_llama):
 @pytest.mark.slow
 def test_tp3_equals_tp1_on_the_default_model(real_model_path):
     from tokenmill.models.loader import load_model
+
     tok = load_model(str(real_model_path), load_tokenizer=True).tokenizer
-    ps = [tok.encode(t) for t in ("The capital of France is", "Paged attention stores keys and values in",
-                                  "def fibonacci(n):")]
+    ps = [
+        tok.encode(t)
+        for t in ("The capital of France is", "Paged attention stores keys and values in", "def fibonacci(n):")
+    ]
     want, _, _ = run(real_model_path, ps, 1, max_model_len=256)
     got, (reduces, shm), _ = run(real_model_path, ps, 3, max_model_len=256)
     assert got == want and reduces == shm > 0
@@ -67,8 +70,17 @@ def test_tp2_with_ngram_speculation_equals_tp1_without(tiny_llama):
 
 def test_tp_refuses_speculation_it_cannot_split(tiny_llama):
     with pytest.raises(ValueError, match="n-gram chains"):
-        EngineCore(EngineConfig.from_kwargs(model=str(tiny_llama), tensor_parallel_size=2, speculative_config={
-            "method": "ngram", "num_speculative_tokens": 3, "tree": {"max_nodes": 6, "max_width": 2}}))
+        EngineCore(
+            EngineConfig.from_kwargs(
+                model=str(tiny_llama),
+                tensor_parallel_size=2,
+                speculative_config={
+                    "method": "ngram",
+                    "num_speculative_tokens": 3,
+                    "tree": {"max_nodes": 6, "max_width": 2},
+                },
+            )
+        )
 
 
 def test_a_rank_that_dies_while_starting_is_reported_at_once(tiny_llama, tmp_path):
@@ -76,17 +88,20 @@ def test_a_rank_that_dies_while_starting_is_reported_at_once(tiny_llama, tmp_pat
     with its exit code, its stderr and the main-guard hint, not after the store's 300 s timeout."""
     import shutil
     import time
+
+    from tokenmill.config import ModelConfig
+    from tokenmill.worker.executor import RunnerOptions, load_target, plan_kv_cache
     from tokenmill.worker.process import WorkerDiedError
     from tokenmill.worker.tp_executor import TPExecutor
-    from tokenmill.worker.executor import RunnerOptions, load_target, plan_kv_cache
-    from tokenmill.config import ModelConfig
+
     copy = tmp_path / "model"
     shutil.copytree(tiny_llama, copy)
-    cfg = EngineConfig.from_kwargs(model=str(copy), dtype="float32", tensor_parallel_size=2, block_size=4,
-                                   num_gpu_blocks_override=8)
+    cfg = EngineConfig.from_kwargs(
+        model=str(copy), dtype="float32", tensor_parallel_size=2, block_size=4, num_gpu_blocks_override=8
+    )
     loaded = load_target(cfg.model, load_tokenizer=False)
     opts = RunnerOptions.from_config(cfg, plan_kv_cache(loaded.config, cfg, 64, 1 << 30), 64)
-    shutil.rmtree(copy)   # rank 1 loads it after spawn: it fails and exits
+    shutil.rmtree(copy)  # rank 1 loads it after spawn: it fails and exits
     t0 = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"(?s)rank 1 .*exited with code 1 while starting.*model.*__main__"):
         TPExecutor(loaded.model, opts, timeout_s=300)
@@ -98,7 +113,9 @@ def test_a_rank_killed_between_steps_fails_the_next_step(tiny_llama):
     import os
     import signal
     import time
+
     from tokenmill.worker.process import WorkerDiedError
+
     e = EngineCore(EngineConfig.from_kwargs(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2))
     try:
         e.add_request("a", [1, 2, 3, 4], GREEDY)
@@ -117,7 +134,8 @@ def test_a_rank_killed_between_steps_fails_the_next_step(tiny_llama):
 
 def test_a_size_that_does_not_divide_is_refused(tiny_llama):
     from tokenmill.models.loader import load_model
-    arch = load_model(str(tiny_llama), load_tokenizer=False).config      # 4 query heads, 2 KV heads
+
+    arch = load_model(str(tiny_llama), load_tokenizer=False).config  # 4 query heads, 2 KV heads
     with pytest.raises(ValueError, match="does not divide the model's query heads \\(4\\), KV heads \\(2\\).*1, 2"):
         check_tensor_parallel(arch, 3)
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):

@@ -2,16 +2,18 @@
 speculation (ModelConfig.batch_invariant): the bf16 counterpart of test_equivalence.py. It holds where
 the linears are batch-invariant, on AMX CPUs (docs/native_kernels.md); elsewhere bf16 is not claimed
 invariant and the module skips, saying so."""
+
 from __future__ import annotations
 
 import pytest
 
 from tests.e2e.test_equivalence import mixed_prompts
-from tokenmill import LLM, SamplingParams
-from tokenmill import native
+from tokenmill import LLM, SamplingParams, native
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not native.has_amx(), reason="bf16 batch invariance needs the AMX kernel (AMX-BF16 CPU)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not native.has_amx(), reason="bf16 batch invariance needs the AMX kernel (AMX-BF16 CPU)"),
+]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 BF16 = dict(dtype="bfloat16", max_num_seqs=32)
@@ -65,8 +67,13 @@ def test_preempted_vs_not(reference):
 @pytest.mark.parametrize("gamma", [2, 5])
 def test_ngram_speculation_vs_plain(reference, gamma):
     prompts, batched, _ = reference
-    llm = LLM(**BF16, kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=512, enable_prefix_caching=False,
-              speculative_config={"method": "ngram", "num_speculative_tokens": gamma})
+    llm = LLM(
+        **BF16,
+        kv_cache_memory_bytes=256 << 20,
+        max_num_batched_tokens=512,
+        enable_prefix_caching=False,
+        speculative_config={"method": "ngram", "num_speculative_tokens": gamma},
+    )
     outs = llm.generate(prompts[:8], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == batched[:8]
     llm.check_integrity()
@@ -78,17 +85,23 @@ def test_tree_speculation_vs_plain(reference, tmp_path, source):
     place, and the tokens stay plain decoding's. The datastore's first guess at every context of the reference
     answers is wrong and its second right, so accepted paths run through later siblings."""
     from tokenmill.spec_decode.datastore import SuffixDatastore
+
     prompts, batched, _ = reference
     spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False, "tree": {"max_nodes": 12}}
     if source == "datastore":
         seqs = []
         for out in batched[:8]:
             seqs.append(out)
-            seqs += [out[i - 4:i] + [(out[i] + 1) % 49152] for i in range(4, len(out)) for _ in range(2)]
+            seqs += [out[i - 4 : i] + [(out[i] + 1) % 49152] for i in range(4, len(out)) for _ in range(2)]
         SuffixDatastore.save(tmp_path / "ds.npz", seqs, min_n=2, max_n=4)
         spec.update(datastore=str(tmp_path / "ds.npz"), datastore_min_share=0.0, prompt_lookup_min=2)
-    llm = LLM(**BF16, kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=512, enable_prefix_caching=False,
-              speculative_config=spec)
+    llm = LLM(
+        **BF16,
+        kv_cache_memory_bytes=256 << 20,
+        max_num_batched_tokens=512,
+        enable_prefix_caching=False,
+        speculative_config=spec,
+    )
     outs = llm.generate(prompts[:8], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == batched[:8]
     assert llm.stats().spec_decode["num_accepted_tokens"] > 0

@@ -1,4 +1,5 @@
 """Greedy outputs are token-identical across batching, chunked prefill and preemption."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,13 @@ def mixed_prompts(n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=2048, max_num_seqs=32,
-               enable_prefix_caching=False)
+    return LLM(
+        dtype="float32",
+        kv_cache_memory_bytes=256 << 20,
+        max_num_batched_tokens=2048,
+        max_num_seqs=32,
+        enable_prefix_caching=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +56,13 @@ def test_alone_vs_batch_of_16(llm, reference):
 @pytest.mark.slow
 def test_chunked_prefill_tiny_budget(reference):
     prompts, batched = reference
-    llm = LLM(dtype="float32", kv_cache_memory_bytes=256 << 20, max_num_batched_tokens=8, max_num_seqs=32,
-              enable_prefix_caching=False)
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory_bytes=256 << 20,
+        max_num_batched_tokens=8,
+        max_num_seqs=32,
+        enable_prefix_caching=False,
+    )
     outs = llm.generate(prompts[:6], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == batched[:6]
     llm.check_integrity()
@@ -61,8 +72,13 @@ def test_chunked_prefill_tiny_budget(reference):
 def test_preemption_same_output(reference):
     prompts, batched = reference
     # 24 blocks of 16 tokens = 384 token slots for 8 requests of up to ~150 + 24 tokens each.
-    llm = LLM(dtype="float32", num_gpu_blocks_override=24, max_num_batched_tokens=512, max_num_seqs=32,
-              enable_prefix_caching=False)
+    llm = LLM(
+        dtype="float32",
+        num_gpu_blocks_override=24,
+        max_num_batched_tokens=512,
+        max_num_seqs=32,
+        enable_prefix_caching=False,
+    )
     idx = [i for i, p in enumerate(prompts) if len(llm.tokenizer.encode(p)) + 24 <= 24 * 16][:8]
     outs = llm.generate([prompts[i] for i in idx], GREEDY, use_tqdm=False)
     assert llm.stats().num_preemptions > 0, "the pool was meant to be too small"

@@ -1,5 +1,6 @@
 """Whole-engine KV-cache equivalences on a tiny random Llama: prefix caching on/off (shared system
 prompt, partial eviction, preemption), n > 1 sharing by copy-on-write, int8 KV, beam search."""
+
 from __future__ import annotations
 
 import itertools
@@ -28,7 +29,7 @@ def ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
 
-SYSTEM = ids(0, 41)                                   # 10 full blocks + 1 token
+SYSTEM = ids(0, 41)  # 10 full blocks + 1 token
 PROMPTS = [SYSTEM + ids(10 + i, 3 + 2 * i) for i in range(6)]
 
 
@@ -55,14 +56,15 @@ def test_prefix_caching_on_equals_off_with_shared_system_prompt(tiny_llama, refe
 
 
 def test_prefix_caching_after_partial_eviction(tiny_llama, reference):
-    llm = make_llm(tiny_llama, num_blocks=32)        # 128 slots
+    llm = make_llm(tiny_llama, num_blocks=32)  # 128 slots
     assert greedy(llm, PROMPTS[:1]) == reference[:1]
     # an unrelated request takes most of the pool: the system prompt's tail blocks go first
     greedy(llm, [ids(99, 96)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # 26 blocks
     probe = llm.engine.scheduler.kv
     from tokenmill.request import Request
+
     n_hit = len(probe.get_computed_blocks(Request("probe", PROMPTS[1], GREEDY, None, 1)).blocks)
-    assert n_hit == 6                                  # system blocks 6..9 were evicted
+    assert n_hit == 6  # system blocks 6..9 were evicted
     hits_before = llm.stats().prefix_cache_hits
     assert greedy(llm, PROMPTS[1:]) == reference[1:]
     assert llm.stats().prefix_cache_hits > hits_before
@@ -89,6 +91,7 @@ def run_counting(llm: LLM, prompts, params) -> tuple[list, int, int]:
         peak = max(peak, sched.kv.pool.num_blocks - sched.kv.pool.num_free_blocks)
         computed += out.num_tokens
         return out
+
     sched.schedule = counting_schedule
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", p, sp)
@@ -103,7 +106,7 @@ def run_counting(llm: LLM, prompts, params) -> tuple[list, int, int]:
 
 
 def test_n4_shares_prompt_blocks_and_equals_separate_seeded_requests(tiny_llama):
-    prompt = ids(5, 30)                              # 7 full blocks + 2 tokens; 38 tokens with outputs
+    prompt = ids(5, 30)  # 7 full blocks + 2 tokens; 38 tokens with outputs
     n4 = SamplingParams(n=4, temperature=1.0, seed=123, max_tokens=8, ignore_eos=True)
     sep = [SamplingParams(temperature=1.0, seed=123 + i, max_tokens=8, ignore_eos=True) for i in range(4)]
     # prefix caching off: whatever is shared is shared by the fork, not by the cache
@@ -121,8 +124,11 @@ def test_n4_shares_prompt_blocks_and_equals_separate_seeded_requests(tiny_llama)
 def test_n4_greedy_samples_equal_single_request(tiny_llama):
     llm = make_llm(tiny_llama)
     single = greedy(llm, [PROMPTS[0]])[0]
-    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
-                       SamplingParams(n=4, temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [{"prompt_token_ids": PROMPTS[0]}],
+        SamplingParams(n=4, temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.token_ids for c in out.outputs] == [single] * 4
     llm.check_integrity()
 
@@ -156,10 +162,10 @@ def test_memory_accounting(tiny_llama):
     assert (st.num_blocks_total, st.kv_pool_tokens, st.num_blocks_free, st.num_blocks_used) == (64, 256, 64, 0)
     eng = llm.engine
     eng.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    eng.step()                                       # prefill of 44 tokens: 11 blocks, 44 filled slots
+    eng.step()  # prefill of 44 tokens: 11 blocks, 44 filled slots
     st = llm.stats()
     assert (st.num_blocks_used, st.num_allocated_slots, st.num_filled_slots, st.num_unfilled_slots) == (11, 44, 44, 0)
-    eng.step()                                       # decode: position 44 opens block 12
+    eng.step()  # decode: position 44 opens block 12
     st = llm.stats()
     assert (st.num_blocks_used, st.num_allocated_slots, st.num_filled_slots, st.num_unfilled_slots) == (12, 48, 45, 3)
     while eng.has_unfinished_requests():
@@ -173,6 +179,7 @@ def test_memory_accounting(tiny_llama):
 
 # -------------------------------------------------------------------------------- int8 KV cache
 
+
 def test_int8_kv_with_prefix_caching_forks_and_preemption(tiny_llama, reference):
     big = make_llm(tiny_llama, kv_cache_dtype="int8")
     int8_ref = greedy(big, PROMPTS)
@@ -182,34 +189,39 @@ def test_int8_kv_with_prefix_caching_forks_and_preemption(tiny_llama, reference)
     outs = greedy(small, PROMPTS)
     assert small.stats().num_preemptions > 0 and small.stats().prefix_cache_hits > 0
     assert outs[0][:4] == int8_ref[0][:4]
-    out = small.generate([{"prompt_token_ids": PROMPTS[0]}],
-                         SamplingParams(n=4, temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    out = small.generate(
+        [{"prompt_token_ids": PROMPTS[0]}],
+        SamplingParams(n=4, temperature=0, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 1
     small.check_integrity()
 
 
 # ---------------------------------------------------------------------------------- beam search
 
+
 @pytest.fixture(scope="module")
 def tiny_vocab8(tmp_path_factory, gguf_tokenizer):
     from tests.conftest import write_tiny_checkpoint
+
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_v8"), "llama", gguf_tokenizer, seed=3, vocab_size=8)
 
 
 def seq_logprobs(model, prompt: list[int], seqs: list[list[int]]) -> list[float]:
     """Dense (no paged cache) log p(seq | prompt) for equal-length seqs, in one batched forward."""
-    x = torch.tensor([prompt + list(t) for t in seqs])                        # [B, T]
+    x = torch.tensor([prompt + list(t) for t in seqs])  # [B, T]
     with torch.inference_mode():
-        hidden = model(x, torch.arange(x.shape[1])[None].expand_as(x))       # [B, T, hidden]
+        hidden = model(x, torch.arange(x.shape[1])[None].expand_as(x))  # [B, T, hidden]
         lp = model.compute_logits(hidden.flatten(0, 1)).view(*x.shape, -1).log_softmax(-1)
     n = len(seqs[0])
     pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + n)
-    return lp[:, pos].gather(2, x[:, len(prompt):, None])[..., 0].sum(-1).tolist()
+    return lp[:, pos].gather(2, x[:, len(prompt) :, None])[..., 0].sum(-1).tolist()
 
 
 def test_beam_search_exhaustive_equals_brute_force(tiny_vocab8):
     llm = make_llm(tiny_vocab8, max_num_seqs=64)
-    prompt = [3, 1, 4, 1, 5, 6]                       # 6 tokens: beams fork inside block 1
+    prompt = [3, 1, 4, 1, 5, 6]  # 6 tokens: beams fork inside block 1
     params = BeamSearchParams(beam_width=64, max_tokens=3, ignore_eos=True)
     (out,) = llm.beam_search([prompt], params)
     llm.check_integrity()

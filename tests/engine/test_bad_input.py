@@ -1,4 +1,5 @@
 """Bad input: clear errors that name the parameter; nothing leaks."""
+
 from __future__ import annotations
 
 import shutil
@@ -9,12 +10,22 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.models.loader import ModelLoadError, load_model
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(top_k=-3), "top_k"), (dict(min_p=2.0), "min_p"), (dict(n=0), "n"),
-    (dict(presence_penalty=3.0), "presence_penalty"), (dict(logprobs=50), "logprobs"),
-    (dict(min_tokens=10, max_tokens=5), "min_tokens"), (dict(stop=[""]), "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-3), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(n=0), "n"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(logprobs=50), "logprobs"),
+        (dict(min_tokens=10, max_tokens=5), "min_tokens"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
 def test_sampling_params_errors_name_the_field(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
@@ -112,14 +123,18 @@ def test_not_a_gguf(tmp_path):
 def test_unsupported_tensor_type(tmp_path):
     gguf = pytest.importorskip("gguf")
     import numpy as np
+
     from tokenmill.models.loader import GGUFSource
+
     f = tmp_path / "odd.gguf"
     w = gguf.GGUFWriter(str(f), "llama")
     w.add_block_count(1)
     # raw bytes labelled with a type the gguf package cannot dequantize in numpy
     qtype = gguf.GGMLQuantizationType.Q8_1
     block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
-    w.add_tensor("token_embd.weight", np.zeros((4, block_bytes), dtype=np.uint8), raw_shape=(4, block_bytes), raw_dtype=qtype)
+    w.add_tensor(
+        "token_embd.weight", np.zeros((4, block_bytes), dtype=np.uint8), raw_shape=(4, block_bytes), raw_dtype=qtype
+    )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,5 +1,6 @@
 """output_kind "delta" (what the server streams) against "cumulative": the joined deltas are the
 cumulative output, for stop strings (held back while streaming), n > 1 and logprobs; "final" emits once."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,10 @@ def outputs(llm: LLM, params: SamplingParams, prompt: list[int]) -> list[Request
     return outs
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.9, seed=3, n=2, logprobs=2),
-                                dict(temperature=0.0, stop=["ab", "e f"])])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(temperature=0.0), dict(temperature=0.9, seed=3, n=2, logprobs=2), dict(temperature=0.0, stop=["ab", "e f"])],
+)
 def test_joined_deltas_equal_the_cumulative_output(llm, kw):
     prompt = [5, 9, 200, 31, 7]
     cumulative = outputs(llm, SamplingParams(max_tokens=24, **kw), prompt)[-1]
@@ -34,8 +37,13 @@ def test_joined_deltas_equal_the_cumulative_output(llm, kw):
         joined = joined.merged(d)
     assert len(joined.outputs) == len(cumulative.outputs)
     for a, b in zip(joined.outputs, cumulative.outputs):
-        assert (a.index, a.text, a.token_ids, a.finish_reason, a.stop_reason) == \
-            (b.index, b.text, b.token_ids, b.finish_reason, b.stop_reason)
+        assert (a.index, a.text, a.token_ids, a.finish_reason, a.stop_reason) == (
+            b.index,
+            b.text,
+            b.token_ids,
+            b.finish_reason,
+            b.stop_reason,
+        )
         assert a.num_tokens == len(b.token_ids)
         if kw.get("logprobs"):
             assert [list(x) for x in a.logprobs] == [list(x) for x in b.logprobs]

@@ -1,5 +1,6 @@
 """Incremental detokenization: multi-byte characters split across tokens, stop strings that
 span tokens, hold-back of a partial stop string."""
+
 from __future__ import annotations
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
@@ -33,7 +34,7 @@ def test_stop_string_spanning_tokens(gguf_tokenizer):
     assert hit == "General Kenobi"
     assert d.text == "Hello there, "
     # never streamed a prefix of the stop string beyond what survives
-    assert all(s == d.text[:len(s)] for s in seen)
+    assert all(s == d.text[: len(s)] for s in seen)
     d, hit, _ = feed_one_by_one(gguf_tokenizer, ids, stop=["General Kenobi"], include=True)
     assert d.text == "Hello there, General Kenobi"
 

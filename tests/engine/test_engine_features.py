@@ -1,4 +1,5 @@
 """Engine-level sampling features on a tiny random model: seeds, n, stops, min_tokens, logprobs."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,9 @@ def test_seeded_request_independent_of_batch(llm):
     p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
     alone = llm.generate(["Tell me a story"], p, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=1.0, max_tokens=20)
-    batch = llm.generate(["a", "Tell me a story", "something much longer than the rest of them"],
-                         [others, p, others], use_tqdm=False)
+    batch = llm.generate(
+        ["a", "Tell me a story", "something much longer than the rest of them"], [others, p, others], use_tqdm=False
+    )
     assert batch[1].outputs[0].token_ids == alone
     again = llm.generate(["Tell me a story"], p, use_tqdm=False)[0].outputs[0].token_ids
     assert again == alone
@@ -51,35 +53,43 @@ def test_stop_token_ids(llm):
     toks = ref.outputs[0].token_ids
     stop_tok = toks[5]
     first = toks.index(stop_tok)
-    out = llm.generate(["The"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                               stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == toks[:first + 1]
+    out = llm.generate(
+        ["The"],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.token_ids == toks[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
 
 
 def test_min_tokens_suppresses_stop_tokens(llm):
     ref = llm.generate(["The"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
     stop_tok = ref.outputs[0].token_ids[0]
-    out = llm.generate(["The"], SamplingParams(temperature=0, max_tokens=12, min_tokens=4, ignore_eos=True,
-                                               stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["The"],
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=4, ignore_eos=True, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(out.token_ids) >= 4 and stop_tok not in out.token_ids[:4]
 
 
 def test_stop_string(llm):
     ref = llm.generate(["The"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
     text = ref.outputs[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip()
-    out = llm.generate(["The"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
-    assert out.text == text[:text.index(stop)]
+    out = llm.generate(
+        ["The"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
+    assert out.text == text[: text.index(stop)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     llm.check_integrity()
 
 
 def test_logprobs(llm):
-    out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        ["Hi"], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.logprobs) == 5
     for tok, d in zip(out.token_ids, out.logprobs):
         assert tok in d and d[tok].rank == 1  # greedy picks the top token
@@ -90,8 +100,11 @@ def test_logprobs(llm):
 
 def test_chat_template(real_model_path):
     llm = LLM(model=str(real_model_path), kv_cache_memory_bytes=32 << 20)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+        use_tqdm=False,
+    )[0]
     assert "Paris" in out.outputs[0].text
     assert out.prompt.startswith("<|im_start|>system")
     llm.check_integrity()

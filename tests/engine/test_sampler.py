@@ -1,5 +1,6 @@
 """Sampler: allowed sets under top-k / top-p / min-p (property tests), temperature-1 sampling
 matches the softmax (chi-square at a fixed seed), per-request seeds."""
+
 from __future__ import annotations
 
 import math
@@ -14,12 +15,20 @@ from tokenmill.layers.sampler import Sampler, SamplingMetadata, apply_temperatur
 def meta_for(n: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None) -> SamplingMetadata:
     t = torch.full((n,), float(temperature))
     return SamplingMetadata(
-        temperature=t, top_k=torch.full((n,), top_k, dtype=torch.long) if top_k else None,
+        temperature=t,
+        top_k=torch.full((n,), top_k, dtype=torch.long) if top_k else None,
         top_p=torch.full((n,), float(top_p)) if top_p < 1 else None,
         min_p=torch.full((n,), float(min_p)) if min_p > 0 else None,
-        presence_penalty=None, frequency_penalty=None, repetition_penalty=None, output_counts=None,
-        prompt_mask=None, min_tokens_mask=None, generators=generators or [None] * n,
-        all_greedy=temperature == 0, max_num_logprobs=None)
+        presence_penalty=None,
+        frequency_penalty=None,
+        repetition_penalty=None,
+        output_counts=None,
+        prompt_mask=None,
+        min_tokens_mask=None,
+        generators=generators or [None] * n,
+        all_greedy=temperature == 0,
+        max_num_logprobs=None,
+    )
 
 
 def allowed_set(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
@@ -37,7 +46,9 @@ def allowed_set(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
             mass += probs[i].item()
             if mass >= top_p - 1e-6:
                 break
-        keep &= nucleus | {i for i in range(len(order)) if probs[i] >= probs[max(nucleus, key=lambda j: -probs[j])]}  # ties
+        keep &= nucleus | {
+            i for i in range(len(order)) if probs[i] >= probs[max(nucleus, key=lambda j: -probs[j])]
+        }  # ties
     if min_p > 0:
         keep &= {i for i in range(len(order)) if probs[i] >= min_p * probs.max() - 1e-9}
     return keep

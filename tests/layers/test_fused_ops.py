@@ -1,4 +1,5 @@
 """Fused CPU kernels against their PyTorch references (layers/fused_ops.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -56,16 +57,29 @@ def test_silu_and_mul(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
 def test_rope_packed_matches_reference(dtype, scaling):
     hq, hkv, d, n = 9, 3, 64, 11
     rot = RotaryEmbedding(d, 4096, 10000.0, scaling)
     positions = torch.tensor([0, 1, 2, 5, 100, 4095, 7, 7, 3000, 64, 65])
     qkv = torch.randn(n, (hq + 2 * hkv) * d).to(dtype)
     q_size, kv_size = hq * d, hkv * d
-    q_ref, k_ref = rot(positions, qkv[:, :q_size].reshape(n, hq, d), qkv[:, q_size:q_size + kv_size].reshape(n, hkv, d))
-    v_ref = qkv[:, q_size + kv_size:].reshape(n, hkv, d).clone()
+    q_ref, k_ref = rot(
+        positions, qkv[:, :q_size].reshape(n, hq, d), qkv[:, q_size : q_size + kv_size].reshape(n, hkv, d)
+    )
+    v_ref = qkv[:, q_size + kv_size :].reshape(n, hkv, d).clone()
     q, k, v = rot.rotate_packed(positions, qkv.clone(), hq, hkv)
     close(q, q_ref, dtype)
     close(k, k_ref, dtype)
@@ -80,8 +94,9 @@ def test_unsupported_dtype_falls_back():
     assert torch.equal(fused_ops.silu_and_mul(x), fused_ops.silu_and_mul_ref(x))
     w = torch.ones(16, dtype=torch.float64)
     assert torch.equal(fused_ops.rms_norm(x, w, 1e-6), fused_ops.rms_norm_ref(x, w, 1e-6))
-    assert not fused_ops.rope_inplace(torch.randn(2, 8, dtype=torch.float64), 1, 8, torch.zeros(4, 8),
-                                      torch.zeros(2, dtype=torch.long))
+    assert not fused_ops.rope_inplace(
+        torch.randn(2, 8, dtype=torch.float64), 1, 8, torch.zeros(4, 8), torch.zeros(2, dtype=torch.long)
+    )
 
 
 @pytest.mark.parametrize("rows", range(1, 9))
@@ -99,19 +114,19 @@ def test_vnni_linear_matches_float32_reference(rows, bias, monkeypatch, each_isa
         assert vnni is None
         return
     assert vnni.shape == (n // 64, k // 2, 64, 2)
-    assert torch.equal(vnni[1, 3, 5], w[64 + 5, 6:8])          # chunk 1, k-pair 3, output 5 of the chunk
+    assert torch.equal(vnni[1, 3, 5], w[64 + 5, 6:8])  # chunk 1, k-pair 3, output 5 of the chunk
     y = x.new_empty(rows, n)
     assert torch.ops.tokenmill.linear_bf16_vnni(y, x, vnni, b)
     ref = x.double() @ w.double().t() + (b.double() if bias else 0)
     assert y is not None and y.dtype == torch.bfloat16 and y.shape == (rows, n)
     # float32 accumulation then one rounding to bf16: within one bf16 ulp (2^-8 relative) plus float32 noise
-    assert torch.all((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-3)
+    assert torch.all((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-3)
 
 
 def test_vnni_pack_declines_shapes_it_cannot_serve():
-    assert fused_ops.pack_vnni(torch.zeros(96, 64, dtype=torch.bfloat16)) is None     # N % 64
-    assert fused_ops.pack_vnni(torch.zeros(64, 63, dtype=torch.bfloat16)) is None     # K odd
-    assert fused_ops.pack_vnni(torch.zeros(64, 64, dtype=torch.float32)) is None      # not bf16
+    assert fused_ops.pack_vnni(torch.zeros(96, 64, dtype=torch.bfloat16)) is None  # N % 64
+    assert fused_ops.pack_vnni(torch.zeros(64, 63, dtype=torch.bfloat16)) is None  # K odd
+    assert fused_ops.pack_vnni(torch.zeros(64, 64, dtype=torch.float32)) is None  # not bf16
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -132,15 +147,16 @@ def test_dense_linear_without_vnni_is_f_linear_or_the_gemv(bias, rows, each_isa)
         assert torch.equal(y, ref)
     else:
         exact = x.double() @ w.double().t() + (b.double() if bias else 0)
-        assert torch.all((y.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3)
+        assert torch.all((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-3)
 
 
 def test_dense_linear_float32_one_row_is_the_gemv_else_f_linear():
     torch.manual_seed(0)
     w, x = torch.randn(128, 64), torch.randn(5, 64)
     assert torch.equal(fused_ops.dense_linear(x, w, None, None, None), F.linear(x, w))
-    torch.testing.assert_close(fused_ops.dense_linear(x[:1], w, None, None, None), F.linear(x[:1], w),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        fused_ops.dense_linear(x[:1], w, None, None, None), F.linear(x[:1], w), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -149,6 +165,7 @@ def test_vector_glue_gives_the_scalar_bits(dtype, each_isa):
     (csrc/fused_ops.cpp): the same float32 products and roundings, so the same bits at every level. H = 584
     leaves a scalar tail after the vector part; head_dim 48 gives each RoPE half a tail too."""
     from tokenmill import native
+
     g = torch.Generator().manual_seed(7)
     x = (torch.randn(13, 584, generator=g) * 3).to(dtype)
     r = torch.randn(13, 584, generator=g).to(dtype)

@@ -1,5 +1,6 @@
 """GGUF loading: every tensor type in both offline models dequantizes; Gemma 3's metadata becomes its config
 (the model itself: tests/models/test_gemma3.py)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,6 +17,7 @@ def gemma_gguf(tmp_path_factory):
 
 def _check_all_types(path):
     import gguf
+
     src = GGUFSource(path)
     seen = {}
     for t in src.reader.tensors:
@@ -48,4 +50,4 @@ def test_gguf_metadata(real_model_path):
     tok = src.tokenizer()
     assert tok.eos_token_id == 2 and "<|im_start|>" in tok.chat_template
     # special tokens stay whole
-    assert tok.encode("<|im_start|>user") [0] == tok.hf.token_to_id("<|im_start|>")
+    assert tok.encode("<|im_start|>user")[0] == tok.hf.token_to_id("<|im_start|>")

@@ -1,4 +1,5 @@
 """Model numerics against Hugging Face transformers (the oracle), through our paged runner."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,18 +26,36 @@ PROMPTS = [
 ]
 
 
-def paged_logits(loaded, prompts_ids: list[list[int]], chunk: int, block_size: int = 4,
-                 num_blocks: int = 256, sched_out: list | None = None) -> list[torch.Tensor]:
+def paged_logits(
+    loaded,
+    prompts_ids: list[list[int]],
+    chunk: int,
+    block_size: int = 4,
+    num_blocks: int = 256,
+    sched_out: list | None = None,
+) -> list[torch.Tensor]:
     """All-token logits for several prompts computed in mixed paged steps: each step every
     request computes up to `chunk` new tokens (a request with 1 token left decodes). sched_out: gets the
     scheduler (its KV manager's counters)."""
     arch = loaded.config
     groups = plan_kv_groups(arch.layer_windows())  # one for Llama; Gemma 3: global + sliding-window groups
-    spec = KVCacheSpec(num_blocks, block_size, len(groups[0].layers), arch.num_key_value_heads, arch.head_dim,
-                       next(loaded.model.parameters()).dtype, tuple(groups) if len(groups) > 1 else ())
+    spec = KVCacheSpec(
+        num_blocks,
+        block_size,
+        len(groups[0].layers),
+        arch.num_key_value_heads,
+        arch.head_dim,
+        next(loaded.model.parameters()).dtype,
+        tuple(groups) if len(groups) > 1 else (),
+    )
     runner = ModelRunner(loaded.model, arch, spec, torch.device("cpu"))
-    sched = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=10_000), CacheConfig(block_size=block_size,
-                      enable_prefix_caching=False), num_blocks, 10_000, kv_groups=groups if len(groups) > 1 else None)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=10_000),
+        CacheConfig(block_size=block_size, enable_prefix_caching=False),
+        num_blocks,
+        10_000,
+        kv_groups=groups if len(groups) > 1 else None,
+    )
     reqs = [Request(str(i), ids, SamplingParams(max_tokens=1), 2, 1) for i, ids in enumerate(prompts_ids)]
     out = [[] for _ in reqs]
     for r in reqs:
@@ -53,8 +72,11 @@ def paged_logits(loaded, prompts_ids: list[list[int]], chunk: int, block_size: i
             assert sched.kv.allocate_slots(r, n) is not None
             start = r.num_computed_tokens
             tables = sched.kv.get_group_block_ids(r.request_id)
-            step.append(StepTokens(r.request_id, start, r.all_token_ids[start:start + n], tables[0],
-                                   group_block_ids=tables[1:]))
+            step.append(
+                StepTokens(
+                    r.request_id, start, r.all_token_ids[start : start + n], tables[0], group_block_ids=tables[1:]
+                )
+            )
         batch = sorted(step, key=lambda s: s.num_new_tokens != 1)
         inp = runner.prepare_inputs(batch)
         with torch.inference_mode(), forward_context(inp.meta, inp.group_metas):
@@ -63,7 +85,7 @@ def paged_logits(loaded, prompts_ids: list[list[int]], chunk: int, block_size: i
         pos = 0
         for s in batch:
             i = int(s.request_id)
-            out[i].append(logits[pos:pos + s.num_new_tokens])
+            out[i].append(logits[pos : pos + s.num_new_tokens])
             pos += s.num_new_tokens
             reqs[i].num_computed_tokens += s.num_new_tokens
     if sched_out is not None:
@@ -79,16 +101,18 @@ def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
 def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
     """HF greedy decoding that, like ignore_eos, neither stops at nor suppresses EOS."""
     hf_model.generation_config.eos_token_id = None
-    return hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0)[0, len(ids):].tolist()
+    return hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)[
+        0, len(ids) :
+    ].tolist()
 
 
 @pytest.fixture(scope="module")
 def real_pair(real_model_path):
     transformers = pytest.importorskip("transformers")
     ours = load_model(str(real_model_path), dtype=torch.float32)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(real_model_path.parent), gguf_file=real_model_path.name,
-                                                           dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(real_model_path.parent), gguf_file=real_model_path.name, dtype=torch.float32
+    )
     hf.eval()
     return ours, hf
 
@@ -107,6 +131,7 @@ def test_real_model_logits_match_hf(real_pair, chunk):
 @pytest.mark.slow
 def test_real_model_greedy_matches_hf(real_pair, real_model_path):
     from tokenmill import LLM
+
     ours, hf = real_pair
     llm = LLM(model=str(real_model_path), dtype="float32", kv_cache_memory_bytes=64 << 20)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
@@ -136,6 +161,7 @@ def assert_matches_hf(ours, hf, path, prompts: list[str], max_tokens: int, what:
             diff = (g - hf_logits(hf, i)).abs().max().item()
             assert diff <= 1e-3, f"{what} chunk={chunk}: max abs diff {diff}"
     from tokenmill import LLM
+
     llm = LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=16 << 20)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     for i, out in zip(ids, outs):

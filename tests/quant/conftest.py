@@ -8,10 +8,21 @@ from tokenmill.models.llama import LlamaForCausalLM
 
 
 def make_tiny_config(**overrides) -> ModelArchConfig:
-    base = dict(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=128, intermediate_size=256,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
-                eos_token_ids=(2,))
+    base = dict(
+        architecture="LlamaForCausalLM",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
     base.update(overrides)
     return ModelArchConfig(**base)
 

@@ -1,4 +1,5 @@
 """RTN / GPTQ / AWQ as pure functions, plus the perplexity protocol."""
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,8 @@ from .conftest import calib_ids, make_tiny_model
 
 def _xw(seed=0, out=48, cols=128, n=512):
     g = torch.Generator().manual_seed(seed)
-    scale = torch.exp(torch.randn(cols, generator=g))             # channels of very different magnitude
-    mix = torch.randn(32, cols, generator=g)                      # correlated channels, like real activations
+    scale = torch.exp(torch.randn(cols, generator=g))  # channels of very different magnitude
+    mix = torch.randn(32, cols, generator=g)  # correlated channels, like real activations
     x = (torch.randn(n, 32, generator=g) @ mix + 0.3 * torch.randn(n, cols, generator=g)) * scale
     w = torch.randn(out, cols, generator=g) * 0.1
     return x, w
@@ -99,8 +100,12 @@ def test_awq_block_beats_rtn_block():
         awq_quantize_block(awq_model.model.layers[0], h, 3, 32, n_grid=10)
         out_awq = awq_model.model.layers[0](pos, h)
         rtn_model = make_tiny_model()
-        for lin in (rtn_model.model.layers[0].self_attn.qkv_proj, rtn_model.model.layers[0].self_attn.o_proj,
-                    rtn_model.model.layers[0].mlp.gate_up_proj, rtn_model.model.layers[0].mlp.down_proj):
+        for lin in (
+            rtn_model.model.layers[0].self_attn.qkv_proj,
+            rtn_model.model.layers[0].self_attn.o_proj,
+            rtn_model.model.layers[0].mlp.gate_up_proj,
+            rtn_model.model.layers[0].mlp.down_proj,
+        ):
             lin.weight.data = rtn_quantize_weight(lin.weight.data, 3, 32, sym=False).dequantize()
         out_rtn = rtn_model.model.layers[0](pos, h)
     assert (out_awq - target).pow(2).mean() < (out_rtn - target).pow(2).mean()

@@ -1,13 +1,22 @@
 """Pack/unpack round trips, checked against independent decoders written here from the
 AutoGPTQ / AutoAWQ packing loops (not from tokenmill's vectorized code)."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from tokenmill.quant.formats import (from_awq_tensors, from_gptq_tensors, pack_awq, pack_bitstream,
-                                     to_awq_tensors, to_gptq_tensors, unpack_awq, unpack_bitstream)
+from tokenmill.quant.formats import (
+    from_awq_tensors,
+    from_gptq_tensors,
+    pack_awq,
+    pack_bitstream,
+    to_awq_tensors,
+    to_gptq_tensors,
+    unpack_awq,
+    unpack_bitstream,
+)
 from tokenmill.quant.grid import QuantizedWeight, quantize_groupwise
 
 
@@ -48,7 +57,7 @@ def autogptq_decode_4bit(qweight: np.ndarray) -> np.ndarray:
     """The 4-bit dequant of AutoGPTQ's torch kernel: shift each word right by 0,4,...,28."""
     w = qweight.astype(np.uint32)
     shifts = np.arange(0, 32, 4, dtype=np.uint32)
-    vals = (w[:, None, :] >> shifts[None, :, None]) & 15           # [in/8, 8, out]
+    vals = (w[:, None, :] >> shifts[None, :, None]) & 15  # [in/8, 8, out]
     return vals.reshape(-1, w.shape[1])
 
 
@@ -56,7 +65,7 @@ def awq_decode(qweight: np.ndarray) -> np.ndarray:
     """AutoAWQ's unpack + reverse-order: shifts 0..28 then columns reordered by [0,4,1,5,2,6,3,7]."""
     w = qweight.astype(np.uint32)
     shifts = np.arange(0, 32, 4, dtype=np.uint32)
-    iw = (w[:, :, None] >> shifts[None, None, :]) & 15              # [rows, cols/8, 8]
+    iw = (w[:, :, None] >> shifts[None, None, :]) & 15  # [rows, cols/8, 8]
     iw = iw.reshape(w.shape[0], -1)
     reverse = np.array([0, 4, 1, 5, 2, 6, 3, 7])
     idx = (np.arange(iw.shape[-1]).reshape(-1, 8)[:, reverse]).reshape(-1)
@@ -66,7 +75,7 @@ def awq_decode(qweight: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_gptq_bitstream_matches_autogptq_loop(bits):
     g = torch.Generator().manual_seed(bits)
-    values = torch.randint(0, 2 ** bits, (64, 24), generator=g)
+    values = torch.randint(0, 2**bits, (64, 24), generator=g)
     ours = pack_bitstream(values, bits).numpy()
     ref = autogptq_pack_loop(values.numpy(), bits)
     assert np.array_equal(ours, ref)
@@ -100,8 +109,9 @@ def _random_qw(bits, out=64, cols=128, gs=32, sym=False, act_order=False, seed=0
     return qw
 
 
-@pytest.mark.parametrize("bits,sym,act_order", [(4, True, False), (4, False, True), (3, False, False),
-                                               (8, True, False), (2, False, False)])
+@pytest.mark.parametrize(
+    "bits,sym,act_order", [(4, True, False), (4, False, True), (3, False, False), (8, True, False), (2, False, False)]
+)
 def test_gptq_layer_round_trip(bits, sym, act_order):
     qw = _random_qw(bits, sym=sym, act_order=act_order)
     t = to_gptq_tensors(qw)
@@ -125,8 +135,10 @@ def test_awq_layer_round_trip():
     back = from_awq_tensors(t, 32)
     for name in ("codes", "scales", "zeros", "g_idx"):
         assert torch.equal(getattr(back, name), getattr(qw, name)), name
-    w_ref = (awq_decode(t["qweight"].numpy()).astype(np.int64) - awq_decode(t["qzeros"].numpy()).astype(np.int64).repeat(32, 0)) \
-        * t["scales"].float().numpy().repeat(32, 0)
+    w_ref = (
+        awq_decode(t["qweight"].numpy()).astype(np.int64)
+        - awq_decode(t["qzeros"].numpy()).astype(np.int64).repeat(32, 0)
+    ) * t["scales"].float().numpy().repeat(32, 0)
     assert np.allclose(w_ref.T, qw.dequantize().numpy())
 
 

@@ -1,4 +1,5 @@
 """The quantized LM head / tied embedding (quant/head.py) and row dequantization."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,9 @@ from tokenmill.quant.save import save_quantized
 from .conftest import calib_ids, make_tiny_model
 
 
-@pytest.mark.parametrize("bits,group,sym,n", [(4, 64, False, 128), (4, 32, True, 96), (8, -1, True, 128),
-                                              (8, 32, False, 128)])
+@pytest.mark.parametrize(
+    "bits,group,sym,n", [(4, 64, False, 128), (4, 32, True, 96), (8, -1, True, 128), (8, 32, False, 128)]
+)
 def test_dequantize_rows_matches_reference(bits, group, sym, n):
     """int4 tinygemm layout (n % 64 == 0), int4 plain layout (n = 96), int8 per channel and grouped."""
     w = torch.randn(n, 128, generator=torch.Generator().manual_seed(bits + n))

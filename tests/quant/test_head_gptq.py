@@ -1,5 +1,6 @@
 """The LM head / tied embedding quantized with GPTQ by `tokenmill quantize --lm-head`, saved in the
 GPTQ layout (lm_head.qweight ... with "lm_head": true) and loaded back as the model's head."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,13 @@ from tokenmill.quant import kernels
 from tokenmill.quant.gptq import gptq_quantize_weight
 from tokenmill.quant.head import QuantizedEmbedding
 from tokenmill.quant.kernels import dequantize_rows
-from tokenmill.quant.pipeline import (QuantConfig, final_hidden_hessian, gptq_quantize_layers, head_weight,
-                                      quantize_model)
+from tokenmill.quant.pipeline import (
+    QuantConfig,
+    final_hidden_hessian,
+    gptq_quantize_layers,
+    head_weight,
+    quantize_model,
+)
 from tokenmill.quant.rtn import rtn_quantize_weight
 from tokenmill.quant.save import save_quantized
 
@@ -31,8 +37,17 @@ def _quantize_and_save(tmp_path, qcfg, tied=True, n_calib=8, layers=2):
     model = make_tiny_model(tie_word_embeddings=tied, num_hidden_layers=layers)
     table = model.model.embed_tokens.weight.data.clone()
     report = quantize_model(model, qcfg, calib_ids(n_calib, 64), progress=False)
-    out = save_quantized(model, model.config, None, report.weights, qcfg.resolved_format, tmp_path / "q",
-                         qcfg.sym, qcfg.desc_act, qcfg.static_groups)
+    out = save_quantized(
+        model,
+        model.config,
+        None,
+        report.weights,
+        qcfg.resolved_format,
+        tmp_path / "q",
+        qcfg.sym,
+        qcfg.desc_act,
+        qcfg.static_groups,
+    )
     return model, report, out, table
 
 
@@ -60,20 +75,25 @@ def test_gptq_reuses_its_last_block_outputs_for_the_head_hessian():
     model = make_tiny_model(num_hidden_layers=1)
     ids = calib_ids(4, 32)
     final = []
-    gptq_quantize_layers(model, QuantConfig(method="gptq", bits=4, group_size=64), ids, progress=False,
-                         final_hidden=final)
+    gptq_quantize_layers(
+        model, QuantConfig(method="gptq", bits=4, group_size=64), ids, progress=False, final_hidden=final
+    )
     reused = final_hidden_hessian(model, ids, last_block_out=final[0]).H
     forward = final_hidden_hessian(model, ids).H
     torch.testing.assert_close(reused, forward, rtol=1e-4, atol=1e-5 * float(forward.diag().mean()))
 
 
-@pytest.mark.parametrize("qcfg,tied,layout", [
-    (QuantConfig(method="gptq", bits=4, group_size=64, lm_head=True), True, "k64"),
-    (QuantConfig(method="gptq", bits=4, group_size=32, desc_act=True, lm_head=True), True, "tinygemm"),
-    (QuantConfig(method="gptq", bits=4, group_size=64, lm_head=True), False, "k64"),
-    (QuantConfig(method="rtn", bits=4, group_size=64, lm_head=True), True, "k64"),
-    (QuantConfig(method="awq", bits=4, group_size=64, awq_n_grid=4, format="gptq", lm_head=True), True, "k64"),
-], ids=["gptq-g64-tied", "gptq-g32-act-tied", "gptq-g64-untied", "rtn-g64-tied", "awq-g64-gptqformat-tied"])
+@pytest.mark.parametrize(
+    "qcfg,tied,layout",
+    [
+        (QuantConfig(method="gptq", bits=4, group_size=64, lm_head=True), True, "k64"),
+        (QuantConfig(method="gptq", bits=4, group_size=32, desc_act=True, lm_head=True), True, "tinygemm"),
+        (QuantConfig(method="gptq", bits=4, group_size=64, lm_head=True), False, "k64"),
+        (QuantConfig(method="rtn", bits=4, group_size=64, lm_head=True), True, "k64"),
+        (QuantConfig(method="awq", bits=4, group_size=64, awq_n_grid=4, format="gptq", lm_head=True), True, "k64"),
+    ],
+    ids=["gptq-g64-tied", "gptq-g32-act-tied", "gptq-g64-untied", "rtn-g64-tied", "awq-g64-gptqformat-tied"],
+)
 def test_quantized_head_round_trip(tmp_path, qcfg, tied, layout):
     if layout == "k64" and not kernels.cpu_int4.available():
         layout = "tinygemm"  # no AVX512-BF16 here: the k64 layout is not built
@@ -135,8 +155,12 @@ def test_lookups_equal_dequantized_rows_in_each_int4_layout(monkeypatch, layout,
     torch.testing.assert_close(got.float(), deq[ids], **tol)
     torch.testing.assert_close(dequantize_rows(emb.head, torch.arange(vocab), torch.float32), deq, **tol)
     h = torch.randn(3, 128, generator=gen)
-    torch.testing.assert_close(emb.as_lm_head(h.to(dtype)).float(), h.to(dtype).float() @ deq.t(),
-                               atol=0.05 if dtype == torch.bfloat16 else 1e-4, rtol=0.02)
+    torch.testing.assert_close(
+        emb.as_lm_head(h.to(dtype)).float(),
+        h.to(dtype).float() @ deq.t(),
+        atol=0.05 if dtype == torch.bfloat16 else 1e-4,
+        rtol=0.02,
+    )
 
 
 def test_quantize_lm_head_choices_with_a_quantized_head(tmp_path):
@@ -184,8 +208,11 @@ def test_corrupted_lm_head_is_a_clear_error_naming_the_file(tmp_path):
     good = load_file(str(f))
     t = dict(good, **{"lm_head.qweight": good["lm_head.qweight"][:-1].clone()})
     save_file(t, str(f))
-    with pytest.raises(ModelLoadError, match=r"model\.safetensors: the LM head: qweight has shape \[15, 256\], "
-                                             r"expected \[16, 256\]"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"model\.safetensors: the LM head: qweight has shape \[15, 256\], "
+        r"expected \[16, 256\]",
+    ):
         load_model(str(out), load_tokenizer=False)
     t = dict(good, **{"lm_head.scales": good["lm_head.scales"][:, :-8].clone()})
     save_file(t, str(f))
@@ -242,7 +269,7 @@ def test_engine_serves_a_checkpoint_with_a_quantized_tied_head(tmp_path, gguf_to
                 for _ in range(6):
                     logits = ref.model.compute_logits(ref.model(torch.tensor(seq), torch.arange(len(seq)))[-1:])
                     seq.append(int(logits.argmax(-1)))
-            assert list(o.outputs[0].token_ids) == seq[len(ids):], p
+            assert list(o.outputs[0].token_ids) == seq[len(ids) :], p
 
 
 def test_eval_perplexity_cli_scores_the_chosen_head(tmp_path, gguf_tokenizer, capsys):
@@ -257,12 +284,30 @@ def test_eval_perplexity_cli_scores_the_chosen_head(tmp_path, gguf_tokenizer, ca
     report = quantize_model(model, qcfg, progress=False)
     out = save_quantized(model, model.config, gguf_tokenizer, report.weights, "gptq", tmp_path / "q", False)
     data = tmp_path / "wiki.jsonl"
-    data.write_text("\n".join(json.dumps({"text": f" The cat number {i} sat on the mat and looked around."})
-                              for i in range(40)) + "\n")
+    data.write_text(
+        "\n".join(json.dumps({"text": f" The cat number {i} sat on the mat and looked around."}) for i in range(40))
+        + "\n"
+    )
     got = {}
     for head in ("checkpoint", "none"):
-        assert main(["eval", "perplexity", "--model", str(out), "--dataset", str(data), "--seqlen", "64",
-                     "--quantize-lm-head", head, "--json"]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "perplexity",
+                    "--model",
+                    str(out),
+                    "--dataset",
+                    str(data),
+                    "--seqlen",
+                    "64",
+                    "--quantize-lm-head",
+                    head,
+                    "--json",
+                ]
+            )
+            == 0
+        )
         row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert row["lm_head"] == head
         got[head] = row["perplexity"]

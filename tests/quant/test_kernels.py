@@ -1,12 +1,13 @@
 """Quantized linear layers equal the dequantized reference (QuantizedWeight.dequantize) within tolerance."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tokenmill.layers.linear import Linear
-from tokenmill.quant.grid import quantize_groupwise
 from tokenmill.quant import cpu_int4
+from tokenmill.quant.grid import quantize_groupwise
 from tokenmill.quant.kernels import DEFAULT_PLAN, KernelPlan, install_quantized, tinygemm_layout_ok, tinygemm_unpack
 
 
@@ -63,15 +64,15 @@ def test_k64_kernel_matches_dequantized_reference(rows, out, cols, gs):
 
 
 CASES = [  # bits, out, in, group, sym, act_order
-    (4, 192, 576, 64, True, False),    # k64 where the CPU has AVX512-BF16, else tinygemm
-    (4, 70, 256, 128, False, True),    # k64 with N % 64 != 0 and act-order
+    (4, 192, 576, 64, True, False),  # k64 where the CPU has AVX512-BF16, else tinygemm
+    (4, 70, 256, 128, False, True),  # k64 with N % 64 != 0 and act-order
     (4, 128, 256, 32, False, True),
     (3, 64, 128, 64, False, False),
-    (4, 80, 128, 32, True, False),     # N % 64 != 0 -> plain nibble layout, dequant only
-    (4, 64, 96, -1, False, False),     # per channel
-    (8, 192, 576, -1, True, False),    # int8 kernel, symmetric
-    (8, 192, 576, -1, False, False),   # int8 kernel + asymmetric correction
-    (8, 64, 128, 32, False, False),    # grouped int8 -> dequant
+    (4, 80, 128, 32, True, False),  # N % 64 != 0 -> plain nibble layout, dequant only
+    (4, 64, 96, -1, False, False),  # per channel
+    (8, 192, 576, -1, True, False),  # int8 kernel, symmetric
+    (8, 192, 576, -1, False, False),  # int8 kernel + asymmetric correction
+    (8, 64, 128, 32, False, False),  # grouped int8 -> dequant
 ]
 
 
@@ -111,11 +112,15 @@ def test_kernel_plan_is_a_rule_of_rows_not_a_timing(bits):
     x = lambda m, dtype=torch.bfloat16: torch.zeros(m, 576, dtype=dtype)
     layer = _layer(192, 576, torch.bfloat16)
     plan = KernelPlan(int4_k64_max_rows=3, int4_tinygemm_max_rows=3, int8_max_rows=3)
-    install_quantized(layer, quantize_groupwise(layer.weight.data.float(), bits, 64 if bits == 4 else -1, True),
-                      plan=plan)
+    install_quantized(
+        layer, quantize_groupwise(layer.weight.data.float(), bits, 64 if bits == 4 else -1, True), plan=plan
+    )
     method = layer.quant_method
-    path = (lambda m, dtype=torch.bfloat16: method.path(m, x(m, dtype))) if bits == 4 else \
-        (lambda m, dtype=torch.bfloat16: method.path(layer, x(m, dtype)))
+    path = (
+        (lambda m, dtype=torch.bfloat16: method.path(m, x(m, dtype)))
+        if bits == 4
+        else (lambda m, dtype=torch.bfloat16: method.path(layer, x(m, dtype)))
+    )
     assert [path(m) for m in (1, 2, 3, 4, 64)] == ["kernel"] * 3 + ["dequant"] * 2
     assert path(1, torch.float32) == "dequant"  # float32 activations always dequantize
     default = _layer(192, 576, torch.bfloat16)

@@ -1,11 +1,20 @@
 """On the real default model: GPTQ's output error per linear on held-out activations is below RTN's."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenmill.quant.calibration import (calibration_windows, capture_inputs, decoder_layers, default_data_dir, embed,
-                                         linears_in_call_order, read_jsonl_texts, run_layer)
+from tokenmill.quant.calibration import (
+    calibration_windows,
+    capture_inputs,
+    decoder_layers,
+    default_data_dir,
+    embed,
+    linears_in_call_order,
+    read_jsonl_texts,
+    run_layer,
+)
 from tokenmill.quant.gptq import HessianAccumulator, gptq_quantize_weight
 from tokenmill.quant.rtn import rtn_quantize_weight
 
@@ -15,15 +24,21 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def real():
     from tokenmill.models.loader import load_model
+
     data = default_data_dir() / "c4_en_train_00000_first1000.jsonl"
     if not data.is_file():
         pytest.fail(f"{data} not found: the shared data folder must sit next to the repository")
     loaded = load_model("smollm2-135m", dtype=torch.float32)
-    ids = calibration_windows(read_jsonl_texts(data), lambda s: loaded.tokenizer.encode(s, add_special_tokens=False),
-                              num_windows=28, seqlen=512, seed=0)
+    ids = calibration_windows(
+        read_jsonl_texts(data),
+        lambda s: loaded.tokenizer.encode(s, add_special_tokens=False),
+        num_windows=28,
+        seqlen=512,
+        seed=0,
+    )
     # NOTE: down_proj has 1536 inputs; with only ~2k calibration tokens GPTQ overfits its Hessian and
     # loses to RTN on held-out data (measured: 0.042 vs 0.026 at 3 bits); from ~8k tokens on it wins.
-    return loaded, ids[:24], ids[24:]   # calibration (12k tokens) / held out (2k tokens)
+    return loaded, ids[:24], ids[24:]  # calibration (12k tokens) / held out (2k tokens)
 
 
 @pytest.mark.parametrize("bits", [3, 4])

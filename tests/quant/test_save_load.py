@@ -1,4 +1,5 @@
 """A tiny model quantized and saved in each format loads back with identical logits."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ CONFIGS = [
     QuantConfig(method="gptq", bits=3, group_size=64, sym=False, desc_act=True, static_groups=True),
     QuantConfig(method="rtn", bits=8, group_size=-1, sym=True),
     QuantConfig(method="awq", bits=4, group_size=32, awq_n_grid=4),
-    QuantConfig(method="awq", bits=3, group_size=32, awq_n_grid=4),   # -> GPTQ format
+    QuantConfig(method="awq", bits=3, group_size=32, awq_n_grid=4),  # -> GPTQ format
 ]
 
 
@@ -28,13 +29,25 @@ def _logits(model, ids):
         return model.compute_logits(model(ids, pos))
 
 
-@pytest.mark.parametrize("qcfg", CONFIGS, ids=lambda c: f"{c.method}-w{c.bits}-g{c.group_size}-{c.resolved_format}"
-                         f"{'-act' if c.desc_act else ''}")
+@pytest.mark.parametrize(
+    "qcfg",
+    CONFIGS,
+    ids=lambda c: f"{c.method}-w{c.bits}-g{c.group_size}-{c.resolved_format}{'-act' if c.desc_act else ''}",
+)
 def test_quantized_tiny_model_round_trip(tmp_path, qcfg):
     model = make_tiny_model(attention_bias=qcfg.method == "rtn")
     report = quantize_model(model, qcfg, calib_ids(4, 32), progress=False)
-    out = save_quantized(model, model.config, None, report.weights, qcfg.resolved_format, tmp_path / "q",
-                         qcfg.sym, qcfg.desc_act, qcfg.static_groups)
+    out = save_quantized(
+        model,
+        model.config,
+        None,
+        report.weights,
+        qcfg.resolved_format,
+        tmp_path / "q",
+        qcfg.sym,
+        qcfg.desc_act,
+        qcfg.static_groups,
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization_config"]["quant_method"] == qcfg.resolved_format
     assert cfg["quantization_config"]["bits"] == qcfg.bits
@@ -53,6 +66,7 @@ def test_truncated_quantized_checkpoint_is_clear_error(tmp_path):
     rep = quantize_model(model, qcfg, progress=False)
     out = save_quantized(model, model.config, None, rep.weights, "gptq", tmp_path / "q", False)
     from safetensors.torch import load_file, save_file
+
     t = load_file(str(out / "model.safetensors"))
     del t["model.layers.1.mlp.up_proj.qzeros"]
     save_file(t, str(out / "model.safetensors"))
@@ -68,6 +82,7 @@ def test_autogptq_zero_biases_load_and_nonzero_biases_are_refused(tmp_path):
     rep = quantize_model(model, qcfg, progress=False)
     out = save_quantized(model, model.config, None, rep.weights, "gptq", tmp_path / "q", False)
     from safetensors.torch import load_file, save_file
+
     t = load_file(str(out / "model.safetensors"))
     plain = load_model(str(out), load_tokenizer=False).model
     for name in [n for n in t if n.endswith(".qweight")]:

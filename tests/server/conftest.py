@@ -1,4 +1,5 @@
 """Start the real `tokenmill serve` as a subprocess on 127.0.0.1 (a free port) for the server tests."""
+
 from __future__ import annotations
 
 import json
@@ -61,13 +62,32 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(tmp_path: Path, *args: str, api_key: str | None = API_KEY, load_timeout: float = 240.0,
-                 threads: int | None = 1, port: int | None = None) -> ServerProcess:
+def start_server(
+    tmp_path: Path,
+    *args: str,
+    api_key: str | None = API_KEY,
+    load_timeout: float = 240.0,
+    threads: int | None = 1,
+    port: int | None = None,
+) -> ServerProcess:
     """threads: torch threads of the server. NOTE: 1 by default: on a shared 2-core machine, OpenMP
     threads oversubscribed by other processes made engine steps ~15x slower. port: a given one (a restart)."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--model", MODEL, "--log-stats-interval", "5", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.entrypoints.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        MODEL,
+        "--log-stats-interval",
+        "5",
+        *args,
+    ]
     if api_key:
         cmd += ["--api-key", api_key]
     env = dict(os.environ)
@@ -98,8 +118,16 @@ def start_server(tmp_path: Path, *args: str, api_key: str | None = API_KEY, load
 
 
 # Small KV pool (~364 blocks of 16 tokens) so that the load test also exercises queueing.
-DEFAULT_ARGS = ("--max-model-len", "512", "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
-                "--kv-cache-memory-bytes", str(256 << 20))
+DEFAULT_ARGS = (
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "32",
+    "--max-num-batched-tokens",
+    "512",
+    "--kv-cache-memory-bytes",
+    str(256 << 20),
+)
 
 
 @pytest.fixture(scope="package")
@@ -111,10 +139,23 @@ def server(tmp_path_factory) -> ServerProcess:
 
 def engine_stats(**fields) -> EngineStats:
     """An idle engine's EngineStats (a pool of 10 free blocks), with `fields` set: what a fake core reports."""
-    idle = dict(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks_total=10, num_blocks_free=10,
-                num_blocks_cached_free=0, block_size=16, kv_bytes_per_token=0.0, num_allocated_slots=0,
-                num_filled_slots=0, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
-                num_prompt_tokens=0, num_generation_tokens=0)
+    idle = dict(
+        num_running=0,
+        num_waiting=0,
+        kv_cache_usage=0.0,
+        num_blocks_total=10,
+        num_blocks_free=10,
+        num_blocks_cached_free=0,
+        block_size=16,
+        kv_bytes_per_token=0.0,
+        num_allocated_slots=0,
+        num_filled_slots=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+        num_prompt_tokens=0,
+        num_generation_tokens=0,
+    )
     return EngineStats(**{**idle, **fields})
 
 

@@ -2,11 +2,13 @@
 
 The real engine is exercised through the server tests; these pin the handoff logic itself.
 """
+
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+
 import pytest
 
 from tests.server.conftest import engine_stats
@@ -48,8 +50,9 @@ class FakeCore:
     def _mark(self) -> None:
         self.thread_ids.add(threading.get_ident())
 
-    def add_request(self, request_id, prompt_token_ids, params, prompt=None, arrival_time=None, cache_salt=None,
-                    kv_transfer=None):
+    def add_request(
+        self, request_id, prompt_token_ids, params, prompt=None, arrival_time=None, cache_salt=None, kv_transfer=None
+    ):
         self._mark()
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
@@ -79,10 +82,12 @@ class FakeCore:
             done = len(toks) >= params.max_tokens
             delta = params.output_kind == "delta"
             shown = toks[-1:] if delta else toks
-            comp = CompletionOutput(0, self.tokenizer.decode(shown), list(shown), "length" if done else None,
-                                    num_tokens=len(toks))
-            outs.append(RequestOutput(rid, None, prompt, [comp], done, RequestMetrics(arrival, arrival),
-                                      is_delta=delta))
+            comp = CompletionOutput(
+                0, self.tokenizer.decode(shown), list(shown), "length" if done else None, num_tokens=len(toks)
+            )
+            outs.append(
+                RequestOutput(rid, None, prompt, [comp], done, RequestMetrics(arrival, arrival), is_delta=delta)
+            )
             if done:
                 del self.requests[rid]
         return outs
@@ -304,7 +309,7 @@ def test_many_concurrent_streams():
         outs = await asyncio.gather(*[one(i) for i in range(200)])
         total = sum(1 + i % 7 for i in range(200))
         while engine.stats().num_generation_tokens < total:  # the engine thread's idle snapshot, taken after the
-            await asyncio.sleep(0.01)                        # last step: the streams may end before it
+            await asyncio.sleep(0.01)  # last step: the streams may end before it
         stats = engine.stats()
         await engine.shutdown()
         return outs, stats

@@ -1,4 +1,5 @@
 """Malformed requests: each gets the right 4xx with OpenAI's error object, never a 5xx."""
+
 from __future__ import annotations
 
 import httpx
@@ -54,33 +55,64 @@ CASES = [
     ("unsupported-suffix", "POST", CMPL, cmpl(suffix="end"), 400, "suffix"),
     ("unsupported-best-of", "POST", CMPL, cmpl(best_of=3), 400, "best_of"),
     ("unsupported-echo-logprobs", "POST", CMPL, cmpl(echo=True, logprobs=1), 400, "logprobs"),
-    ("tool-of-unknown-type", "POST", CHAT, chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), 400,
-     "tools.0.type"),
+    (
+        "tool-of-unknown-type",
+        "POST",
+        CHAT,
+        chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]),
+        400,
+        "tools.0.type",
+    ),
     ("tool-choice-without-tools", "POST", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
     ("unknown-response-format", "POST", CHAT, chat(response_format={"type": "xml"}), 400, "response_format.type"),
-    ("json-schema-not-json", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}), 400,
-     "structured_outputs.json"),
-    ("unsupported-image", "POST", CHAT,
-     chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
-     "messages.content"),
+    (
+        "json-schema-not-json",
+        "POST",
+        CHAT,
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}},
+            }
+        ),
+        400,
+        "structured_outputs.json",
+    ),
+    (
+        "unsupported-image",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        400,
+        "messages.content",
+    ),
     ("top-logprobs-without-logprobs", "POST", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
-    ("stream-options-without-stream", "POST", CHAT, chat(stream_options={"include_usage": True}), 400,
-     "stream_options"),
+    (
+        "stream-options-without-stream",
+        "POST",
+        CHAT,
+        chat(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
     ("empty-messages", "POST", CHAT, chat(messages=[]), 400, "messages"),
     ("message-without-role", "POST", CHAT, chat(messages=[{"content": "hi"}]), 400, "messages.0.role"),
-    ("message-bad-role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400,
-     "messages.0.role"),
-    ("user-message-null-content", "POST", CHAT, chat(messages=[{"role": "user", "content": None}]), 400,
-     "messages.content"),
+    ("message-bad-role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages.0.role"),
+    (
+        "user-message-null-content",
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": None}]),
+        400,
+        "messages.content",
+    ),
     ("missing-prompt", "POST", CMPL, {"model": MODEL}, 400, "prompt"),
     ("missing-messages", "POST", CHAT, {"model": MODEL}, 400, "messages"),
     ("empty-prompt", "POST", CMPL, cmpl(prompt=""), 400, "prompt"),
     ("empty-prompt-list", "POST", CMPL, cmpl(prompt=[]), 400, "prompt"),
     ("empty-stop-string", "POST", CMPL, cmpl(stop=[""]), 400, "stop"),
     ("over-long-prompt", "POST", CMPL, cmpl(prompt="hello " * 2000), 400, "prompt"),
-    ("over-long-chat", "POST", CHAT, chat(messages=[{"role": "user", "content": "hello " * 2000}]), 400,
-     "messages"),
+    ("over-long-chat", "POST", CHAT, chat(messages=[{"role": "user", "content": "hello " * 2000}]), 400, "messages"),
     ("token-id-out-of-range", "POST", CMPL, cmpl(prompt=[1, 2, 10**9]), 400, "prompt"),
     ("lone-surrogate", "POST", CMPL, b'{"prompt": "bad \\ud800 text", "max_tokens": 2}', 400, "prompt"),
     ("unknown-model", "POST", CMPL, cmpl(model="gpt-9"), 404, "model"),
@@ -122,8 +154,11 @@ def test_bad_request(server, name, method, path, body, status, param):
         assert err["param"] == param, err
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"},
-                                     {"Authorization": "Bearer"}], ids=["missing", "wrong", "basic", "empty"])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}, {"Authorization": "Bearer"}],
+    ids=["missing", "wrong", "basic", "empty"],
+)
 @pytest.mark.parametrize("path", [CMPL, CHAT, "/v1/models", "/tokenize"])
 def test_api_key_required(server, headers, path):
     method = "GET" if path == "/v1/models" else "POST"

@@ -2,6 +2,7 @@
 the page itself in Debian's headless Chromium against a real server under load from the `openai` client, its
 numbers checked against /metrics and a screenshot saved (TOKENMILL_UPDATE_SCREENSHOT=1 copies it to
 docs/img/dashboard.png, the README's picture)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -48,12 +49,32 @@ def test_page_is_self_contained():
 # --- against a real server -------------------------------------------------------------------------------
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
-SERVER_ARGS = ("--max-model-len", "1024", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
-               "--kv-cache-memory-bytes", str(64 << 20), "--speculative-config", SPEC)
-SYSTEM = ("You are a careful assistant for a small bakery. Answer in two short sentences, name one bread "
-          "and say when it is baked. The bakery opens at seven and closes at six.")
-QUESTIONS = ["What is good for breakfast?", "Do you have rye?", "What is baked at noon?", "Is there sourdough?",
-             "What bread goes with soup?", "What is sweet?", "Which bread keeps longest?", "What do kids like?"]
+SERVER_ARGS = (
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "16",
+    "--max-num-batched-tokens",
+    "256",
+    "--kv-cache-memory-bytes",
+    str(64 << 20),
+    "--speculative-config",
+    SPEC,
+)
+SYSTEM = (
+    "You are a careful assistant for a small bakery. Answer in two short sentences, name one bread "
+    "and say when it is baked. The bakery opens at seven and closes at six."
+)
+QUESTIONS = [
+    "What is good for breakfast?",
+    "Do you have rye?",
+    "What is baked at noon?",
+    "Is there sourdough?",
+    "What bread goes with soup?",
+    "What is sweet?",
+    "Which bread keeps longest?",
+    "What do kids like?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +87,15 @@ def dash_server(tmp_path_factory):
 async def _load(url: str, n_rounds: int = 2, max_tokens: int = 40) -> None:
     """Rounds of concurrent streaming chats sharing a system prompt (prefix hits after the first)."""
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0) as client:
+
         async def chat(q: str) -> str:
             stream = await client.chat.completions.create(
-                model="smollm2-135m", max_tokens=max_tokens, temperature=0, stream=True,
-                messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+                model="smollm2-135m",
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+            )
             return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
         for _ in range(n_rounds):
@@ -120,9 +146,19 @@ def _chromium():
     opts = webdriver.ChromeOptions()
     opts.binary_location = shutil.which("chromium")
     profile = tempfile.mkdtemp(prefix="tm-chromium-")
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1400,1300", f"--user-data-dir={profile}"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1300",
+        f"--user-data-dir={profile}",
+    ):
         opts.add_argument(flag)
     driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
     return driver, profile
@@ -131,7 +167,8 @@ def _chromium():
 def _page_values(driver) -> dict[str, str]:
     return driver.execute_script(
         "const o = {}; for (const el of document.querySelectorAll('[data-k]')) o[el.dataset.k] = el.dataset.v;"
-        " o.updates = document.body.dataset.updates || '0'; return o;")
+        " o.updates = document.body.dataset.updates || '0'; return o;"
+    )
 
 
 def _wait(driver, pred, timeout: float, what: str) -> dict[str, str]:
@@ -156,8 +193,12 @@ def test_dashboard_in_headless_chromium_agrees_with_metrics(dash_server, tmp_pat
         # live: load while the page is open; it must see requests running and steps with decodes
         load = threading.Thread(target=lambda: asyncio.run(_load(url, n_rounds=2, max_tokens=64)))
         load.start()
-        _wait(driver, lambda v: (v["gauges.running"] or "0") != "0" and (v["x.last_decode"] or "0") != "0",
-              60, "running requests")
+        _wait(
+            driver,
+            lambda v: (v["gauges.running"] or "0") != "0" and (v["x.last_decode"] or "0") != "0",
+            60,
+            "running requests",
+        )
         time.sleep(1.5)  # a few more updates so the charts have history
         shot = tmp_path / "dashboard.png"
         driver.save_screenshot(str(shot))
@@ -188,7 +229,9 @@ def test_dashboard_in_headless_chromium_agrees_with_metrics(dash_server, tmp_pat
         assert int(vals["latency.itl.n"]) > 0 and float(vals["latency.ttft.p50"]) > 0
         # the block map counts what the stats count: free = never-used + cached-free; used + free = total
         assert float(vals["x.free"]) + float(vals["gauges.blocks_cached_free"]) == float(vals["gauges.blocks_free"])
-        assert float(vals["gauges.blocks_used"]) + float(vals["gauges.blocks_free"]) == float(vals["gauges.blocks_total"])
+        assert float(vals["gauges.blocks_used"]) + float(vals["gauges.blocks_free"]) == float(
+            vals["gauges.blocks_total"]
+        )
         shown = driver.find_element("css selector", '[data-k="counters.requests_finished"]').text
         assert shown == str(3 * len(QUESTIONS))  # what a person reads, not only the data attribute
     finally:

@@ -1,6 +1,7 @@
 """Bounded load on loopback: 128 concurrent streaming clients with ShareGPT prompts; a third of them
 disconnect mid-stream. Every finished request has the right token count, /metrics agrees, and all
 KV blocks are free afterwards."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,15 @@ PROMPT_CHARS = 100  # ~25 tokens: the test measures correctness under concurrenc
 
 async def _one_client(client: openai.AsyncOpenAI, i: int, prompt: str, disconnect: bool) -> dict:
     """Stream one request; return what the client saw."""
-    kw = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0.7, seed=i, stream=True,
-              stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        max_tokens=MAX_TOKENS,
+        temperature=0.7,
+        seed=i,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     if i % 2:
         stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
     else:
@@ -48,8 +56,9 @@ async def _run_load(url: str, api_key: str, prompts: list[str]) -> list[dict]:
     limits = httpx.Limits(max_connections=NUM_CLIENTS + 8, max_keepalive_connections=NUM_CLIENTS + 8)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0)) as http:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, http_client=http, max_retries=0)
-        return await asyncio.gather(*[_one_client(client, i, p, disconnect=(i % 3 == 2))
-                                      for i, p in enumerate(prompts)])
+        return await asyncio.gather(
+            *[_one_client(client, i, p, disconnect=(i % 3 == 2)) for i, p in enumerate(prompts)]
+        )
 
 
 def _prompt_tokens(server, i: int, prompt: str) -> int:
@@ -104,8 +113,10 @@ def test_load_128_streaming_clients_with_disconnects(server):
     assert delta("tokenmill:prompt_tokens_total") == expected_prompt_tokens
     gen = delta("tokenmill:generation_tokens_total")
     assert len(completed) * MAX_TOKENS <= gen <= NUM_CLIENTS * MAX_TOKENS
-    reasons = {r: delta(f'tokenmill:request_success_total{{finished_reason="{r}",model_name="{MODEL}"}}')
-               for r in ("stop", "length", "abort")}
+    reasons = {
+        r: delta(f'tokenmill:request_success_total{{finished_reason="{r}",model_name="{MODEL}"}}')
+        for r in ("stop", "length", "abort")
+    }
     # A client that disconnects after the engine finished its request counts as finished, not aborted.
     assert reasons["stop"] == 0
     assert reasons["length"] + reasons["abort"] == NUM_CLIENTS
@@ -113,16 +124,23 @@ def test_load_128_streaming_clients_with_disconnects(server):
     assert delta("tokenmill:e2e_request_latency_seconds_count") == reasons["length"]
     assert delta("tokenmill:time_to_first_token_seconds_count") >= len(completed)
     assert delta("tokenmill:request_generation_tokens_sum") == reasons["length"] * MAX_TOKENS
-    print(f"\n{NUM_CLIENTS} clients ({len(disconnected)} disconnected) in {elapsed:.1f} s; "
-          f"{int(gen)} tokens generated; finish reasons {reasons}")
+    print(
+        f"\n{NUM_CLIENTS} clients ({len(disconnected)} disconnected) in {elapsed:.1f} s; "
+        f"{int(gen)} tokens generated; finish reasons {reasons}"
+    )
 
 
 def test_non_streaming_client_disconnect_aborts(server):
     """A plain (non-SSE) request whose client goes away is aborted too, not run to the end."""
     _wait_idle(server)
     before = metric_values(httpx.get(f"{server.url}/metrics").text)
-    body = {"model": MODEL, "prompt": "Write a long essay about rivers.", "max_tokens": 450, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Write a long essay about rivers.",
+        "max_tokens": 450,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=2.0)
     kv = _wait_idle(server, timeout=120)

@@ -1,4 +1,5 @@
 """metrics.py without a server: the stats collector, spec-decode rows, and the periodic log line."""
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -27,31 +28,50 @@ def test_counters_mirror_engine_stats_and_spec_rows_appear_when_reported():
     holder = {"stats": None}
     metrics = EngineMetrics("m", lambda: holder["stats"])
     assert "tokenmill:num_requests_running" not in _scrape(metrics)  # still loading: no engine stats
-    holder["stats"] = Stats(num_running=3, num_waiting=2, kv_cache_usage=0.25, prefix_cache_queries=100,
-                            prefix_cache_hits=40, num_preemptions=1, num_prompt_tokens=500,
-                            num_generation_tokens=70)
+    holder["stats"] = Stats(
+        num_running=3,
+        num_waiting=2,
+        kv_cache_usage=0.25,
+        prefix_cache_queries=100,
+        prefix_cache_hits=40,
+        num_preemptions=1,
+        num_prompt_tokens=500,
+        num_generation_tokens=70,
+    )
     text = _scrape(metrics)
-    for line in ['tokenmill:num_requests_running{model_name="m"} 3.0',
-                 'tokenmill:num_requests_waiting{model_name="m"} 2.0',
-                 'tokenmill:kv_cache_usage_perc{model_name="m"} 0.25',
-                 'tokenmill:prefix_cache_queries_total{model_name="m"} 100.0',
-                 'tokenmill:prefix_cache_hits_total{model_name="m"} 40.0',
-                 'tokenmill:num_preemptions_total{model_name="m"} 1.0',
-                 'tokenmill:prompt_tokens_total{model_name="m"} 500.0',
-                 'tokenmill:generation_tokens_total{model_name="m"} 70.0']:
+    for line in [
+        'tokenmill:num_requests_running{model_name="m"} 3.0',
+        'tokenmill:num_requests_waiting{model_name="m"} 2.0',
+        'tokenmill:kv_cache_usage_perc{model_name="m"} 0.25',
+        'tokenmill:prefix_cache_queries_total{model_name="m"} 100.0',
+        'tokenmill:prefix_cache_hits_total{model_name="m"} 40.0',
+        'tokenmill:num_preemptions_total{model_name="m"} 1.0',
+        'tokenmill:prompt_tokens_total{model_name="m"} 500.0',
+        'tokenmill:generation_tokens_total{model_name="m"} 70.0',
+    ]:
         assert line in text, line
     assert "spec_decode" not in text
-    holder["stats"] = Stats(spec_decode={"num_drafts": 5, "num_draft_tokens": 20, "num_accepted_tokens": 12,
-                                         "mean_acceptance_length": 3.4, "num_accepted_tokens_per_pos_0": 5,
-                                         "num_accepted_tokens_per_pos_1": 4, "num_accepted_tokens_per_pos_2": 3,
-                                         "mean_draft_size": 4.0, "acceptance_length_1": 2, "acceptance_length_4": 3})
+    holder["stats"] = Stats(
+        spec_decode={
+            "num_drafts": 5,
+            "num_draft_tokens": 20,
+            "num_accepted_tokens": 12,
+            "mean_acceptance_length": 3.4,
+            "num_accepted_tokens_per_pos_0": 5,
+            "num_accepted_tokens_per_pos_1": 4,
+            "num_accepted_tokens_per_pos_2": 3,
+            "mean_draft_size": 4.0,
+            "acceptance_length_1": 2,
+            "acceptance_length_4": 3,
+        }
+    )
     text = _scrape(metrics)
     assert 'tokenmill:spec_decode_num_accepted_tokens_total{model_name="m"} 12.0' in text
     assert 'tokenmill:spec_decode_mean_acceptance_length{model_name="m"} 3.4' in text
     for pos, n in ((0, 5), (1, 4), (2, 3)):
         line = f'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} {n}.0'
         assert line in text, line
-    assert 'tokenmill:spec_decode_mean_draft_size{model_name="m"} 4.0' in text          # token trees
+    assert 'tokenmill:spec_decode_mean_draft_size{model_name="m"} 4.0' in text  # token trees
     for length, n in ((1, 2), (4, 3)):
         line = f'tokenmill:spec_decode_acceptance_length_total{{length="{length}",model_name="m"}} {n}.0'
         assert line in text, line
@@ -62,10 +82,16 @@ def test_latency_histograms_and_finish_reasons():
     metrics.observe_ttft(0.2)
     metrics.observe_itl(0.05)
     timings = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.25, first_token_time=1.75, last_token_time=2.75)
-    metrics.observe_finished(e2e=2.0, timings=timings, num_prompt_tokens=7, num_generation_tokens=3,
-                             finish_reasons=["length", "stop"])
-    metrics.observe_finished(e2e=0.5, timings=RequestMetrics(arrival_time=1.0), num_prompt_tokens=7,
-                             num_generation_tokens=0, finish_reasons=["abort"])  # aborted while queued
+    metrics.observe_finished(
+        e2e=2.0, timings=timings, num_prompt_tokens=7, num_generation_tokens=3, finish_reasons=["length", "stop"]
+    )
+    metrics.observe_finished(
+        e2e=0.5,
+        timings=RequestMetrics(arrival_time=1.0),
+        num_prompt_tokens=7,
+        num_generation_tokens=0,
+        finish_reasons=["abort"],
+    )  # aborted while queued
     metrics.observe_aborted()
     text = _scrape(metrics)
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds"):
@@ -84,11 +110,19 @@ def test_stat_line_reports_interval_throughput_and_stays_quiet_when_idle():
     logger = StatLogger(lambda: holder["stats"], interval_s=10)
     assert logger.format_line(now=logger._last_time + 10) is None  # idle from the start: no line
     t = logger._last_time
-    holder["stats"] = Stats(num_running=2, kv_cache_usage=0.5, prefix_cache_queries=10, prefix_cache_hits=5,
-                            num_prompt_tokens=100, num_generation_tokens=50)
+    holder["stats"] = Stats(
+        num_running=2,
+        kv_cache_usage=0.5,
+        prefix_cache_queries=10,
+        prefix_cache_hits=5,
+        num_prompt_tokens=100,
+        num_generation_tokens=50,
+    )
     line = logger.format_line(now=t + 10)
-    assert line == ("Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 5.0 tokens/s, Running: 2 reqs, "
-                    "Waiting: 0 reqs, KV cache usage: 50.0%, Prefix cache hit rate: 50.0%")
+    assert line == (
+        "Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 5.0 tokens/s, Running: 2 reqs, "
+        "Waiting: 0 reqs, KV cache usage: 50.0%, Prefix cache hit rate: 50.0%"
+    )
     holder["stats"] = Stats(num_prompt_tokens=100, num_generation_tokens=50, prefix_cache_queries=10)
     assert "Running: 0 reqs" in logger.format_line(now=t + 20)  # the first idle interval is logged once
     assert logger.format_line(now=t + 30) is None

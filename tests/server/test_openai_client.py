@@ -1,5 +1,6 @@
 """The real server through the official `openai` client: completions and chat, streaming and not,
 n=2, stop strings, logprobs, include_usage, echo; greedy output equal to the offline API's."""
+
 from __future__ import annotations
 
 import httpx
@@ -48,8 +49,9 @@ def test_completion_stream_matches_non_stream(client):
 
 
 def test_completion_n2_list_prompts_and_token_prompt(client, server):
-    r = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"], n=2, max_tokens=5,
-                                  temperature=1.0, seed=7)
+    r = client.completions.create(
+        model=MODEL, prompt=[PROMPT, "Once upon a time"], n=2, max_tokens=5, temperature=1.0, seed=7
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
     ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}, headers=server.headers).json()["tokens"]
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
@@ -69,8 +71,13 @@ def test_stop_string(client):
     assert r.choices[0].finish_reason == "stop"
     assert word not in r.choices[0].text
     assert base.startswith(r.choices[0].text)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[word], stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[word], stream=True
+        )
+        if c.choices
+    )
     assert streamed == r.choices[0].text
 
 
@@ -82,8 +89,13 @@ def test_completion_logprobs(client):
     for tok, tok_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert tok_lp <= 0 and 3 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(tok_lp, abs=1e-5)  # greedy: the sampled token is the top one
-    streamed = [c for c in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
-                                                     logprobs=3, stream=True) if c.choices]
+    streamed = [
+        c
+        for c in client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3, stream=True
+        )
+        if c.choices
+    ]
     s_tokens = [t for c in streamed for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
     assert s_tokens == lp.tokens
 
@@ -92,8 +104,13 @@ def test_echo(client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     assert r.choices[0].text == PROMPT + plain.choices[0].text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True
+        )
+        if c.choices
+    )
     assert streamed == r.choices[0].text
 
 
@@ -106,8 +123,16 @@ def test_chat(client):
 
 def test_chat_stream_include_usage(client):
     full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10,
-                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_completion_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     *body, last = chunks
     assert last.choices == [] and last.usage is not None
@@ -120,16 +145,20 @@ def test_chat_stream_include_usage(client):
 
 
 def test_chat_n2_and_logprobs(client):
-    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, n=2, temperature=0.8, seed=3,
-                                       logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, n=2, temperature=0.8, seed=3, logprobs=True, top_logprobs=2
+    )
     assert [c.index for c in r.choices] == [0, 1]
     for c in r.choices:
         content = c.logprobs.content
         assert 1 <= len(content) <= 6
         assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
         assert "".join(t.token for t in content).startswith(c.message.content)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, n=2,
-                                                 temperature=0.8, seed=3, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=6, n=2, temperature=0.8, seed=3, stream=True
+        )
+    )
     texts = {0: "", 1: ""}
     for ch in chunks:
         for c in ch.choices:
@@ -138,23 +167,34 @@ def test_chat_n2_and_logprobs(client):
 
 
 def test_greedy_equals_offline_api(client, monkeypatch):
-    from tokenmill import LLM, SamplingParams
     from tests.server.conftest import DEFAULT_ARGS
+    from tokenmill import LLM, SamplingParams
 
     # NOTE: prompts the server has not seen: a prefix-cache hit computes the same logits through
     # differently shaped matmuls, which may flip a near-tie; fresh prompts take identical paths.
     prompts = ["Greedy check one: the three primary colors are", "# greedy check two\ndef fibonacci(n):"]
-    messages = [{"role": "system", "content": "Greedy check three. Answer briefly."},
-                {"role": "user", "content": "Name a fruit that is yellow."}]
-    online = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
-              for p in prompts]
-    chat_online = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
-                                                 temperature=0).choices[0].message.content
+    messages = [
+        {"role": "system", "content": "Greedy check three. Answer briefly."},
+        {"role": "user", "content": "Name a fruit that is yellow."},
+    ]
+    online = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text for p in prompts
+    ]
+    chat_online = (
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+        .choices[0]
+        .message.content
+    )
 
     args = dict(zip(DEFAULT_ARGS[::2], DEFAULT_ARGS[1::2]))
     monkeypatch.setenv("TOKENMILL_NUM_THREADS", "1")  # the server's thread count (same reduction order)
-    llm = LLM(model=MODEL, max_model_len=int(args["--max-model-len"]), max_num_seqs=4,
-              max_num_batched_tokens=int(args["--max-num-batched-tokens"]), kv_cache_memory_bytes=64 << 20)
+    llm = LLM(
+        model=MODEL,
+        max_model_len=int(args["--max-model-len"]),
+        max_num_seqs=4,
+        max_num_batched_tokens=int(args["--max-num-batched-tokens"]),
+        kv_cache_memory_bytes=64 << 20,
+    )
     params = SamplingParams(temperature=0, max_tokens=24)
     offline = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].text for p in prompts]
     chat_offline = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text

@@ -1,6 +1,7 @@
 """The server probe's findings (issue 16): any string anywhere is a 4xx or a 200, never a 5xx;
 cache_salt isolates prefix-cache blocks; stalled clients are disconnected; an over-long prompt is
 refused without tokenizing it."""
+
 from __future__ import annotations
 
 import http.client
@@ -24,8 +25,14 @@ CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("probe"), *DEFAULT_ARGS, "--header-timeout", str(READ_TIMEOUT_S),
-                          "--body-timeout", str(READ_TIMEOUT_S))
+    server = start_server(
+        tmp_path_factory.mktemp("probe"),
+        *DEFAULT_ARGS,
+        "--header-timeout",
+        str(READ_TIMEOUT_S),
+        "--body-timeout",
+        str(READ_TIMEOUT_S),
+    )
     yield server
     server.stop()
 
@@ -38,6 +45,7 @@ def _post_raw(conn: http.client.HTTPConnection, server, path: str, body: dict) -
 
 
 # --- 1. any string in any field: a 4xx in OpenAI's format or a 200, and the connection stays open ---
+
 
 def _cmpl(**kw):
     return {"model": MODEL, "prompt": "hello", "max_tokens": 1, **kw}
@@ -77,8 +85,13 @@ def _string_cases(s: str) -> list[tuple[str, str, dict]]:
     ]
 
 
-NASTY = {"lone-high-surrogate": "\ud800", "lone-low-surrogate": "x\udfff", "reversed-pair": "\udc00\ud800",
-         "nul-and-controls": "a\x00\x1b[2J\u202e", "astral": "\U0001f600"}
+NASTY = {
+    "lone-high-surrogate": "\ud800",
+    "lone-low-surrogate": "x\udfff",
+    "reversed-pair": "\udc00\ud800",
+    "nul-and-controls": "a\x00\x1b[2J\u202e",
+    "astral": "\U0001f600",
+}
 CASES = [(f"{sname}/{cname}", path, body) for sname, s in NASTY.items() for cname, path, body in _string_cases(s)]
 
 
@@ -118,6 +131,7 @@ def test_lone_surrogate_model_is_a_404_that_escapes_the_name(srv, path):
 
 # --- 2. cache_salt ---
 
+
 def _cached_tokens(reply) -> int:
     return reply.usage.prompt_tokens_details.cached_tokens
 
@@ -139,9 +153,12 @@ def test_cache_salt_isolates_prefix_cache_blocks(srv, endpoint):
         if endpoint == "completions":
             reply = client.completions.create(model=MODEL, prompt=text, max_tokens=1, extra_body=extra)
         else:
-            reply = client.chat.completions.create(model=MODEL, max_tokens=1, extra_body=extra,
-                                                   messages=[{"role": "system", "content": nonce},
-                                                             {"role": "user", "content": text}])
+            reply = client.chat.completions.create(
+                model=MODEL,
+                max_tokens=1,
+                extra_body=extra,
+                messages=[{"role": "system", "content": nonce}, {"role": "user", "content": text}],
+            )
         return _cached_tokens(reply), _prefix_hits(srv) - hits
 
     assert send("tenant-a") == (0, 0)
@@ -153,8 +170,15 @@ def test_cache_salt_isolates_prefix_cache_blocks(srv, endpoint):
     assert cached >= 5 * 16 and hits == cached
 
 
-@pytest.mark.parametrize("path,body", [(CMPL, _cmpl(cache_salt="")), (CHAT, _chat(cache_salt="")),
-                                       (CMPL, _cmpl(cache_salt=123)), (CHAT, _chat(cache_salt=["a"]))])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (CMPL, _cmpl(cache_salt="")),
+        (CHAT, _chat(cache_salt="")),
+        (CMPL, _cmpl(cache_salt=123)),
+        (CHAT, _chat(cache_salt=["a"])),
+    ],
+)
 def test_cache_salt_must_be_a_non_empty_string(srv, path, body):
     r = httpx.post(f"{srv.url}{path}", json=body, headers=srv.headers, timeout=60)
     assert r.status_code == 400, r.text
@@ -164,14 +188,19 @@ def test_cache_salt_must_be_a_non_empty_string(srv, path, body):
 def test_lone_surrogate_cache_salt_is_a_400_and_the_engine_lives_on(srv):
     # NOTE: the chat template makes the prompt longer than one block, so the salt would be hashed
     for path, body in ((CMPL, _cmpl(prompt="hello " * 40)), (CHAT, _chat())):
-        r = httpx.post(f"{srv.url}{path}", content=json.dumps({**body, "cache_salt": "a\ud800"}),
-                       headers={**srv.headers, "Content-Type": "application/json"}, timeout=60)
+        r = httpx.post(
+            f"{srv.url}{path}",
+            content=json.dumps({**body, "cache_salt": "a\ud800"}),
+            headers={**srv.headers, "Content-Type": "application/json"},
+            timeout=60,
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
     r = httpx.post(f"{srv.url}{CHAT}", json=_chat(cache_salt="ok"), headers=srv.headers, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 
 
 # --- 3. read timeouts ---
+
 
 def _closed_by_server(sock: socket.socket, within_s: float) -> bool:
     """True when the server closes the connection (recv returns b'') before within_s."""
@@ -216,8 +245,10 @@ def test_a_connection_that_never_sends_anything_is_cut_off(srv):
 
 def test_unfinished_body_is_cut_off(srv):
     body = json.dumps(_cmpl()).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {srv.api_key}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {srv.api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     with socket.create_connection(("127.0.0.1", srv.port)) as s:
         s.sendall(head + body[:-5])
         assert _closed_by_server(s, READ_TIMEOUT_S + 10)
@@ -235,12 +266,19 @@ def test_partial_second_request_on_a_keep_alive_connection_is_cut_off(srv):
 def test_no_deadline_while_the_response_is_computed_and_streamed(srv):
     # ~100 tokens take several seconds on a CPU, longer than both read timeouts
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=srv.api_key, max_retries=0, timeout=120)
-    reply = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=100, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    reply = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=100, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert reply.usage.completion_tokens == 100
-    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=100, temperature=0,
-                                       stream=True, stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=100,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[-1].usage.completion_tokens == 100
     assert "".join(c.choices[0].text for c in chunks if c.choices) == reply.choices[0].text
@@ -249,19 +287,28 @@ def test_no_deadline_while_the_response_is_computed_and_streamed(srv):
 def test_timeout_flags_are_validated(tmp_path):
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--header-timeout", "0"],
-                         capture_output=True, text=True, timeout=120)
+
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--header-timeout", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "--header-timeout must be a positive number" in out.stderr
 
 
 # --- 4. an over-long prompt is refused before it is tokenized ---
 
-@pytest.mark.parametrize("path,body,param", [
-    (CMPL, {"prompt": "x" * 5_000_000, "max_tokens": 2}, "prompt"),
-    (CMPL, {"prompt": ["short", "hello world " * 450_000], "max_tokens": 2}, "prompt"),
-    (CHAT, {"messages": [{"role": "user", "content": "y" * 5_000_000}]}, "messages"),
-    ("/tokenize", {"prompt": "z" * 5_000_000}, "prompt"),
-])
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        (CMPL, {"prompt": "x" * 5_000_000, "max_tokens": 2}, "prompt"),
+        (CMPL, {"prompt": ["short", "hello world " * 450_000], "max_tokens": 2}, "prompt"),
+        (CHAT, {"messages": [{"role": "user", "content": "y" * 5_000_000}]}, "messages"),
+        ("/tokenize", {"prompt": "z" * 5_000_000}, "prompt"),
+    ],
+)
 def test_five_megabyte_prompt_is_a_quick_400_naming_the_context_length(srv, path, body, param):
     r = httpx.post(f"{srv.url}{path}", json=body, headers=srv.headers, timeout=60)
     assert r.status_code == 400, r.text
@@ -274,8 +321,9 @@ def test_five_megabyte_prompt_is_a_quick_400_naming_the_context_length(srv, path
 
 def test_prompt_near_the_limit_is_still_counted_exactly(srv):
     # 4000 chars of "hello " may or may not fit by length alone; the exact count decides
-    r = httpx.post(f"{srv.url}{CMPL}", json={"prompt": "hello " * 700, "max_tokens": 2}, headers=srv.headers,
-                   timeout=60)
+    r = httpx.post(
+        f"{srv.url}{CMPL}", json={"prompt": "hello " * 700, "max_tokens": 2}, headers=srv.headers, timeout=60
+    )
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and "at least" not in err["message"], err

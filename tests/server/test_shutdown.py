@@ -1,5 +1,6 @@
 """SIGTERM: the server stops accepting, lets short requests finish, aborts what outlives the
 grace period, and exits 0."""
+
 from __future__ import annotations
 
 import json
@@ -16,12 +17,17 @@ pytestmark = pytest.mark.slow
 
 
 def _stream(server, max_tokens: int, out: dict, first_chunk: threading.Event) -> None:
-    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a story.",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     out["chunks"], out["done"], out["error"] = [], False, None
     try:
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers,
-                          timeout=120) as r:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=120) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -37,13 +43,24 @@ def _stream(server, max_tokens: int, out: dict, first_chunk: threading.Event) ->
 
 
 def test_sigterm_drains_then_aborts_and_exits_zero(tmp_path):
-    server = start_server(tmp_path, "--max-model-len", "512", "--max-num-seqs", "4",
-                          "--kv-cache-memory-bytes", str(64 << 20), "--shutdown-timeout", "4")
+    server = start_server(
+        tmp_path,
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "4",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+        "--shutdown-timeout",
+        "4",
+    )
     try:
         short, long_ = {}, {}
         got_short, got_long = threading.Event(), threading.Event()
-        threads = [threading.Thread(target=_stream, args=(server, 12, short, got_short)),
-                   threading.Thread(target=_stream, args=(server, 480, long_, got_long))]
+        threads = [
+            threading.Thread(target=_stream, args=(server, 12, short, got_short)),
+            threading.Thread(target=_stream, args=(server, 480, long_, got_long)),
+        ]
         for t in threads:
             t.start()
         assert got_short.wait(120) and got_long.wait(120)
@@ -66,7 +83,7 @@ def test_sigterm_drains_then_aborts_and_exits_zero(tmp_path):
     assert "error" in long_["chunks"][-1] and "shutting down" in long_["chunks"][-1]["error"]["message"]
     assert all(c["choices"][0]["finish_reason"] is None for c in long_["chunks"][:-1] if c.get("choices"))
     # ... cut short: the server exited without waiting for its 480 tokens
-    assert sum(1 for c in long_["chunks"] if c.get("choices")) < 480   # one chunk per token at most
+    assert sum(1 for c in long_["chunks"] if c.get("choices")) < 480  # one chunk per token at most
     assert "Application shutdown complete" in server.log()
 
 
@@ -78,8 +95,21 @@ def test_model_load_failure_exits_nonzero(tmp_path):
     from tests.server.conftest import REPO, free_port
 
     port = free_port()
-    proc = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(port),
-                           "--model", str(tmp_path / "no-such-model.gguf")],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenmill.entrypoints.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            str(tmp_path / "no-such-model.gguf"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "no-such-model.gguf" in proc.stdout + proc.stderr

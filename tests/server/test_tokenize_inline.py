@@ -1,6 +1,7 @@
 """Where the server tokenizes (entrypoints/openai/serving.py, INLINE_TOKENIZE_CHARS): a short text on the event
 loop, because the hop to a worker thread cost 3-87 ms of time to first token on a busy 2-core host; a long one in
 a worker thread, so it cannot stall every stream. Same token ids either way."""
+
 from __future__ import annotations
 
 import asyncio

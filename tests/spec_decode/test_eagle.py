@@ -2,6 +2,7 @@
 forward, the runner hands the proposer the target's true features, a short training run learns,
 greedy output is token-identical to plain decoding (mixed batches, chunked prefill, preemption,
 prefix hits), seeded sampling reproduces, and bad head files get errors that name the file."""
+
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from tokenmill.training import eagle as et
 
 def _target(path):
     from tokenmill.models.loader import load_model
+
     return load_model(str(path), dtype=torch.float32, device="cpu", load_tokenizer=False).model
 
 
@@ -26,8 +28,10 @@ def greedy_corpus(path, seed: int, num_prompts: int, max_prompt_len: int):
     float32 target's features (`_target`)."""
     llm = LLM(str(path), dtype="float32")
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 2000, (int(n),), generator=g).tolist()
-               for n in torch.randint(4, max_prompt_len, (num_prompts,), generator=g)]
+    prompts = [
+        torch.randint(3, 2000, (int(n),), generator=g).tolist()
+        for n in torch.randint(4, max_prompt_len, (num_prompts,), generator=g)
+    ]
     outs = run(llm, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     seqs = [p + o for p, o in zip(prompts, outs)]
     target = _target(path)
@@ -56,10 +60,10 @@ def trained_head(corpus, tmp_path_factory):
 def test_train_forward_is_the_inference_forward(corpus):
     target, seqs, feats, argmaxes = corpus
     head = et.init_head_from_target(target, torch.arange(100))
-    ids = torch.tensor([seqs[0][1:], seqs[1][1:len(seqs[0])]])
-    f = torch.stack([feats[0][:-1], feats[1][:len(seqs[0]) - 1]]).float()
+    ids = torch.tensor([seqs[0][1:], seqs[1][1 : len(seqs[0])]])
+    f = torch.stack([feats[0][:-1], feats[1][: len(seqs[0]) - 1]]).float()
     with torch.no_grad():
-        dense = head(ids, torch.arange(ids.shape[1]).expand(2, -1).contiguous(), f)          # the module, no forward context
+        dense = head(ids, torch.arange(ids.shape[1]).expand(2, -1).contiguous(), f)  # the module, no forward context
         trained = train_forward(head, ids, f)
     assert torch.allclose(dense, trained, atol=1e-5, rtol=1e-5)
 
@@ -71,7 +75,7 @@ def _draft_dense(head, ids: list[int], feats: torch.Tensor, a: int, depth: int) 
     outs = []
     for k in range(depth):
         n = a + 1 + k
-        x = head(torch.tensor(ids[1:n + 1]), torch.arange(n), torch.stack(f))
+        x = head(torch.tensor(ids[1 : n + 1]), torch.arange(n), torch.stack(f))
         outs.append(x[-1])
         f.append(x[-1])
     return outs
@@ -105,21 +109,24 @@ def test_chain_acceptance_counts_what_drafting_accepts(trained_head, corpus):
             for a in range(st, len(s) - 1 - 3 + 1):
                 outs = _draft_dense(head, s, f, a, 3)
                 n = 0
-                while n < 3 and int(head.draft_vocab[head.compute_logits(outs[n][None]).argmax()]) == int(am[a + n + 1]):
+                while n < 3 and int(head.draft_vocab[head.compute_logits(outs[n][None]).argmax()]) == int(
+                    am[a + n + 1]
+                ):
                     n += 1
                 counts[n] += 1
     total = sum(counts)
     assert got["starts"] == total
     assert got["accepted"] == pytest.approx(sum(i * c for i, c in enumerate(counts)) / total)
     assert got["alpha1"] == pytest.approx(1 - counts[0] / total)
-    assert 0 < got["accepted"] < 3            # the trained head gets some drafts right, not all
+    assert 0 < got["accepted"] < 3  # the trained head gets some drafts right, not all
 
 
 def test_training_on_own_drafts_reports_each_step(corpus):
     target, seqs, feats, argmaxes = corpus
     head = et.init_head_from_target(target, et.choose_draft_vocab(argmaxes, target.config.vocab_size, 256))
-    st = et.train_head(head, seqs, feats, argmaxes, epochs=2, lr=3e-3, tokens_per_batch=256, steps=3,
-                       log=lambda *_: None)
+    st = et.train_head(
+        head, seqs, feats, argmaxes, epochs=2, lr=3e-3, tokens_per_batch=256, steps=3, log=lambda *_: None
+    )
     assert {"top1_step1", "top1_step2", "top1_step3"} <= set(st)
     assert st["top1_step1"] == st["top1"] and st["top1_step1"] > 0
 
@@ -132,7 +139,7 @@ def test_features_and_argmax_are_the_targets(corpus):
     # the corpus is the target's own greedy output: the argmax at each answer position is the next token
     s, a = seqs[3], argmaxes[3]
     answer_start = len(s) - 40
-    assert a[answer_start - 1:-1].tolist() == s[answer_start:]
+    assert a[answer_start - 1 : -1].tolist() == s[answer_start:]
 
 
 def test_training_learns(trained_head):
@@ -152,10 +159,16 @@ def test_runner_hands_the_true_features(tiny_llama, trained_head):
     def spy(batch, hidden):
         off = 0
         for s in batch:
-            seen.append((runner.requests[s.request_id].token_ids[:s.start_pos] + list(s.token_ids), s.start_pos,
-                         hidden[off:off + s.num_new_tokens].clone()))
+            seen.append(
+                (
+                    runner.requests[s.request_id].token_ids[: s.start_pos] + list(s.token_ids),
+                    s.start_pos,
+                    hidden[off : off + s.num_new_tokens].clone(),
+                )
+            )
             off += s.num_new_tokens
         write(batch, hidden)
+
     runner.feature_sink = spy  # a test's spy on the declared hook
     run(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     target = _target(tiny_llama)
@@ -179,11 +192,11 @@ def test_greedy_identical_with_chunking_preemption_and_prefix_hits(tiny_llama, t
     params, ref = greedy_ref
     cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 4, "adaptive": adaptive}
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT)
-    assert run(llm, PROMPTS, params) == ref           # mixed batch, 8-token budget, a pool that preempts
-    assert run(llm, PROMPTS[:1], params) == ref[:1]   # alone, with prefix-cache hits
+    assert run(llm, PROMPTS, params) == ref  # mixed batch, 8-token budget, a pool that preempts
+    assert run(llm, PROMPTS[:1], params) == ref[:1]  # alone, with prefix-cache hits
     stats = llm.stats()
     assert stats.num_preemptions > 0
-    spec = stats.spec_decode   # drafts were made and verified, adaptive γ included (it drafts less: few accepted)
+    spec = stats.spec_decode  # drafts were made and verified, adaptive γ included (it drafts less: few accepted)
     assert spec["num_drafts"] > 0 and spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
     if not adaptive:
         assert spec["num_accepted_tokens"] > 0
@@ -202,6 +215,7 @@ def test_drafts_are_the_heads_teacher_forced_predictions(tiny_llama, trained_hea
         out = inner(reqs, ks)
         log.extend((r.num_tokens, d[0]) for r, d in zip(reqs, out.token_ids) if d)
         return out
+
     prop.propose = spy
     prompt = PROMPTS[2]
     out = run(llm, [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
@@ -209,8 +223,11 @@ def test_drafts_are_the_heads_teacher_forced_predictions(tiny_llama, trained_hea
     target = _target(tiny_llama)
     feats, _ = et.extract_features(target, [full], log=lambda *_: None)
     with torch.no_grad():
-        pred = head.draft_vocab[head.compute_logits(train_forward(head, torch.tensor([full[1:]]),
-                                                                  feats[0][None, :-1].float())[0]).argmax(-1)]
+        pred = head.draft_vocab[
+            head.compute_logits(train_forward(head, torch.tensor([full[1:]]), feats[0][None, :-1].float())[0]).argmax(
+                -1
+            )
+        ]
     assert len(log) >= 10
     matches = sum(d == int(pred[n - 2]) for n, d in log)
     assert matches >= len(log) - 1, (matches, len(log))
@@ -220,10 +237,12 @@ def test_seeded_sampling_reproduces_and_greedy_rows_match(tiny_llama, trained_he
     path, *_ = trained_head
     _, ref = greedy_ref
     cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3, "adaptive": False}
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_k=20, presence_penalty=0.5, seed=4, max_tokens=12, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, presence_penalty=0.5, seed=4, max_tokens=12, ignore_eos=True),
+    ]
     a = run(LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT), PROMPTS, params)
     b = run(LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT), PROMPTS, params)
     assert a == b and a[0] == ref[0] and a[2] == ref[2] and len(a[1]) == len(a[3]) == 12
@@ -231,6 +250,7 @@ def test_seeded_sampling_reproduces_and_greedy_rows_match(tiny_llama, trained_he
 
 def test_bad_head_files_name_the_file(tiny_llama, trained_head, tmp_path):
     import shutil
+
     path, *_ = trained_head
     target = _target(tiny_llama)
     embed, lm = target_tables(target)
@@ -253,10 +273,11 @@ def test_bad_head_files_name_the_file(tiny_llama, trained_head, tmp_path):
 def test_answers_only_bf16_training_runs(corpus):
     target, seqs, feats, argmaxes = corpus
     head = et.init_head_from_target(target, et.choose_draft_vocab(argmaxes, target.config.vocab_size, 256))
-    starts = [len(s) - 41 for s in seqs]            # the last 40 tokens of each sequence are its answer
-    st = et.train_head(head, seqs, feats, argmaxes, epochs=1, tokens_per_batch=256, loss_start=starts, bf16=True,
-                       log=lambda *_: None)
-    assert all(v == v and abs(v) < 1e6 for v in st.values())   # finite
+    starts = [len(s) - 41 for s in seqs]  # the last 40 tokens of each sequence are its answer
+    st = et.train_head(
+        head, seqs, feats, argmaxes, epochs=1, tokens_per_batch=256, loss_start=starts, bf16=True, log=lambda *_: None
+    )
+    assert all(v == v and abs(v) < 1e6 for v in st.values())  # finite
 
 
 def test_train_eagle_command_end_to_end(tiny_llama, tmp_path):
@@ -264,18 +285,45 @@ def test_train_eagle_command_end_to_end(tiny_llama, tmp_path):
     that loads into the engine and drafts."""
     from tests.conftest import SHARED_DATA
     from tokenmill.entrypoints.cli import main
+
     data = SHARED_DATA / "sharegpt_v3_first_exchange_5000.jsonl"
     if not data.is_file():
         pytest.fail(f"{data} not found: the shared data folder must sit next to the repository")
     out = tmp_path / "head"
-    assert main(["train-eagle", "--model", str(tiny_llama), "--out", str(out), "--sharegpt", str(data),
-                 "--num-prompts", "4", "--max-tokens", "8", "--epochs", "1", "--draft-vocab", "128",
-                 "--unroll", "2", "--eval-prompts", "2"]) == 0
+    assert (
+        main(
+            [
+                "train-eagle",
+                "--model",
+                str(tiny_llama),
+                "--out",
+                str(out),
+                "--sharegpt",
+                str(data),
+                "--num-prompts",
+                "4",
+                "--max-tokens",
+                "8",
+                "--epochs",
+                "1",
+                "--draft-vocab",
+                "128",
+                "--unroll",
+                "2",
+                "--eval-prompts",
+                "2",
+            ]
+        )
+        == 0
+    )
     stats = json.loads((out / "train_stats.json").read_text())
     assert stats["tokens"] > 4 * 8
     assert "top1_step2" in stats and stats["heldout_before_starts"] == stats["heldout_after_starts"] > 0
-    llm = LLM(str(tiny_llama), dtype="float32", speculative_config={"method": "eagle", "model": str(out), "num_speculative_tokens": 2,
-                                                   "adaptive": False})
+    llm = LLM(
+        str(tiny_llama),
+        dtype="float32",
+        speculative_config={"method": "eagle", "model": str(out), "num_speculative_tokens": 2, "adaptive": False},
+    )
     run(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert llm.stats().spec_decode["num_drafts"] > 0
 
@@ -286,15 +334,20 @@ def test_dynamic_tree_greedy_identical(tiny_llama, trained_head, greedy_ref, ada
     decoding's through chunking, preemption and prefix hits."""
     path, *_ = trained_head
     params, ref = greedy_ref
-    cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3, "adaptive": adaptive,
-           "tree": {"max_nodes": 6, "max_width": 2}}
+    cfg = {
+        "method": "eagle",
+        "model": str(path),
+        "num_speculative_tokens": 3,
+        "adaptive": adaptive,
+        "tree": {"max_nodes": 6, "max_width": 2},
+    }
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT)
     assert run(llm, PROMPTS, params) == ref
     assert run(llm, PROMPTS[:1], params) == ref[:1]
     spec = llm.stats().spec_decode
-    assert spec["num_drafts"] > 0                                        # drafts made, adaptive γ included
+    assert spec["num_drafts"] > 0  # drafts made, adaptive γ included
     if not adaptive:
-        assert spec["mean_draft_size"] > 3      # trees: more nodes than depth
+        assert spec["mean_draft_size"] > 3  # trees: more nodes than depth
 
 
 def test_dynamic_tree_nodes_are_the_heads_top_guesses(tiny_llama, trained_head):
@@ -312,6 +365,7 @@ def test_dynamic_tree_nodes_are_the_heads_top_guesses(tiny_llama, trained_head):
             p = inner(reqs, ks)
             seen.append(p.token_ids)
             return p
+
         prop.propose = spy
         run(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
         outs[name] = seen

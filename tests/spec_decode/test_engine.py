@@ -1,6 +1,7 @@
 """Speculative decoding inside the engine, on a tiny random Llama: greedy outputs are
 token-identical to plain decoding (alone, in mixed batches, with chunked prefill, preemption and
 prefix hits), limits hold, seeds reproduce, and sampled tokens follow the target distribution."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,12 +19,22 @@ TIGHT = dict(max_num_batched_tokens=8, num_gpu_blocks_override=18, block_size=4,
 def spec_configs(path) -> dict[str, dict]:
     return {
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 1},
-        "draft_truncated": {"method": "draft_model", "model": str(path), "draft_num_layers": 1,
-                            "num_speculative_tokens": 3, "adaptive": False},
+        "draft_truncated": {
+            "method": "draft_model",
+            "model": str(path),
+            "draft_num_layers": 1,
+            "num_speculative_tokens": 3,
+            "adaptive": False,
+        },
         "draft_self": {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4, "adaptive": False},
         "ngram_adaptive": {"method": "ngram", "num_speculative_tokens": 5},
-        "ngram_tree": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 1,
-                       "tree": {"max_nodes": 6, "max_width": 3}},
+        "ngram_tree": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "adaptive": False,
+            "prompt_lookup_min": 1,
+            "tree": {"max_nodes": 6, "max_width": 3},
+        },
         "ngram_tree_adaptive": {"method": "ngram", "num_speculative_tokens": 4, "tree": True},
     }
 
@@ -43,18 +54,19 @@ def greedy_reference(tiny_llama):
     return params, ref
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft_truncated", "draft_self", "ngram_adaptive", "ngram_tree",
-                                  "ngram_tree_adaptive"])
+@pytest.mark.parametrize(
+    "name", ["ngram", "draft_truncated", "draft_self", "ngram_adaptive", "ngram_tree", "ngram_tree_adaptive"]
+)
 def test_greedy_identical_with_chunked_prefill_and_preemption(tiny_llama, greedy_reference, name):
     params, ref = greedy_reference
     llm = LLM(str(tiny_llama), speculative_config=spec_configs(tiny_llama)[name], **TIGHT)
-    assert run(llm, PROMPTS, params) == ref            # mixed batch, tiny budget and pool
-    assert run(llm, PROMPTS[:1], params) == ref[:1]    # alone (and now with prefix-cache hits)
+    assert run(llm, PROMPTS, params) == ref  # mixed batch, tiny budget and pool
+    assert run(llm, PROMPTS[:1], params) == ref[:1]  # alone (and now with prefix-cache hits)
     stats = llm.stats()
     assert stats.num_preemptions > 0
-    spec = stats.spec_decode   # drafts were made and verified (adaptive γ included): not plain decoding in disguise
+    spec = stats.spec_decode  # drafts were made and verified (adaptive γ included): not plain decoding in disguise
     assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_tokens"]
-    if name == "ngram_tree":   # trees were drafted (more nodes than depth) and some accepted
+    if name == "ngram_tree":  # trees were drafted (more nodes than depth) and some accepted
         assert spec["mean_draft_size"] > 3 and spec["num_accepted_tokens"] > 0
     if name == "draft_self":  # the draft is the target: every draft token is accepted
         assert spec["num_accepted_tokens"] == spec["num_draft_tokens"] > 0
@@ -74,21 +86,24 @@ def test_limits_and_stop_tokens_hold(tiny_llama, greedy_reference, name):
     out = run(llm, PROMPTS[:1], [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)])
     assert out == [ref[0][:7]]
     out = run(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop]))
-    assert out == [ref[0][:ref[0].index(stop) + 1]]
+    assert out == [ref[0][: ref[0].index(stop) + 1]]
 
 
 @pytest.mark.parametrize("name", ["draft_truncated", "ngram_tree"])
 def test_mixed_sampling_batch_and_seeds(tiny_llama, greedy_reference, name):
     _, ref = greedy_reference
     cfg = spec_configs(tiny_llama)[name]
-    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_k=20, frequency_penalty=0.5, seed=4, max_tokens=10, ignore_eos=True,
-                             logprobs=2)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(
+            temperature=1.0, top_k=20, frequency_penalty=0.5, seed=4, max_tokens=10, ignore_eos=True, logprobs=2
+        ),
+    ]
     a = run(LLM(str(tiny_llama), speculative_config=cfg, **TIGHT), PROMPTS, params)
     b = run(LLM(str(tiny_llama), speculative_config=cfg, **TIGHT), PROMPTS, params)
-    assert a == b                      # seeded sampling reproduces
+    assert a == b  # seeded sampling reproduces
     assert a[0] == ref[0] and a[2] == ref[2]
     assert len(a[1]) == len(a[3]) == 10
 
@@ -111,13 +126,16 @@ def perturbed_draft(tiny_llama, tmp_path_factory):
     import shutil
 
     from safetensors.torch import load_file, save_file
+
     path = tmp_path_factory.mktemp("draft")
     for f in tiny_llama.iterdir():
         shutil.copy(f, path / f.name)
     g = torch.Generator().manual_seed(0)
     for f in path.glob("*.safetensors"):
         w = load_file(f)
-        save_file({k: v + 0.003 * torch.randn(v.shape, generator=g) for k, v in w.items()}, f, metadata={"format": "pt"})
+        save_file(
+            {k: v + 0.003 * torch.randn(v.shape, generator=g) for k, v in w.items()}, f, metadata={"format": "pt"}
+        )
     return path
 
 
@@ -155,6 +173,7 @@ def test_tree_branches_past_the_first_child(tiny_llama, greedy_reference, tmp_pa
     right: every accepted path runs through later siblings, so its K/V must be moved into place for the
     output to stay the plain decode's (the runner counts those moves)."""
     from tokenmill.spec_decode.datastore import SuffixDatastore
+
     params, ref = greedy_reference
     seqs = []
     for prompt, out in zip(PROMPTS, ref):
@@ -162,12 +181,19 @@ def test_tree_branches_past_the_first_child(tiny_llama, greedy_reference, tmp_pa
         seqs.append(full)
         for i in range(4, len(full)):
             wrong = (full[i] + 1) % 256
-            seqs += [full[i - 4:i] + [wrong]] * 2
+            seqs += [full[i - 4 : i] + [wrong]] * 2
     store = tmp_path / "store.npz"
     SuffixDatastore.save(store, seqs, min_n=2, max_n=4)
-    cfg = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 2,
-           "prompt_lookup_max": 2, "datastore": str(store), "datastore_min_share": 0.0,
-           "tree": {"max_nodes": 8, "max_width": 2}}
+    cfg = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 2,
+        "datastore": str(store),
+        "datastore_min_share": 0.0,
+        "tree": {"max_nodes": 8, "max_width": 2},
+    }
     llm = LLM(str(tiny_llama), speculative_config=cfg, **TIGHT)
     assert run(llm, PROMPTS, params) == ref
     assert llm.engine.executor.runner.num_paths_compacted > 0
@@ -191,6 +217,7 @@ def tree_distribution_check(model_path: str, prompt: list[int], n: int, tmp_path
     continuation of each: a tree of deterministic siblings two levels deep at the position after t1.
     Grouped by t1, the second tokens must follow the target's distribution."""
     from tokenmill.spec_decode.datastore import SuffixDatastore
+
     plain = LLM(model_path, dtype="float32", **llm_kwargs)
     model = plain.engine.model
     firsts, _ = _target_topk(model, prompt, 3)
@@ -201,9 +228,16 @@ def tree_distribution_check(model_path: str, prompt: list[int], n: int, tmp_path
             seqs += [prompt[-3:] + [t1, t2, (t2 + 7) % 256]] * (rank + 1)
     store = tmp_path / "dist.npz"
     SuffixDatastore.save(store, seqs, min_n=2, max_n=4)
-    cfg = {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False, "prompt_lookup_min": 4,
-           "prompt_lookup_max": 4, "datastore": str(store), "datastore_min_share": 0.0,
-           "tree": {"max_nodes": 6, "max_width": 3}}
+    cfg = {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "adaptive": False,
+        "prompt_lookup_min": 4,
+        "prompt_lookup_max": 4,
+        "datastore": str(store),
+        "datastore_min_share": 0.0,
+        "tree": {"max_nodes": 6, "max_width": 3},
+    }
     llm = LLM(model_path, speculative_config=cfg, max_num_seqs=64, dtype="float32", **llm_kwargs)
     params = [SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
     outs = run(llm, [prompt] * n, params)

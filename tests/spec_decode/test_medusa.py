@@ -3,6 +3,7 @@ example), a short training run learns (held-out accuracy up), the proposer's dra
 guesses on the true features, greedy output is token-identical to plain decoding (mixed batches, chunked
 prefill, preemption, prefix hits) with a tree and a chain, seeded sampling reproduces, bad head files get
 errors that name the file, and `tokenmill train-medusa` runs end to end (and resumes)."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,8 @@ from tokenmill.training import medusa as mt
 
 def test_static_tree_worked_example():
     assert static_tree([[0.6, 0.2], [0.4, 0.1]], 3, 2, 4) == [(0,), (0, 0), (1,)]
-    assert static_tree([[0.6, 0.2], [0.4, 0.1]], 10, 2, 1) == [(0,), (1,)]          # depth 1: the first head only
-    assert static_tree([[0.6, 0.2], [0.4, 0.1]], 10, 1, 4) == [(0,), (0, 0)]        # width 1: a chain
+    assert static_tree([[0.6, 0.2], [0.4, 0.1]], 10, 2, 1) == [(0,), (1,)]  # depth 1: the first head only
+    assert static_tree([[0.6, 0.2], [0.4, 0.1]], 10, 1, 4) == [(0,), (0, 0)]  # width 1: a chain
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +53,30 @@ def trained_medusa(medusa_corpus, tmp_path_factory):
 def test_training_learns(trained_medusa):
     _, heads, before, after, (x, y) = trained_medusa
     train_acc = mt.head_accuracy(heads, x, y, 1)
-    assert train_acc[0][0] > before[0][0] + 0.1           # head 1 learned its own training answers
+    assert train_acc[0][0] > before[0][0] + 0.1  # head 1 learned its own training answers
     # (a random tiny model's continuations do not generalise: the held-out gain is measured on the real model)
     assert len(after) == 3 and all(len(a) == 3 and all(0 <= v <= 1 for v in a) for a in after)
 
 
 def test_proposer_drafts_the_heads_top_guesses(tiny_llama, trained_medusa):
     path, heads, *_ = trained_medusa
-    cfg = {"method": "medusa", "model": str(path), "num_speculative_tokens": 3, "adaptive": False,
-           "tree": {"max_nodes": 6, "max_width": 2}}
+    cfg = {
+        "method": "medusa",
+        "model": str(path),
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+        "tree": {"max_nodes": 6, "max_width": 2},
+    }
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
     prop = llm.engine.executor.runner.speculator.proposer
     prompt = PROMPTS[2]
     from tokenmill.core.step_io import StepTokens
     from tokenmill.spec_decode.proposer import DraftRequest
+
     with torch.no_grad():
         f = _target(tiny_llama)(torch.tensor(prompt), torch.arange(len(prompt)))
-        top = heads.draft_vocab[heads(f[-1:]).topk(2, dim=-1).indices][:, 0]              # [K, 2]
-    prop.write([StepTokens("x", 0, prompt, [0])], f)             # the runner's hook after the prompt's prefill
+        top = heads.draft_vocab[heads(f[-1:]).topk(2, dim=-1).indices][:, 0]  # [K, 2]
+    prop.write([StepTokens("x", 0, prompt, [0])], f)  # the runner's hook after the prompt's prefill
     req = DraftRequest("x", prompt, prompt + [7], [0], SamplingParams(temperature=0, max_tokens=8), None, 8)
     proposal = prop.propose([req], [6])
     for tok, par, path_ in zip(proposal.token_ids[0], proposal.parents[0], prop.paths):
@@ -130,16 +137,49 @@ def test_bad_head_files_name_the_file(tiny_llama, trained_medusa, tmp_path):
 
 def test_train_medusa_cli_end_to_end_and_resume(tiny_llama, tmp_path, capsys):
     from tokenmill.entrypoints.cli import main
-    from tokenmill.spec_decode.datastore import SuffixDatastore
+
     data = tmp_path / "sharegpt.jsonl"
     rows = [{"conversations": [{"from": "human", "value": f"Tell me about topic number {i}."}]} for i in range(1012)]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     ds = tmp_path / "ds.npz"
-    assert main(["build-datastore", "--model", str(tiny_llama), "--sharegpt", str(data), "--num-prompts", "6",
-                 "--max-tokens", "12", "--out", str(ds)]) == 0
+    assert (
+        main(
+            [
+                "build-datastore",
+                "--model",
+                str(tiny_llama),
+                "--sharegpt",
+                str(data),
+                "--num-prompts",
+                "6",
+                "--max-tokens",
+                "12",
+                "--out",
+                str(ds),
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "heads"
-    args = ["train-medusa", "--model", str(tiny_llama), "--sharegpt", str(data), "--datastore", str(ds),
-            "--num-heads", "2", "--draft-vocab", "64", "--epochs", "1", "--held-out", "2", "--out", str(out)]
+    args = [
+        "train-medusa",
+        "--model",
+        str(tiny_llama),
+        "--sharegpt",
+        str(data),
+        "--datastore",
+        str(ds),
+        "--num-heads",
+        "2",
+        "--draft-vocab",
+        "64",
+        "--epochs",
+        "1",
+        "--held-out",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     stats = json.loads((out / "train_stats.json").read_text())
     assert stats["epoch"] == 1 and len(stats["held_out_top1"]) == 2 and stats["train_rows"] > 0
@@ -153,11 +193,19 @@ def test_heads_with_a_datastore_grow_one_tree(tiny_llama, trained_medusa, greedy
     """Medusa guesses, prompt lookup and a datastore of the target's own answers in one best-first tree:
     output stays plain decoding's, and the datastore's right guesses are accepted."""
     from tokenmill.spec_decode.datastore import SuffixDatastore
+
     path, *_ = trained_medusa
     params, ref = greedy_ref
     SuffixDatastore.save(tmp_path / "ds.npz", ref, min_n=2, max_n=4)
-    cfg = {"method": "medusa", "model": str(path), "num_speculative_tokens": 3, "adaptive": False,
-           "datastore": str(tmp_path / "ds.npz"), "datastore_min_share": 0.0, "tree": {"max_nodes": 8}}
+    cfg = {
+        "method": "medusa",
+        "model": str(path),
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+        "datastore": str(tmp_path / "ds.npz"),
+        "datastore_min_share": 0.0,
+        "tree": {"max_nodes": 8},
+    }
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT)
     assert llm.engine.executor.runner.speculator.proposer.lookup is not None
     assert run(llm, PROMPTS, params) == ref

@@ -1,10 +1,17 @@
 """The n-gram matcher and the adaptive-γ cost model as pure functions."""
+
 from __future__ import annotations
 
 import pytest
 
-from tokenmill.spec_decode.adaptive import (AdaptiveGamma, LinearCost, best_gamma, expected_tokens,
-                                            fit_linear_cost, predicted_speedup)
+from tokenmill.spec_decode.adaptive import (
+    AdaptiveGamma,
+    LinearCost,
+    best_gamma,
+    expected_tokens,
+    fit_linear_cost,
+    predicted_speedup,
+)
 from tokenmill.spec_decode.ngram import ngram_propose
 from tokenmill.spec_decode.stats import SpecDecodeStats
 
@@ -17,13 +24,13 @@ def test_ngram_prefers_the_longest_suffix_then_the_latest_match():
     toks = [1, 2, 3, 8, 4, 3, 9, 1, 2, 3]
     # n = 3: [1, 2, 3] at 0 -> continuation [8, 4, 3]; a 1-gram match of [3] at 5 would give [9, ...].
     assert ngram_propose(toks, 1, 3, 3) == [8, 4, 3]
-    assert ngram_propose(toks, 1, 1, 2) == [9, 1]     # latest earlier occurrence of [3] is at 5
+    assert ngram_propose(toks, 1, 1, 2) == [9, 1]  # latest earlier occurrence of [3] is at 5
     assert ngram_propose(toks, 1, 1, 6) == [9, 1, 2, 3, 9, 1]
 
 
 def test_ngram_no_match_and_limits():
     assert ngram_propose([1, 2, 3, 4], 1, 3, 4) == []
-    assert ngram_propose([1, 2, 1], 2, 3, 4) == []     # only 1-grams repeat, but min_n = 2
+    assert ngram_propose([1, 2, 1], 2, 3, 4) == []  # only 1-grams repeat, but min_n = 2
     assert ngram_propose([1, 2, 1], 1, 3, 4) == [2, 1, 2, 1]  # continuation runs into the suffix
     assert ngram_propose([7], 1, 3, 4) == []
     assert ngram_propose([1, 1, 1, 1], 1, 3, 0) == []
@@ -38,13 +45,13 @@ def test_expected_tokens_and_speedup():
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 1) == pytest.approx(1.5)
     # Seeds' formula: E[T] / (γ c + 1).
-    assert predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.4)
+    assert predicted_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / 0.2 / 1.4)
 
 
 def test_best_gamma_lowers_and_switches_off():
-    assert best_gamma(0.9, 0.0, 8) == 8                       # free drafts, high acceptance: go long
-    assert best_gamma(0.9, 0.3, 8) < 8                        # costly drafts: shorter
-    assert best_gamma(0.05, 0.3, 8) == 0                      # hopeless: off
+    assert best_gamma(0.9, 0.0, 8) == 8  # free drafts, high acceptance: go long
+    assert best_gamma(0.9, 0.3, 8) < 8  # costly drafts: shorter
+    assert best_gamma(0.05, 0.3, 8) == 0  # hopeless: off
     # Compute-bound target (verification tokens cost as much as decodes): off even at α = 0.7.
     assert best_gamma(0.7, 0.0, 8, verify_cost_ratio=lambda g: 1 + g) == 0
 
@@ -52,7 +59,7 @@ def test_best_gamma_lowers_and_switches_off():
 def test_linear_cost_fit():
     fit = fit_linear_cost([(n, 0.01 + 0.001 * n) for n in (1, 8, 32, 64)], LinearCost(1.0, 0.0))
     assert fit.a == pytest.approx(0.01) and fit.b == pytest.approx(0.001)
-    flat = fit_linear_cost([(4, 0.02), (4, 0.03)], LinearCost(0.0, 0.5))   # no spread: keep the prior slope
+    flat = fit_linear_cost([(4, 0.02), (4, 0.03)], LinearCost(0.0, 0.5))  # no spread: keep the prior slope
     assert flat.b == 0.5
 
 
@@ -60,7 +67,7 @@ def test_cost_uses_measured_steps_where_the_line_misprices_them():
     """CPU steps are flat up to 8 tokens and jump above (the few-row kernels stop there): a line
     through n = 8 and 16 would price 16 right but 24 wrong; measured counts are used as measured."""
     ad = AdaptiveGamma(4, adaptive=True)
-    ad.alpha_prior, ad.prior_weight = 0.4, 1e9    # α pinned at 0.4 for the test
+    ad.alpha_prior, ad.prior_weight = 0.4, 1e9  # α pinned at 0.4 for the test
     for _ in range(20):
         ad.observe_target_step(8, 0.010)
     ad.observe_target_step(16, 0.016)
@@ -69,7 +76,7 @@ def test_cost_uses_measured_steps_where_the_line_misprices_them():
     # E[T] = 1.4 at γ = 1 against r = 1.6: off (the line fitted to these samples agrees here)
     assert ad.choose(8) == 0
     for _ in range(5):
-        ad.observe_target_step(2, 0.0101)         # single stream: 2 tokens cost one token's time
+        ad.observe_target_step(2, 0.0101)  # single stream: 2 tokens cost one token's time
         ad.observe_target_step(1, 0.0100)
     assert ad.verify_cost_ratio(1, 1) == pytest.approx(1.01, abs=1e-3)
     assert ad.choose(1) >= 1
@@ -80,7 +87,7 @@ def test_one_probe_outweighs_many_plain_steps_in_the_fit():
     9 ms (past the few-row kernels). A step of 16 tokens (γ = 1 for all 8) must cost more than the
     probe, so at α = 0.4 speculation stays off, whatever slope the calibration prior had."""
     ad = AdaptiveGamma(4, adaptive=True)
-    ad.prior_cost = LinearCost(0.005, 0.00001)            # a shallow slope, as dense calibration passes give
+    ad.prior_cost = LinearCost(0.005, 0.00001)  # a shallow slope, as dense calibration passes give
     ad.alpha_prior, ad.prior_weight = 0.4, 1e9
     for _ in range(60):
         ad.observe_target_step(8, 0.005)
@@ -91,7 +98,7 @@ def test_one_probe_outweighs_many_plain_steps_in_the_fit():
 
 def test_adaptive_gamma_reacts_to_acceptance_and_batch():
     ad = AdaptiveGamma(6, adaptive=True, probe_interval=3)
-    ad.prior_cost = LinearCost(0.04, 0.0005)      # memory-bound at small n, compute-bound at large n
+    ad.prior_cost = LinearCost(0.04, 0.0005)  # memory-bound at small n, compute-bound at large n
     for _ in range(50):
         ad.observe_acceptance(10, 9)
     assert ad.choose(1) >= 4

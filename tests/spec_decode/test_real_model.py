@@ -1,5 +1,6 @@
 """Speculative decoding on the default model (SmolLM2-135M): greedy identity for both proposers
 and exactness of the rejection sampler on the real target distribution at one position."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,9 +24,19 @@ def target():
 
 # Pinned γ: this test is about identity while drafts are verified; whether speculation pays (and so
 # whether adaptive γ turns it on for a 40-token reply) depends on the machine's speed at the moment.
-@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
-                                  {"method": "draft_model", "model": "smollm2-135m", "draft_num_layers": 8,
-                                   "num_speculative_tokens": 3, "adaptive": False}])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+        {
+            "method": "draft_model",
+            "model": "smollm2-135m",
+            "draft_num_layers": 8,
+            "num_speculative_tokens": 3,
+            "adaptive": False,
+        },
+    ],
+)
 def test_greedy_identical_on_the_real_model(target, spec):
     params = SamplingParams(temperature=0, max_tokens=40)
     ref = target.chat(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -42,22 +53,29 @@ def test_greedy_identical_on_the_real_model(target, spec):
 _VNNI = fused_ops.pack_vnni(torch.zeros(64, 64, dtype=torch.bfloat16)) is not None
 
 
-@pytest.mark.skipif(not _VNNI, reason="bf16 identity needs a row-order-invariant few-row kernel (VNNI or AMX: an AVX512-BF16 CPU)")
+@pytest.mark.skipif(
+    not _VNNI, reason="bf16 identity needs a row-order-invariant few-row kernel (VNNI or AMX: an AVX512-BF16 CPU)"
+)
 @pytest.mark.parametrize("gamma", [2, 5])
 def test_bf16_greedy_speculation_reproduces_plain_decoding(gamma):
     """In bf16 a near-tie flips when a token's logits are computed differently. Verification rows run
     through the same few-row kernel as a one-token decode step, summed in the same order (layers/
     fused_ops.dense_linear), so greedy speculation with up to 7 drafts must give plain decoding's
     tokens exactly, for several prompts and long enough replies to meet near-ties."""
-    prompts = [[{"role": "user", "content": c}] for c in (
-        "Explain how a bicycle gear system works, step by step.",
-        "Write a Python function that checks whether a string is a palindrome, and explain it.",
-        "What are three differences between a lake and a sea?")]
+    prompts = [
+        [{"role": "user", "content": c}]
+        for c in (
+            "Explain how a bicycle gear system works, step by step.",
+            "Write a Python function that checks whether a string is a palindrome, and explain it.",
+            "What are three differences between a lake and a sea?",
+        )
+    ]
     params = SamplingParams(temperature=0, max_tokens=64)
     kw = dict(dtype="bfloat16", max_num_batched_tokens=64, num_gpu_blocks_override=128)
     plain = LLM("smollm2-135m", **kw)
-    spec = LLM("smollm2-135m", speculative_config={"method": "ngram", "num_speculative_tokens": gamma,
-                                                  "adaptive": False}, **kw)
+    spec = LLM(
+        "smollm2-135m", speculative_config={"method": "ngram", "num_speculative_tokens": gamma, "adaptive": False}, **kw
+    )
     for p in prompts:
         ref = plain.chat(p, params, use_tqdm=False)[0].outputs[0].token_ids
         out = spec.chat(p, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -86,12 +104,18 @@ def test_rejection_sampler_exact_on_real_distributions(target):
     p, q = dist(lp), dist(lq)
     n, g = 50_000, torch.Generator().manual_seed(0)
     drafts = torch.multinomial(q, n, replacement=True, generator=g)
-    out = rejection_sample(p.log().repeat(2 * n, 1), drafts, q.repeat(n, 1),  # rows: draft, bonus per request
-                           [1] * n, torch.zeros(n, dtype=torch.bool), torch.rand(n, generator=g),
-                           torch.empty(n, len(sup)).exponential_(generator=g))
+    out = rejection_sample(
+        p.log().repeat(2 * n, 1),
+        drafts,
+        q.repeat(n, 1),  # rows: draft, bonus per request
+        [1] * n,
+        torch.zeros(n, dtype=torch.bool),
+        torch.rand(n, generator=g),
+        torch.empty(n, len(sup)).exponential_(generator=g),
+    )
     counts = np.bincount([t[0] for t in out.output_token_ids], minlength=len(sup))
     accept = np.mean(out.num_accepted)
-    assert 0.05 < accept < 0.995                      # both the accept and the residual paths ran
+    assert 0.05 < accept < 0.995  # both the accept and the residual paths ran
     assert accept == pytest.approx(1 - 0.5 * float((p - q).abs().sum()), abs=0.01)
     expected = n * p.numpy()
     assert counts[expected == 0].sum() == 0
@@ -113,4 +137,5 @@ def test_tree_verification_follows_the_real_target(tmp_path):
     """The engine-level distribution test of token trees (tests/spec_decode/test_engine.py) at one position
     of the real model: three deterministic siblings, temperature 1, top-k 3."""
     from tests.spec_decode.test_engine import tree_distribution_check
+
     tree_distribution_check("smollm2-135m", [1, 20, 30, 40], 300, tmp_path)

@@ -1,5 +1,6 @@
 """The rejection sampler as pure functions: the seeds' worked example, greedy rules, and
 statistical exactness on toy target/draft pairs with known p and q."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,8 +8,13 @@ import pytest
 import torch
 
 from tokenmill.layers.sampler import SamplingMetadata
-from tokenmill.spec_decode.rejection_sampler import (acceptance_probs, draw_randomness, expand_sampling_metadata,
-                                                     rejection_sample, residual_distribution)
+from tokenmill.spec_decode.rejection_sampler import (
+    acceptance_probs,
+    draw_randomness,
+    expand_sampling_metadata,
+    rejection_sample,
+    residual_distribution,
+)
 
 
 def test_seeds_worked_example():
@@ -31,8 +37,9 @@ def test_greedy_accepts_exactly_while_drafts_match_argmax():
     logits = torch.full((4 + 2 + 1, 4), -5.0)
     for row, tok in enumerate([2, 0, 1, 3, 1, 2, 0]):
         logits[row, tok] = 5.0
-    out = rejection_sample(logits, torch.tensor([2, 0, 3, 1]), None, [3, 1, 0],
-                           torch.tensor([True, True, True]), None, None)
+    out = rejection_sample(
+        logits, torch.tensor([2, 0, 3, 1]), None, [3, 1, 0], torch.tensor([True, True, True]), None, None
+    )
     assert out.output_token_ids == [[2, 0, 1], [1, 2], [0]]
     assert out.num_accepted == [2, 1, 0]
     assert out.final_rows.tolist() == [2, 5, 6]
@@ -54,8 +61,8 @@ def _simulate(p: torch.Tensor, q: torch.Tensor | None, n: int, seed: int, point_
         drafts = torch.full((n, k), point_draft, dtype=torch.long)
     else:
         drafts = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=g) for j in range(k)], 1)
-    logits = p.log().repeat(n, 1)                                   # [n * (k + 1), V]
-    dprobs = None if q is None else q.repeat(n, 1)                  # [n * k, V]
+    logits = p.log().repeat(n, 1)  # [n * (k + 1), V]
+    dprobs = None if q is None else q.repeat(n, 1)  # [n * k, V]
     uniforms = torch.rand(n * k, generator=g)
     noise = torch.empty(n, vocab).exponential_(generator=g)
     out = rejection_sample(logits, drafts.flatten(), dprobs, [k] * n, torch.zeros(n, dtype=torch.bool), uniforms, noise)
@@ -67,8 +74,9 @@ def chisquare_pvalue(counts: np.ndarray, expected: np.ndarray) -> float:
     keep = expected > 0
     stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
     df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def _tv(counts: np.ndarray, p: np.ndarray) -> float:
@@ -106,9 +114,21 @@ def test_tv_distance_falls_with_sample_count():
 
 
 def _meta(n: int, vocab: int, **kw) -> SamplingMetadata:
-    base = dict(temperature=torch.ones(n), top_k=None, top_p=None, min_p=None, presence_penalty=None,
-                frequency_penalty=None, repetition_penalty=None, output_counts=None, prompt_mask=None,
-                min_tokens_mask=None, generators=[None] * n, all_greedy=False, max_num_logprobs=None)
+    base = dict(
+        temperature=torch.ones(n),
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        presence_penalty=None,
+        frequency_penalty=None,
+        repetition_penalty=None,
+        output_counts=None,
+        prompt_mask=None,
+        min_tokens_mask=None,
+        generators=[None] * n,
+        all_greedy=False,
+        max_num_logprobs=None,
+    )
     base.update(kw)
     return SamplingMetadata(**base)
 
@@ -118,13 +138,13 @@ def test_expanded_metadata_counts_earlier_drafts_as_generated():
     counts = torch.zeros(2, 5)
     counts[0, 0] = 1
     ban = torch.zeros(2, 5, dtype=torch.bool)
-    ban[0, 4] = True                                  # EOS banned: 1 output so far, min_tokens 3
+    ban[0, 4] = True  # EOS banned: 1 output so far, min_tokens 3
     meta = _meta(2, 5, frequency_penalty=torch.tensor([0.5, 0.0]), output_counts=counts, min_tokens_mask=ban)
     e = expand_sampling_metadata(meta, [[3, 3], []], num_output_tokens=[1, 0], min_tokens=[3, 0])
     assert e.temperature.shape == (4,)
-    assert e.output_counts[:3, 3].tolist() == [0, 1, 2]      # row j sees drafts[:j]
+    assert e.output_counts[:3, 3].tolist() == [0, 1, 2]  # row j sees drafts[:j]
     assert e.output_counts[:3, 0].tolist() == [1, 1, 1]
-    assert e.min_tokens_mask[:3, 4].tolist() == [True, True, False]   # 1 + j outputs >= 3 at j = 2
+    assert e.min_tokens_mask[:3, 4].tolist() == [True, True, False]  # 1 + j outputs >= 3 at j = 2
     assert e.frequency_penalty.tolist() == [0.5, 0.5, 0.5, 0.0]
 
 

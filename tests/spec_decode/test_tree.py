@@ -1,6 +1,7 @@
 """Exact tree verification (spec_decode/tree.py): the emitted tokens follow the target's own distribution
 for trees of width 2-4 and depth 3, with sampled and deterministic siblings; greedy takes the longest
 argmax path (the docstring's worked example)."""
+
 from __future__ import annotations
 
 import functools
@@ -16,10 +17,10 @@ from tokenmill.spec_decode.tree import TokenTree, verify_tree
 V = 5
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dist(ctx: tuple[int, ...], salt: int) -> torch.Tensor:
     """A fixed distribution over V tokens for each context (the 'model'): target salt 0, draft salt 1."""
-    g = torch.Generator().manual_seed(hash((ctx, salt)) % (2 ** 31))
+    g = torch.Generator().manual_seed(hash((ctx, salt)) % (2**31))
     x = torch.rand(V, generator=g, dtype=torch.float64) ** 2 + 0.02
     return x / x.sum()
 
@@ -33,8 +34,11 @@ def draft_tree(width: int, depth: int, deterministic: bool, gen: torch.Generator
         nxt = []
         for parent, path in frontier:
             q = dist(path, 1)
-            kids = torch.topk(q, width).indices.tolist() if deterministic else \
-                torch.multinomial(q.float(), width, replacement=True, generator=gen).tolist()
+            kids = (
+                torch.topk(q, width).indices.tolist()
+                if deterministic
+                else torch.multinomial(q.float(), width, replacement=True, generator=gen).tolist()
+            )
             for t in kids:
                 tokens.append(t)
                 parents.append(parent)
@@ -99,8 +103,12 @@ def test_tree_structure_helpers():
     tree = TokenTree([7, 8, 3, 4], [-1, -1, 0, 2], [True] * 4)
     assert tree.depths() == [1, 1, 2, 3]
     assert tree.children() == [[0, 1], [2], [], [3], []]
-    assert tree.ancestors_mask().tolist() == [[True, False, False, False], [False, True, False, False],
-                                             [True, False, True, False], [True, False, True, True]]
+    assert tree.ancestors_mask().tolist() == [
+        [True, False, False, False],
+        [False, True, False, False],
+        [True, False, True, False],
+        [True, False, True, True],
+    ]
     chain = TokenTree.chain([4, 5, 6])
     assert chain.parents == [-1, 0, 1]
     with pytest.raises(ValueError):

@@ -1,6 +1,7 @@
 """Structured outputs through the real server with the `openai` client: 50 generated JSON schemas (nesting,
 enums, arrays, numbers) answered by a tiny random model, every reply parsed and validated with jsonschema,
 streaming and not, with n-gram speculation on and off; vLLM's extra fields; bad constraints are 400s."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,16 @@ import pytest
 
 from tests.server.conftest import API_KEY, metric_values, start_server
 
-ARGS = ("--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
-        "--kv-cache-memory-bytes", str(64 << 20))
+ARGS = (
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "16",
+    "--max-num-batched-tokens",
+    "256",
+    "--kv-cache-memory-bytes",
+    str(64 << 20),
+)
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
 
 
@@ -35,17 +44,27 @@ def make_schema(rng: random.Random, depth: int = 0) -> dict:
     if kind == "enum":
         return {"enum": rng.sample(["red", "green", "blue", "cyan", "amber", 1, 2, None, True], rng.randint(1, 4))}
     if kind == "array":
-        return {"type": "array", "items": make_schema(rng, depth + 1), "minItems": rng.randint(0, 1),
-                "maxItems": rng.randint(1, 3)}
+        return {
+            "type": "array",
+            "items": make_schema(rng, depth + 1),
+            "minItems": rng.randint(0, 1),
+            "maxItems": rng.randint(1, 3),
+        }
     props = {f"k{i}_{rng.randint(0, 99)}": make_schema(rng, depth + 1) for i in range(rng.randint(1, 4))}
     return {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
 
 
 def schemas(n: int = 50) -> list[dict]:
     rng = random.Random(2026)
-    return [{"type": "object", "properties": {"answer": make_schema(rng), "id": {"type": "integer", "minimum": 0,
-                                                                                 "maximum": 9999}},
-             "required": ["answer", "id"], "additionalProperties": False} for _ in range(n)]
+    return [
+        {
+            "type": "object",
+            "properties": {"answer": make_schema(rng), "id": {"type": "integer", "minimum": 0, "maximum": 9999}},
+            "required": ["answer", "id"],
+            "additionalProperties": False,
+        }
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +79,14 @@ def servers(tmp_path_factory, tiny_llama):
 
 
 async def answer(client: openai.AsyncOpenAI, schema: dict, i: int, stream: bool) -> tuple[str, str]:
-    kw = dict(model=client.model, max_tokens=300, temperature=1.0, seed=i,
-              messages=[{"role": "user", "content": f"Fill in record {i}."}],
-              response_format={"type": "json_schema", "json_schema": {"name": f"r{i}", "schema": schema,
-                                                                       "strict": True}})
+    kw = dict(
+        model=client.model,
+        max_tokens=300,
+        temperature=1.0,
+        seed=i,
+        messages=[{"role": "user", "content": f"Fill in record {i}."}],
+        response_format={"type": "json_schema", "json_schema": {"name": f"r{i}", "schema": schema, "strict": True}},
+    )
     if not stream:
         r = await client.chat.completions.create(**kw)
         return r.choices[0].message.content, r.choices[0].finish_reason
@@ -99,17 +122,31 @@ def test_vllm_extra_fields_and_json_object(servers):
     client = openai.OpenAI(base_url=f"{servers['plain'].url}/v1", api_key=API_KEY, max_retries=0)
     model = client.models.list().data[0].id
     msgs = [{"role": "user", "content": "pick"}]
-    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=10,
-                                       extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    r = client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=10, extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}}
+    )
     assert r.choices[0].message.content in ("alpha", "beta")
     r = client.chat.completions.create(model=model, messages=msgs, max_tokens=10, extra_body={"guided_regex": r"\d{4}"})
     assert len(r.choices[0].message.content) == 4 and r.choices[0].message.content.isdigit()
-    r = client.completions.create(model=model, prompt="x", max_tokens=200, temperature=1.0, seed=1,
-                                  extra_body={"guided_json": {"type": "object", "properties": {
-                                      "a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}})
+    r = client.completions.create(
+        model=model,
+        prompt="x",
+        max_tokens=200,
+        temperature=1.0,
+        seed=1,
+        extra_body={
+            "guided_json": {
+                "type": "object",
+                "properties": {"a": {"type": "boolean"}},
+                "required": ["a"],
+                "additionalProperties": False,
+            }
+        },
+    )
     assert isinstance(json.loads(r.choices[0].text)["a"], bool)
-    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=1.0, seed=2,
-                                       response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=4, temperature=1.0, seed=2, response_format={"type": "json_object"}
+    )
     assert r.choices[0].finish_reason == "length"  # cut short, as OpenAI does
 
 
@@ -117,11 +154,13 @@ def test_json_object_with_the_real_model(servers):
     client = openai.OpenAI(base_url=f"{servers['real'].url}/v1", api_key=API_KEY, max_retries=0)
     msgs = [{"role": "user", "content": "Give the capital and population of France as a JSON object."}]
     for stream in (False, True):
-        kw = dict(model="smollm2-135m", messages=msgs, max_tokens=200, temperature=0,
-                  response_format={"type": "json_object"})
+        kw = dict(
+            model="smollm2-135m", messages=msgs, max_tokens=200, temperature=0, response_format={"type": "json_object"}
+        )
         if stream:
-            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
-                           if c.choices)
+            text = "".join(
+                c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True) if c.choices
+            )
         else:
             r = client.chat.completions.create(**kw)
             assert r.choices[0].finish_reason == "stop"
@@ -132,22 +171,36 @@ def test_json_object_with_the_real_model(servers):
         json.loads(free.choices[0].message.content)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}}, "structured_outputs.json"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type"),
-    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
-    ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs.grammar"),
-    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}},
+                    },
+                }
+            },
+            "structured_outputs.json",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ],
+)
 def test_bad_constraints_are_400s_naming_the_problem(servers, body, param):
     client = openai.OpenAI(base_url=f"{servers['plain'].url}/v1", api_key=API_KEY, max_retries=0)
     model = client.models.list().data[0].id
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
-                                       extra_body=body)
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5, extra_body=body
+        )
     err = e.value.body
     assert e.value.status_code == 400 and err["param"] == param, err
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=3)
@@ -156,22 +209,40 @@ def test_bad_constraints_are_400s_naming_the_problem(servers, body, param):
 
 # --- tool calling (the default model's ChatML has no tool format: tools in the system prompt, Hermes tags) ----
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 def test_tool_call_round_trip_with_the_openai_client(servers):
     client = openai.OpenAI(base_url=f"{servers['real'].url}/v1", api_key=API_KEY, max_retries=0)
-    r = client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=[WEATHER, ADD],
-                                       tool_choice="required", max_tokens=120, temperature=0)
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=ASK, tools=[WEATHER, ADD], tool_choice="required", max_tokens=120, temperature=0
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     for call in choice.message.tool_calls:
@@ -180,10 +251,13 @@ def test_tool_call_round_trip_with_the_openai_client(servers):
         assert call.id.startswith("call_") and call.type == "function"
     call = choice.message.tool_calls[0]
     # the client runs the tool and sends the result back; the model answers in prose (tool_choice auto)
-    follow = ASK + [choice.message.model_dump(exclude_none=True),
-                    {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18})}]
-    r2 = client.chat.completions.create(model="smollm2-135m", messages=follow, tools=[WEATHER, ADD],
-                                        max_tokens=60, temperature=0)
+    follow = ASK + [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18})},
+    ]
+    r2 = client.chat.completions.create(
+        model="smollm2-135m", messages=follow, tools=[WEATHER, ADD], max_tokens=60, temperature=0
+    )
     assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r2.choices[0].message.content or r2.choices[0].message.tool_calls
 
@@ -191,8 +265,14 @@ def test_tool_call_round_trip_with_the_openai_client(servers):
 def test_named_tool_choice_streams_tool_call_deltas(servers):
     client = openai.OpenAI(base_url=f"{servers['real'].url}/v1", api_key=API_KEY, max_retries=0)
     stream = client.chat.completions.create(
-        model="smollm2-135m", messages=[{"role": "user", "content": "Add 19 and 23."}], tools=[WEATHER, ADD],
-        tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=80, temperature=0, stream=True)
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Add 19 and 23."}],
+        tools=[WEATHER, ADD],
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        max_tokens=80,
+        temperature=0,
+        stream=True,
+    )
     calls: dict[int, dict] = {}
     reasons = []
     for chunk in stream:
@@ -206,22 +286,23 @@ def test_named_tool_choice_streams_tool_call_deltas(servers):
             entry["arguments"] += tc.function.arguments or ""
         if chunk.choices[0].finish_reason:
             reasons.append(chunk.choices[0].finish_reason)
-    assert reasons == ["tool_calls"] and list(calls) == [0]   # named choice: one call, of that function
+    assert reasons == ["tool_calls"] and list(calls) == [0]  # named choice: one call, of that function
     assert calls[0]["name"] == "add" and calls[0]["id"]
     jsonschema.validate(json.loads(calls[0]["arguments"]), ADD["function"]["parameters"])
 
 
 def test_tool_choice_none_and_bad_tool_requests(servers):
     client = openai.OpenAI(base_url=f"{servers['real'].url}/v1", api_key=API_KEY, max_retries=0)
-    r = client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=[WEATHER], tool_choice="none",
-                                       max_tokens=30, temperature=0)
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=30, temperature=0
+    )
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
-    for kw, param in ((dict(tool_choice="required"), "tool_choice"),
-                      (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
-                       "tool_choice"),
-                      (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
-                       "tool_choice"),
-                      (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools.0.function.name")):
+    for kw, param in (
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+        (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools.0.function.name"),
+    ):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=5, **kw)
         assert e.value.body["param"] == param, e.value.body
@@ -232,17 +313,19 @@ def test_tool_choice_none_and_bad_tool_requests(servers):
 TOOL_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nFunctions you can call, one JSON object per line:\n"
     "{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n"
-    "Answer a call as <tool_call>\n{\"name\": ..., \"arguments\": {...}}\n</tool_call><|im_end|>\n{%- endif %}"
+    'Answer a call as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call><|im_end|>\n{%- endif %}'
     "{%- for m in messages %}\n<|im_start|>{{ m.role }}\n{{ m.content }}"
     "{%- if m.tool_calls %}{%- for c in m.tool_calls %}\n<tool_call>\n"
-    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments }}}\n</tool_call>"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments }}}\n</tool_call>'
     "{%- endfor %}{%- endif %}<|im_end|>{%- endfor %}"
-    "{%- if add_generation_prompt %}\n<|im_start|>assistant\n{%- endif %}")
+    "{%- if add_generation_prompt %}\n<|im_start|>assistant\n{%- endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def tool_template_server(tmp_path_factory, tiny_llama):
     import shutil
+
     path = tmp_path_factory.mktemp("tool_template") / "model"
     shutil.copytree(tiny_llama, path)
     cfg = json.loads((path / "tokenizer_config.json").read_text())
@@ -254,11 +337,13 @@ def tool_template_server(tmp_path_factory, tiny_llama):
 
 def test_a_template_with_a_tool_format_renders_the_tools_itself(tool_template_server):
     from tokenmill.models.loader import HFDirSource
+
     srv, path = tool_template_server
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY, max_retries=0)
     model = client.models.list().data[0].id
-    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
-                                       max_tokens=120, temperature=1.0, seed=3)
+    r = client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=120, temperature=1.0, seed=3
+    )
     assert r.choices[0].finish_reason == "tool_calls"
     call = r.choices[0].message.tool_calls[0]
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
@@ -267,8 +352,11 @@ def test_a_template_with_a_tool_format_renders_the_tools_itself(tool_template_se
     assert tok.template_renders_tools
     expected = tok.encode(tok.apply_chat_template(ASK, tools=[WEATHER]), add_special_tokens=False)
     assert r.usage.prompt_tokens == len(expected)
-    follow = ASK + [r.choices[0].message.model_dump(exclude_none=True),
-                    {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]
-    r2 = client.chat.completions.create(model=model, messages=follow, tools=[WEATHER], tool_choice="none",
-                                        max_tokens=8, temperature=0)
+    follow = ASK + [
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C"},
+    ]
+    r2 = client.chat.completions.create(
+        model=model, messages=follow, tools=[WEATHER], tool_choice="none", max_tokens=8, temperature=0
+    )
     assert r2.choices[0].message.tool_calls is None

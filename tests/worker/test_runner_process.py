@@ -3,6 +3,7 @@
 preemption, n > 1 forks and a seeded sampled request, with and without speculation (which lives in the runner:
 its drafts come back in the step output and are counted here, not assumed). A runner process that dies, while
 starting or during a step, is reported within seconds with its exit code."""
+
 from __future__ import annotations
 
 import os
@@ -27,15 +28,18 @@ NUM_BLOCKS, BLOCK_SIZE = 14, 4
 
 def requests() -> list[tuple[Request, list[Request]]]:
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True,
-                            frequency_penalty=0.3)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True, frequency_penalty=0.3)
     shared = list(range(30, 42))
-    out = [(Request("a", shared + [5], greedy, None, 10), []),
-           (Request("b", shared + [6, 7], greedy, None, 10), []),   # a prefix hit on a's blocks
-           (Request("c", [3, 1, 4, 1, 5, 9, 2, 6], seeded, None, 10), []),
-           (Request("e", [9] * 6, greedy, None, 10), [])]  # the tiny model repeats itself here: n-gram drafts
-    forks = [Request(f"d#{i}", [8, 9, 10], seeded.clone(seed=20 + i), None, 6, sample_index=i, parent_id="d")
-             for i in range(3)]
+    out = [
+        (Request("a", shared + [5], greedy, None, 10), []),
+        (Request("b", shared + [6, 7], greedy, None, 10), []),  # a prefix hit on a's blocks
+        (Request("c", [3, 1, 4, 1, 5, 9, 2, 6], seeded, None, 10), []),
+        (Request("e", [9] * 6, greedy, None, 10), []),
+    ]  # the tiny model repeats itself here: n-gram drafts
+    forks = [
+        Request(f"d#{i}", [8, 9, 10], seeded.clone(seed=20 + i), None, 6, sample_index=i, parent_id="d")
+        for i in range(3)
+    ]
     out.append((forks[0], forks[1:]))
     return out
 
@@ -43,8 +47,12 @@ def requests() -> list[tuple[Request, list[Request]]]:
 def run(execute) -> tuple[dict[str, list[int]], int, dict[str, float]]:
     """Tokens of requests() with a small pool (preemption) and an 8-token budget (chunks); the last step's
     speculation counters."""
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8),
-                      CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True), NUM_BLOCKS, 64)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8),
+        CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        NUM_BLOCKS,
+        64,
+    )
     reqs = requests()
     for leader, forks in reqs:
         sched.add_request(leader, forks=forks)
@@ -65,22 +73,38 @@ def run(execute) -> tuple[dict[str, list[int]], int, dict[str, float]]:
 
 def options(path, speculative: SpeculativeConfig | None = None) -> RunnerOptions:
     arch = load_model(str(path), dtype=torch.float32, load_tokenizer=False).config
-    kv = KVCacheSpec(NUM_BLOCKS, BLOCK_SIZE, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
-                     torch.float32)
-    return RunnerOptions(ModelConfig(str(path), dtype="float32"), kv, max_num_seqs=8, max_model_len=64,
-                         speculative=speculative)
+    kv = KVCacheSpec(
+        NUM_BLOCKS, BLOCK_SIZE, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, torch.float32
+    )
+    return RunnerOptions(
+        ModelConfig(str(path), dtype="float32"), kv, max_num_seqs=8, max_model_len=64, speculative=speculative
+    )
 
 
 def speculative_configs(path) -> dict[str, SpeculativeConfig | None]:
     return {
         "plain": None,
-        "ngram_chain": SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
-                                                    "adaptive": False, "prompt_lookup_min": 1}),
-        "ngram_tree": SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False,
-                                                   "prompt_lookup_min": 1, "tree": {"max_nodes": 6,
-                                                                                    "max_width": 3}}),
-        "draft_model": SpeculativeConfig.from_dict({"method": "draft_model", "model": str(path), "draft_num_layers": 1,
-                                                    "num_speculative_tokens": 3, "adaptive": False}),
+        "ngram_chain": SpeculativeConfig.from_dict(
+            {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 1}
+        ),
+        "ngram_tree": SpeculativeConfig.from_dict(
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "adaptive": False,
+                "prompt_lookup_min": 1,
+                "tree": {"max_nodes": 6, "max_width": 3},
+            }
+        ),
+        "draft_model": SpeculativeConfig.from_dict(
+            {
+                "method": "draft_model",
+                "model": str(path),
+                "draft_num_layers": 1,
+                "num_speculative_tokens": 3,
+                "adaptive": False,
+            }
+        ),
     }
 
 

@@ -7,6 +7,7 @@ Paged KV cache layout, one tensor per layer:
 
 A token at slot s lives at kv_cache[:, s // block_size, s % block_size].
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -14,23 +15,32 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.kv_quant import dequantize_kv, is_quantized, write_kv_int8
-from tokenmill.attention.cpu_kernels import paged_decode_attention, paged_prefill_attention, write_and_decode
 from tokenmill.attention import plan as attention_plan
+from tokenmill.attention.cpu_kernels import paged_decode_attention, paged_prefill_attention, write_and_decode
+from tokenmill.attention.kv_quant import dequantize_kv, is_quantized, write_kv_int8
 from tokenmill.attention.metadata import AttentionMetadata, PerTokenTables, ShortRows, TiledPlan
 from tokenmill.attention.plan import AttentionKind
 
 
 class AttentionBackend(Protocol):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata | None, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata | None,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
         """sliding_window: the layer's window (a query at p sees keys (p - W, p]). With a paged cache the
         window arrives as meta.key_start (its group's metadata); without one, dense attention applies it."""
         ...
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                           sliding_window: int | None = None) -> torch.Tensor:
+def dense_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
     """No cache: q [..., T, Hq, D], k/v [..., T, Hkv, D] -> [..., T, Hq, D], causal (and windowed)."""
     if q.dim() == 3:  # NOTE: 3-D inputs take SDPA's math path on CPU; a batch dim selects flash (~5x at T=2048)
         return dense_causal_attention(q[None], k[None], v[None], scale, sliding_window)[0]
@@ -39,11 +49,13 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     if sliding_window is not None and T > sliding_window:
         i = torch.arange(T, device=q.device)
         mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
-                                             enable_gqa=q.shape[-2] != k.shape[-2])
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=q.shape[-2] != k.shape[-2]
+        )
     else:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
-                                             enable_gqa=q.shape[-2] != k.shape[-2])
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=scale, enable_gqa=q.shape[-2] != k.shape[-2]
+        )
     return out.transpose(-3, -2)
 
 
@@ -62,16 +74,25 @@ class TorchPagedAttention:
     prefix, so its bits do not depend on how its prompt was chunked or batched.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata | None, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata | None,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
         # q: [num_tokens, Hq, D]; k, v: [num_tokens, Hkv, D]
         if meta is None or kv_cache is None:
             return dense_causal_attention(q, k, v, scale, sliding_window)
         if sliding_window is not None and meta.key_start is None:
             raise ValueError("a sliding-window layer got metadata without key_start (not its KV group's)")
         if meta.num_prefills == 0 and meta.custom_mask is None:  # decode-only step: one C++ call when possible
-            out = write_and_decode(q, k, v, meta.slot_mapping, kv_cache, meta.block_tables, meta.seq_lens, scale,
-                                   meta.key_start)
+            out = write_and_decode(
+                q, k, v, meta.slot_mapping, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.key_start
+            )
             if out is not None:
                 return out
         write_kv(kv_cache, k, v, meta.slot_mapping)
@@ -90,8 +111,7 @@ class TorchPagedAttention:
             n = end - start
             if seq_len == n and meta.custom_mask is None:
                 # Whole prompt in this step: its own K/V are all there is.
-                out[start:end] = dense_causal_attention(q[start:end], k[start:end], v[start:end], scale,
-                                                        sliding_window)
+                out[start:end] = dense_causal_attention(q[start:end], k[start:end], v[start:end], scale, sliding_window)
                 continue
             num_blocks = (seq_len + block_size - 1) // block_size
             blocks = meta.block_tables[i, :num_blocks]
@@ -105,9 +125,15 @@ class TorchPagedAttention:
                     mask &= torch.arange(seq_len, device=q.device)[None, :] >= meta.key_start[start:end, None]
                 if meta.token_key_mask is not None:
                     mask &= ~_hidden_keys(meta.token_key_mask[start:end], q_pos, seq_len)
-            qt = q[start:end].transpose(0, 1)[None]      # [1, Hq, n, D] (4-D: the flash path on CPU)
-            o = F.scaled_dot_product_attention(qt, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
-                                               attn_mask=mask, scale=scale, enable_gqa=qt.shape[1] != kc.shape[1])
+            qt = q[start:end].transpose(0, 1)[None]  # [1, Hq, n, D] (4-D: the flash path on CPU)
+            o = F.scaled_dot_product_attention(
+                qt,
+                kc.transpose(0, 1)[None],
+                vc.transpose(0, 1)[None],
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=qt.shape[1] != kc.shape[1],
+            )
             out[start:end] = o[0].transpose(0, 1)
         return out
 
@@ -122,14 +148,14 @@ class TorchPagedAttention:
             return fast
         block_size = kv_cache.shape[2]
         max_blocks = (meta.max_decode_seq_len + block_size - 1) // block_size
-        tables = meta.block_tables[:nd, :max_blocks]               # [B, nb]
-        kc = kv_cache[0][tables].flatten(1, 2)                      # [B, nb * bs, Hkv, D]
+        tables = meta.block_tables[:nd, :max_blocks]  # [B, nb]
+        kc = kv_cache[0][tables].flatten(1, 2)  # [B, nb * bs, Hkv, D]
         vc = kv_cache[1][tables].flatten(1, 2)
         if is_quantized(kv_cache):
             kc, vc = dequantize_kv(kc, q.dtype), dequantize_kv(vc, q.dtype)
         b, hq, d = q.shape
         hkv = kc.shape[2]
-        qg = q.view(b, hkv, hq // hkv, d)                           # [B, Hkv, G, D]
+        qg = q.view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
         mask = meta.decode_mask
         if mask is None or ks is not None:  # (the runner skips it when its decode loop serves decode steps)
             ar = torch.arange(kc.shape[1], device=q.device)[None, :]
@@ -141,8 +167,9 @@ class TorchPagedAttention:
         return o.reshape(b, hq, d)
 
 
-def _cpu_kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                          scale: float) -> torch.Tensor | None:
+def _cpu_kernel_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor | None:
     """The step's attention by the C++ kernels (None when they do not serve it): long prompt chunks
     tiled (cpu_kernels.paged_prefill_attention, bf16), the other tokens each as a decode over its
     own prefix (paged_decode_attention). On the 64-request offline benchmark (bf16) prefill
@@ -154,20 +181,22 @@ def _cpu_kernel_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attenti
             if plan.short is None:
                 return out
             short_idx, short = plan.short.index, plan.short.tables
-            o = paged_decode_attention(q.index_select(0, short_idx), kv_cache, short.block_tables, short.seq_lens,
-                                       scale, short.key_mask)
+            o = paged_decode_attention(
+                q.index_select(0, short_idx), kv_cache, short.block_tables, short.seq_lens, scale, short.key_mask
+            )
             if o is not None:
                 out.index_copy_(0, short_idx, o)
                 return out
     tables = _per_token_tables(meta)
-    return paged_decode_attention(q, kv_cache, tables.block_tables, tables.seq_lens, scale, tables.key_mask,
-                                  meta.key_start)
+    return paged_decode_attention(
+        q, kv_cache, tables.block_tables, tables.seq_lens, scale, tables.key_mask, meta.key_start
+    )
 
 
 def _hidden_keys(key_mask: torch.Tensor, q_pos: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[n, seq_len] True where a token tree hides key (q_pos - j) from a row whose key_mask has bit j
     (the reference path's form of the kernels' key mask)."""
-    j = q_pos[:, None] - torch.arange(seq_len, device=q_pos.device)[None, :]        # keys before the row
+    j = q_pos[:, None] - torch.arange(seq_len, device=q_pos.device)[None, :]  # keys before the row
     bit = ((key_mask[:, None] >> j.clamp(0, 63)) & 1).bool()
     return bit & (j > 0) & (j < 64)
 
@@ -194,13 +223,23 @@ def tiled_plan(meta: AttentionMetadata) -> TiledPlan | None:
                 idx = [t for i in short for t in range(qsl[i], qsl[i + 1])]
                 req = torch.tensor([i for i in short for _ in range(counts[i])], device=dev)
                 short_idx = torch.tensor(idx, device=dev)
-                short_part = ShortRows(short_idx, PerTokenTables(
-                    meta.block_tables.index_select(0, req).contiguous(),
-                    torch.tensor([lens[i] - counts[i] + 1 + j for i in short for j in range(counts[i])], device=dev),
-                    None if meta.token_key_mask is None else meta.token_key_mask.index_select(0, short_idx)))
-            plan = TiledPlan(meta.block_tables.index_select(0, sel), meta.seq_lens.index_select(0, sel),
-                             torch.tensor([qsl[i] for i in long], device=dev),
-                             torch.tensor([counts[i] for i in long], device=dev), short_part)
+                short_part = ShortRows(
+                    short_idx,
+                    PerTokenTables(
+                        meta.block_tables.index_select(0, req).contiguous(),
+                        torch.tensor(
+                            [lens[i] - counts[i] + 1 + j for i in short for j in range(counts[i])], device=dev
+                        ),
+                        None if meta.token_key_mask is None else meta.token_key_mask.index_select(0, short_idx),
+                    ),
+                )
+            plan = TiledPlan(
+                meta.block_tables.index_select(0, sel),
+                meta.seq_lens.index_select(0, sel),
+                torch.tensor([qsl[i] for i in long], device=dev),
+                torch.tensor([counts[i] for i in long], device=dev),
+                short_part,
+            )
     derived.tiled, derived.tiled_done = plan, True
     return plan
 
@@ -236,8 +275,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def read_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
-            dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def read_kv(
+    kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather one request's first seq_len keys and values: each [seq_len, H, D] (an int8 cache is
     dequantized to dtype)."""
     k = kv_cache[0][blocks].flatten(0, 1)[:seq_len]

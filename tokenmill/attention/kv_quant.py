@@ -11,6 +11,7 @@ A token is quantized once, when written, so a partly filled block never needs re
 Per element: 1 + 2 / head_dim bytes (head_dim 64: 1.03 B) against 2 B for bf16 and 4 B for fp32.
 The attention backend dequantizes on read (`dequantize_kv`) to the query's dtype.
 """
+
 from __future__ import annotations
 
 import torch

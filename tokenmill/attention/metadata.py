@@ -7,11 +7,12 @@ Token layout of one step (the runner orders decodes first):
     seq_lens        = [17, 5, 33, 4, 130]          tokens in the cache after this step, per request
     slot_mapping[i] = block_table[pos // block_size] * block_size + pos % block_size
 """
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import torch
 
@@ -23,15 +24,15 @@ class AttentionMetadata:
     num_decodes: int
     """The first num_decodes requests (and tokens) have query length 1."""
     num_prefills: int
-    slot_mapping: torch.Tensor      # [num_tokens] int64, cache slot of each new token
-    block_tables: torch.Tensor      # [num_reqs, max_blocks] int64, padded with 0
-    seq_lens: torch.Tensor          # [num_reqs] int64, context length after this step
-    query_start_loc: torch.Tensor   # [num_reqs + 1] int64 (device)
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int64, padded with 0
+    seq_lens: torch.Tensor  # [num_reqs] int64, context length after this step
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int64 (device)
     # Host copies used to slice per-request work without device syncs.
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int]
     max_decode_seq_len: int
-    decode_mask: torch.Tensor | None = None   # [num_decodes, 1, 1, max_decode_len] bool, True = attend
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_decode_len] bool, True = attend
     custom_mask: torch.Tensor | None = None
     """Seam for token trees: a [num_tokens, max_seq_len] mask replacing the causal rule."""
     token_block_tables: torch.Tensor | None = None
@@ -50,7 +51,7 @@ class AttentionMetadata:
     plan: AttentionKind = AttentionKind.PER_TOKEN
     """This step's attention in this group (attention/plan.py), decided once by the runner: per token (the
     token_* tables are set) or tiled long prompt chunks with the other tokens per token."""
-    derived: "DerivedPlans" = field(default_factory=lambda: DerivedPlans(), repr=False)
+    derived: DerivedPlans = field(default_factory=lambda: DerivedPlans(), repr=False)
     """Per-step plans the attention backend derives from the fields above once and every layer reuses."""
 
 
@@ -58,27 +59,27 @@ class AttentionMetadata:
 class PerTokenTables:
     """Every query token as a decode over its own prefix: its request's block table and key count."""
 
-    block_tables: torch.Tensor   # [num_tokens, max_blocks]
-    seq_lens: torch.Tensor       # [num_tokens]
-    key_mask: torch.Tensor | None = None   # [num_tokens] int64 (token trees), see AttentionMetadata
+    block_tables: torch.Tensor  # [num_tokens, max_blocks]
+    seq_lens: torch.Tensor  # [num_tokens]
+    key_mask: torch.Tensor | None = None  # [num_tokens] int64 (token trees), see AttentionMetadata
 
 
 @dataclass
 class ShortRows:
     """The query rows of a tiled step that are attended token by token (decodes, short chunks)."""
 
-    index: torch.Tensor          # [num_short] int64, their rows in the step's tokens
-    tables: PerTokenTables       # [num_short, ...] their per-token tables, in index order
+    index: torch.Tensor  # [num_short] int64, their rows in the step's tokens
+    tables: PerTokenTables  # [num_short, ...] their per-token tables, in index order
 
 
 @dataclass
 class TiledPlan:
     """A step with long prompt chunks: those requests for the tiled prefill kernel, the rest per token."""
 
-    block_tables: torch.Tensor   # [num_long, max_blocks]
-    seq_lens: torch.Tensor       # [num_long]
-    q_start: torch.Tensor        # [num_long] first query row of each long request
-    q_len: torch.Tensor          # [num_long]
+    block_tables: torch.Tensor  # [num_long, max_blocks]
+    seq_lens: torch.Tensor  # [num_long]
+    q_start: torch.Tensor  # [num_long] first query row of each long request
+    q_len: torch.Tensor  # [num_long]
     short: ShortRows | None
     """The other requests' tokens, or None."""
 
@@ -112,7 +113,7 @@ def tree_key_masks(parents: list[int]) -> list[int]:
     """
     if len(parents) > 64:
         raise ValueError(f"a token tree has at most 64 nodes, got {len(parents)}")
-    anc: list[int] = []        # bit j: node j is an ancestor-or-self of node i
+    anc: list[int] = []  # bit j: node j is an ancestor-or-self of node i
     out: list[int] = []
     for i, p in enumerate(parents):
         a = (anc[p] if p >= 0 else 0) | (1 << i)
@@ -121,7 +122,7 @@ def tree_key_masks(parents: list[int]) -> list[int]:
         for j in range(i):
             if not (a >> j) & 1:
                 m |= 1 << (i - j)
-        out.append(m if m < (1 << 63) else m - (1 << 64))   # as int64
+        out.append(m if m < (1 << 63) else m - (1 << 64))  # as int64
     return out
 
 

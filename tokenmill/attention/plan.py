@@ -14,6 +14,7 @@ Two kinds:
     the same with tiled_prefill off (batch_invariant)                                         -> PER_TOKEN
     step: decodes a, b; verification of c with 5 drafts (6 tokens)                            -> PER_TOKEN
 """
+
 from __future__ import annotations
 
 import enum

@@ -11,6 +11,7 @@ it buys here. Rows:
   speculation     single-stream decode tok/s with n-gram speculation on a copy-heavy prompt
                   ('not available' without tokenmill.spec_decode)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,23 @@ import tempfile
 import time
 import traceback
 
-from tokenmill.bench.common import (add_dataset_args, environment, format_table, requests_from_args, set_threads,
-                                    summarize, write_json)
-from tokenmill.bench.engine_runs import (PASSAGE, engine_kwargs, engine_throughput, engine_timed_generate,
-                                         make_prompt_ids, warm_up)
+from tokenmill.bench.common import (
+    add_dataset_args,
+    environment,
+    format_table,
+    requests_from_args,
+    set_threads,
+    summarize,
+    write_json,
+)
+from tokenmill.bench.engine_runs import (
+    PASSAGE,
+    engine_kwargs,
+    engine_throughput,
+    engine_timed_generate,
+    make_prompt_ids,
+    warm_up,
+)
 from tokenmill.sampling_params import SamplingParams
 
 ROWS = ("batching", "chunked_prefill", "prefix_caching", "quantization", "speculation")
@@ -30,6 +44,7 @@ ROWS = ("batching", "chunked_prefill", "prefix_caching", "quantization", "specul
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tokenmill.entrypoints.engine_args import add_engine_args
+
     add_engine_args(p)
     add_dataset_args(p)
     p.set_defaults(num_prompts=32, max_output_len=128)
@@ -49,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _llm(args, **overrides):
     from tokenmill import LLM
+
     llm = LLM(**engine_kwargs(args, **overrides))
     warm_up(llm)
     return llm
@@ -64,15 +80,22 @@ def ablate_batching(args) -> dict:
     B = args.static_batch_size
     t0 = time.perf_counter()
     for i in range(0, len(requests), B):
-        wave = requests[i:i + B]
+        wave = requests[i : i + B]
         n = max(r.output_len for r in wave)
-        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in wave],
-                     SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": r.prompt_token_ids} for r in wave],
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+            use_tqdm=False,
+        )
     static_s = time.perf_counter() - t0
     n_out = sum(r.output_len for r in requests)
-    return {"workload": f"{len(requests)} {args.dataset_name} requests, {n_out} output tokens",
-            "static_output_tok_s": n_out / static_s, "continuous_output_tok_s": cont["output_tok_s"],
-            "speedup": cont["output_tok_s"] / (n_out / static_s), "static_batch_size": B}
+    return {
+        "workload": f"{len(requests)} {args.dataset_name} requests, {n_out} output tokens",
+        "static_output_tok_s": n_out / static_s,
+        "continuous_output_tok_s": cont["output_tok_s"],
+        "speedup": cont["output_tok_s"] / (n_out / static_s),
+        "static_batch_size": B,
+    }
 
 
 def _itl_under_long_arrival(args, chunked: bool) -> dict:
@@ -81,42 +104,62 @@ def _itl_under_long_arrival(args, chunked: bool) -> dict:
     latencies over their whole run (the long prompt's prefill steps are the tail)."""
     long_len = args.long_prompt_len
     budget = args.chunk_budget if chunked else max(long_len + args.num_streams, args.max_num_batched_tokens)
-    llm = _llm(args, enable_chunked_prefill=chunked, max_num_batched_tokens=budget, enable_prefix_caching=False,
-               max_num_seqs=max(args.max_num_seqs, args.num_streams + 1))
+    llm = _llm(
+        args,
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=False,
+        max_num_seqs=max(args.max_num_seqs, args.num_streams + 1),
+    )
     eng = llm.engine
     base = make_prompt_ids(llm.tokenizer, 64)
     n_tok = min(args.stream_tokens, eng.max_model_len - len(base) - 1)
     stream_params = SamplingParams(temperature=0.0, max_tokens=n_tok, ignore_eos=True)
     for i in range(args.num_streams):
         eng.add_request(f"s{i}", [base[i % len(base)]] + base[1:], stream_params)
-    eng.step()                                   # prefill of the streams (not an inter-token gap)
+    eng.step()  # prefill of the streams (not an inter-token gap)
     gaps, ttft, t_arrive = [], None, None
     last = time.perf_counter()
     step = 0
     while eng.has_unfinished_requests():
         if step == n_tok // 4:
             t_arrive = time.perf_counter()
-            eng.add_request("long", make_prompt_ids(llm.tokenizer, long_len),
-                            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            eng.add_request(
+                "long",
+                make_prompt_ids(llm.tokenizer, long_len),
+                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+            )
         outs = eng.step()
         now = time.perf_counter()
         if any(o.request_id.startswith("s") and not o.finished for o in outs):
             gaps.append(now - last)
         last = now
         step += 1
-        if ttft is None and t_arrive is not None and any(o.request_id == "long" and o.outputs[0].token_ids
-                                                         for o in outs):
+        if (
+            ttft is None
+            and t_arrive is not None
+            and any(o.request_id == "long" and o.outputs[0].token_ids for o in outs)
+        ):
             ttft = now - t_arrive
     s = summarize([g * 1e3 for g in gaps])
-    return {"itl_p50_ms": s["median"], "itl_p99_ms": s["p99"], "itl_max_ms": max(gaps) * 1e3,
-            "p99_over_p50": s["p99"] / s["median"], "max_over_p50": max(gaps) * 1e3 / s["median"],
-            "long_prompt_ttft_ms": (ttft or float("nan")) * 1e3, "max_num_batched_tokens": budget,
-            "num_gaps": len(gaps)}
+    return {
+        "itl_p50_ms": s["median"],
+        "itl_p99_ms": s["p99"],
+        "itl_max_ms": max(gaps) * 1e3,
+        "p99_over_p50": s["p99"] / s["median"],
+        "max_over_p50": max(gaps) * 1e3 / s["median"],
+        "long_prompt_ttft_ms": (ttft or float("nan")) * 1e3,
+        "max_num_batched_tokens": budget,
+        "num_gaps": len(gaps),
+    }
 
 
 def ablate_chunked_prefill(args) -> dict:
-    return {"workload": f"{args.num_streams} decode streams + one {args.long_prompt_len}-token prompt arriving",
-            "off": _itl_under_long_arrival(args, chunked=False), "on": _itl_under_long_arrival(args, chunked=True)}
+    return {
+        "workload": f"{args.num_streams} decode streams + one {args.long_prompt_len}-token prompt arriving",
+        "off": _itl_under_long_arrival(args, chunked=False),
+        "on": _itl_under_long_arrival(args, chunked=True),
+    }
 
 
 def ablate_prefix_caching(args) -> dict:
@@ -124,17 +167,24 @@ def ablate_prefix_caching(args) -> dict:
     for on in (False, True):
         llm = _llm(args, enable_prefix_caching=on)
         prefix = make_prompt_ids(llm.tokenizer, args.shared_prefix_len)
-        prompts = [{"prompt_token_ids": prefix + llm.tokenizer.encode(f" Question {i}: what happened next?",
-                                                                     add_special_tokens=False)}
-                   for i in range(args.num_prompts)]
+        prompts = [
+            {
+                "prompt_token_ids": prefix
+                + llm.tokenizer.encode(f" Question {i}: what happened next?", add_special_tokens=False)
+            }
+            for i in range(args.num_prompts)
+        ]
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         el = time.perf_counter() - t0
         ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
-        out["on" if on else "off"] = {"elapsed_s": el, "requests_per_s": len(prompts) / el,
-                                      "mean_ttft_ms": sum(ttfts) / len(ttfts) * 1e3,
-                                      "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outs)}
+        out["on" if on else "off"] = {
+            "elapsed_s": el,
+            "requests_per_s": len(prompts) / el,
+            "mean_ttft_ms": sum(ttfts) / len(ttfts) * 1e3,
+            "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outs),
+        }
     out["workload"] = f"{args.num_prompts} requests sharing a {args.shared_prefix_len}-token prefix, 16 new tokens"
     out["speedup"] = out["on"]["requests_per_s"] / out["off"]["requests_per_s"]
     return out
@@ -156,20 +206,25 @@ def ablate_quantization(args) -> dict:
     out = {"base": {"dtype": args.dtype, "decode_tok_s": base["decode_tok_s"]}}
     if args.quantized_model:
         q = _single_stream(args, model=args.quantized_model)
-        out[args.quantized_model] = {"decode_tok_s": q["decode_tok_s"], "speedup": q["decode_tok_s"] / base["decode_tok_s"]}
+        out[args.quantized_model] = {
+            "decode_tok_s": q["decode_tok_s"],
+            "speedup": q["decode_tok_s"] / base["decode_tok_s"],
+        }
         return out
     import torch
 
     from tokenmill.models.loader import load_model
     from tokenmill.quant.pipeline import QuantConfig, quantize_model
     from tokenmill.quant.save import save_quantized
+
     for bits in (8, 4):
         with tempfile.TemporaryDirectory(prefix=f"tm_rtn{bits}_") as tmp:
             loaded = load_model(args.model, dtype=torch.float32)
             cfg = QuantConfig(method="rtn", bits=bits, group_size=64)
             rep = quantize_model(loaded.model, cfg, None, progress=False)
-            save_quantized(loaded.model, loaded.config, loaded.tokenizer, rep.weights, cfg.resolved_format, tmp,
-                           cfg.sym)
+            save_quantized(
+                loaded.model, loaded.config, loaded.tokenizer, rep.weights, cfg.resolved_format, tmp, cfg.sym
+            )
             del loaded
             q = _single_stream(args, model=tmp)
         out[f"rtn_int{bits}"] = {"decode_tok_s": q["decode_tok_s"], "speedup": q["decode_tok_s"] / base["decode_tok_s"]}
@@ -204,8 +259,11 @@ def run_ablation(args) -> dict:
         try:
             res[row] = fn(args)
         except Exception as e:  # one broken row must not hide the others
-            res[row] = {"available": False, "reason": f"failed: {type(e).__name__}: {e}",
-                        "traceback": traceback.format_exc(limit=3)}
+            res[row] = {
+                "available": False,
+                "reason": f"failed: {type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(limit=3),
+            }
         print(f"{row}: done")
     return res
 
@@ -214,32 +272,59 @@ def print_ablation(res: dict) -> None:
     rows = []
     b = res.get("batching")
     if b and b.get("available", True):
-        rows.append(["paging + continuous batching", b["workload"],
-                     f"{b['static_output_tok_s']:.1f} -> {b['continuous_output_tok_s']:.1f} out tok/s",
-                     f"{b['speedup']:.2f}x"])
+        rows.append(
+            [
+                "paging + continuous batching",
+                b["workload"],
+                f"{b['static_output_tok_s']:.1f} -> {b['continuous_output_tok_s']:.1f} out tok/s",
+                f"{b['speedup']:.2f}x",
+            ]
+        )
     c = res.get("chunked_prefill")
     if c and c.get("available", True):
-        rows.append(["chunked prefill", c["workload"],
-                     f"ITL p99/p50 {c['off']['p99_over_p50']:.1f} -> {c['on']['p99_over_p50']:.1f}, max/p50 "
-                     f"{c['off']['max_over_p50']:.1f} -> {c['on']['max_over_p50']:.1f} (max {c['off']['itl_max_ms']:.0f}"
-                     f" -> {c['on']['itl_max_ms']:.0f} ms)",
-                     f"{c['off']['itl_max_ms'] / c['on']['itl_max_ms']:.2f}x lower max"])
+        rows.append(
+            [
+                "chunked prefill",
+                c["workload"],
+                f"ITL p99/p50 {c['off']['p99_over_p50']:.1f} -> {c['on']['p99_over_p50']:.1f}, max/p50 "
+                f"{c['off']['max_over_p50']:.1f} -> {c['on']['max_over_p50']:.1f} (max {c['off']['itl_max_ms']:.0f}"
+                f" -> {c['on']['itl_max_ms']:.0f} ms)",
+                f"{c['off']['itl_max_ms'] / c['on']['itl_max_ms']:.2f}x lower max",
+            ]
+        )
     p = res.get("prefix_caching")
     if p and p.get("available", True):
-        rows.append(["prefix caching", p["workload"],
-                     f"TTFT {p['off']['mean_ttft_ms']:.0f} -> {p['on']['mean_ttft_ms']:.0f} ms, "
-                     f"{p['off']['requests_per_s']:.2f} -> {p['on']['requests_per_s']:.2f} req/s",
-                     f"{p['speedup']:.2f}x"])
+        rows.append(
+            [
+                "prefix caching",
+                p["workload"],
+                f"TTFT {p['off']['mean_ttft_ms']:.0f} -> {p['on']['mean_ttft_ms']:.0f} ms, "
+                f"{p['off']['requests_per_s']:.2f} -> {p['on']['requests_per_s']:.2f} req/s",
+                f"{p['speedup']:.2f}x",
+            ]
+        )
     q = res.get("quantization")
     if q and q.get("available", True):
         for k, v in q.items():
             if k != "base":
-                rows.append([f"quantization {k}", "batch 1 decode",
-                             f"{q['base']['decode_tok_s']:.1f} -> {v['decode_tok_s']:.1f} tok/s", f"{v['speedup']:.2f}x"])
+                rows.append(
+                    [
+                        f"quantization {k}",
+                        "batch 1 decode",
+                        f"{q['base']['decode_tok_s']:.1f} -> {v['decode_tok_s']:.1f} tok/s",
+                        f"{v['speedup']:.2f}x",
+                    ]
+                )
     s = res.get("speculation")
     if s and s.get("available", True):
-        rows.append(["speculation (n-gram, k=4)", s["workload"],
-                     f"{s['off']['decode_tok_s']:.1f} -> {s['ngram']['decode_tok_s']:.1f} tok/s", f"{s['speedup']:.2f}x"])
+        rows.append(
+            [
+                "speculation (n-gram, k=4)",
+                s["workload"],
+                f"{s['off']['decode_tok_s']:.1f} -> {s['ngram']['decode_tok_s']:.1f} tok/s",
+                f"{s['speedup']:.2f}x",
+            ]
+        )
     for name in ROWS:
         r = res.get(name)
         if r is not None and r.get("available") is False:
@@ -270,12 +355,14 @@ def plot_ablation(res: dict, out_dir: str | None) -> str | None:
         return None
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed: no plot")
         return None
     from pathlib import Path
+
     path = Path(out_dir) / "ablation.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 0.55 * len(gains) + 1.2))
@@ -287,8 +374,9 @@ def plot_ablation(res: dict, out_dir: str | None) -> str | None:
     for bar, v in zip(bars, values):
         ax.text(bar.get_width() * 1.03, bar.get_y() + bar.get_height() / 2, f"{v:.2f}x", va="center", fontsize=8)
     cfg = res.get("config", {})
-    ax.set_title(f"tokenmill bench ablation: {cfg.get('model')}, {cfg.get('dtype')}, {cfg.get('threads')} threads",
-                 fontsize=9)
+    ax.set_title(
+        f"tokenmill bench ablation: {cfg.get('model')}, {cfg.get('dtype')}, {cfg.get('threads')} threads", fontsize=9
+    )
     ax.set_xlim(min(0.8, min(values) * 0.8), max(values) * 1.6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

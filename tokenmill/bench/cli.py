@@ -1,5 +1,6 @@
 """`tokenmill bench {latency,throughput,serve,roofline,ablation}`; each subcommand's module is
 imported only when it runs."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,12 @@ SUBCOMMANDS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="benchmark", required=True)
     for name, (module, help_) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=importlib.import_module(module).__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=help_,
+            description=importlib.import_module(module).__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         importlib.import_module(module).add_arguments(p)
         p.set_defaults(_bench_module=module)
 

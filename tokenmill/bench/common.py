@@ -1,4 +1,5 @@
 """Shared pieces of the benchmarks: datasets, percentile summaries, tables and JSON output."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,10 @@ import random
 import statistics
 import subprocess
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SHAREGPT = REPO_ROOT.parent / "shared" / "data" / "sharegpt_v3_first_exchange_5000.jsonl"
@@ -44,29 +46,43 @@ class SampleRequest:
         return len(self.prompt_token_ids)
 
 
-def is_valid_sharegpt_pair(prompt_len: int, output_len: int, max_prompt_len: int = 1024,
-                           max_total_len: int = 2048) -> bool:
+def is_valid_sharegpt_pair(
+    prompt_len: int, output_len: int, max_prompt_len: int = 1024, max_total_len: int = 2048
+) -> bool:
     """vLLM's ShareGPT filter: both sides >= 4 tokens, prompt <= 1024, prompt + reply <= 2048."""
     if prompt_len < 4 or output_len < 4:
         return False
     return prompt_len <= max_prompt_len and prompt_len + output_len <= max_total_len
 
 
-def load_sharegpt(path: str | Path | None, tokenizer, num_requests: int, seed: int = 0,
-                  fixed_output_len: int | None = None, max_output_len: int | None = None) -> list[SampleRequest]:
+def load_sharegpt(
+    path: str | Path | None,
+    tokenizer,
+    num_requests: int,
+    seed: int = 0,
+    fixed_output_len: int | None = None,
+    max_output_len: int | None = None,
+) -> list[SampleRequest]:
     """The first human/gpt exchange of ShareGPT conversations, shuffled with `seed` and filtered
     the way vLLM's benchmark_serving/benchmark_throughput filter them (is_valid_sharegpt_pair).
     `max_output_len` caps the reply length after filtering (a shorter run; off by default)."""
     path = Path(path) if path else DEFAULT_SHAREGPT
     if not path.exists():
-        raise ValueError(f"dataset {path} not found; pass --dataset PATH (ShareGPT json/jsonl) or --dataset-name random")
+        raise ValueError(
+            f"dataset {path} not found; pass --dataset PATH (ShareGPT json/jsonl) or --dataset-name random"
+        )
     text = path.read_text()
     if path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in text.split("\n") if line.strip()]  # NOT splitlines(): U+2028 inside strings
+        rows = [
+            json.loads(line) for line in text.split("\n") if line.strip()
+        ]  # NOT splitlines(): U+2028 inside strings
     else:
         rows = json.loads(text)
-    pairs = [(r["conversations"][0]["value"], r["conversations"][1]["value"]) for r in rows
-             if len(r.get("conversations", [])) >= 2]
+    pairs = [
+        (r["conversations"][0]["value"], r["conversations"][1]["value"])
+        for r in rows
+        if len(r.get("conversations", [])) >= 2
+    ]
     random.Random(seed).shuffle(pairs)
     out: list[SampleRequest] = []
     for prompt, reply in pairs:
@@ -84,8 +100,15 @@ def load_sharegpt(path: str | Path | None, tokenizer, num_requests: int, seed: i
     return out
 
 
-def random_requests(tokenizer, num_requests: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0, vocab_size: int | None = None) -> list[SampleRequest]:
+def random_requests(
+    tokenizer,
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    vocab_size: int | None = None,
+) -> list[SampleRequest]:
     """Random token prompts with lengths uniform in [len * (1 - r), len * (1 + r)] (vLLM's random
     dataset). Token ids avoid the first 256 ids (special and byte tokens)."""
     rng = random.Random(seed)
@@ -101,15 +124,28 @@ def random_requests(tokenizer, num_requests: int, input_len: int, output_len: in
 
 def add_dataset_args(parser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--dataset-name", choices=["sharegpt", "random"], default="sharegpt",
-                   help="sharegpt: first exchanges of ShareGPT (vLLM's filter); random: random token prompts")
-    g.add_argument("--dataset", "--dataset-path", dest="dataset", default=None,
-                   help=f"ShareGPT .json/.jsonl (default: {DEFAULT_SHAREGPT.relative_to(REPO_ROOT.parent)} "
-                        "next to the repository)")
+    g.add_argument(
+        "--dataset-name",
+        choices=["sharegpt", "random"],
+        default="sharegpt",
+        help="sharegpt: first exchanges of ShareGPT (vLLM's filter); random: random token prompts",
+    )
+    g.add_argument(
+        "--dataset",
+        "--dataset-path",
+        dest="dataset",
+        default=None,
+        help=f"ShareGPT .json/.jsonl (default: {DEFAULT_SHAREGPT.relative_to(REPO_ROOT.parent)} "
+        "next to the repository)",
+    )
     g.add_argument("--num-prompts", type=int, default=64, help="Number of requests (default: 64)")
     g.add_argument("--input-len", type=int, default=256, help="random: mean prompt tokens (default: 256)")
-    g.add_argument("--output-len", type=int, default=None,
-                   help="random: mean output tokens (default 128); sharegpt: fixed output length instead of the reply's")
+    g.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="random: mean output tokens (default 128); sharegpt: fixed output length instead of the reply's",
+    )
     g.add_argument("--max-output-len", type=int, default=None, help="sharegpt: cap reply lengths (default: no cap)")
     g.add_argument("--range-ratio", type=float, default=0.0, help="random: length spread (default: 0)")
     if "--seed" not in parser._option_string_actions:  # engine flags already define --seed
@@ -118,8 +154,9 @@ def add_dataset_args(parser) -> None:
 
 def requests_from_args(args, tokenizer) -> list[SampleRequest]:
     if args.dataset_name == "random":
-        return random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len or 128,
-                               args.range_ratio, args.seed)
+        return random_requests(
+            tokenizer, args.num_prompts, args.input_len, args.output_len or 128, args.range_ratio, args.seed
+        )
     return load_sharegpt(args.dataset, tokenizer, args.num_prompts, args.seed, args.output_len, args.max_output_len)
 
 
@@ -142,8 +179,12 @@ def summarize(values: Sequence[float], percentiles: Iterable[float] = (50, 90, 9
         return {"mean": nan, "median": nan, "std": nan, **{f"p{p:g}": nan for p in percentiles}}
     mean = sum(vals) / len(vals)
     std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
-    return {"mean": mean, "median": percentile(vals, 50), "std": std,
-            **{f"p{p:g}": percentile(vals, p) for p in percentiles}}
+    return {
+        "mean": mean,
+        "median": percentile(vals, 50),
+        "std": std,
+        **{f"p{p:g}": percentile(vals, p) for p in percentiles},
+    }
 
 
 # ------------------------------------------------------------------- output
@@ -159,6 +200,7 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
                 return "-"
             return f"{v:,.3g}" if abs(v) < 100 else f"{v:,.1f}"
         return str(v)
+
     cells = [[fmt(v) for v in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
@@ -169,10 +211,16 @@ def format_table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def environment(num_threads: int | None = None) -> dict[str, Any]:
     import torch
-    return {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": platform.processor() or platform.machine(), "num_cpus": os.cpu_count(),
-            "torch_threads": num_threads or torch.get_num_threads(),
-            "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
+
+    return {
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "num_cpus": os.cpu_count(),
+        "torch_threads": num_threads or torch.get_num_threads(),
+        "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
 
 
 def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
@@ -186,6 +234,7 @@ def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
 
 def set_threads(num_threads: int | None) -> int:
     import torch
+
     if num_threads:
         torch.set_num_threads(num_threads)
         os.environ["TOKENMILL_NUM_THREADS"] = str(num_threads)

@@ -1,4 +1,5 @@
 """Our engine under the benchmark workloads: timed single-stream generation and offline throughput."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,9 +15,11 @@ from tokenmill.sampling_params import SamplingParams
 _ids = itertools.count()
 
 # A neutral English passage; latency prompts are cut from (repetitions of) it.
-PASSAGE = ("The history of the printing press begins in the fifteenth century, when movable type made it "
-           "possible to reproduce books far faster than scribes could copy them. Within a few decades, "
-           "presses spread across Europe, prices fell, and literacy began to rise. ")
+PASSAGE = (
+    "The history of the printing press begins in the fifteenth century, when movable type made it "
+    "possible to reproduce books far faster than scribes could copy them. Within a few decades, "
+    "presses spread across Europe, prices fell, and literacy began to rise. "
+)
 
 
 def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:
@@ -40,8 +43,9 @@ def make_prompt_ids(tokenizer, input_len: int) -> list[int]:
     return ids[:input_len]
 
 
-def engine_timed_generate(engine, prompt_ids: list[int], max_new_tokens: int,
-                          params: SamplingParams | None = None) -> tuple[StreamTiming, list[int]]:
+def engine_timed_generate(
+    engine, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams | None = None
+) -> tuple[StreamTiming, list[int]]:
     """Greedy batch-1 generation on an EngineCore with a timestamp per generated token (tokens of a
     multi-token step, e.g. accepted drafts, share its timestamp)."""
     params = params or SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
@@ -54,7 +58,7 @@ def engine_timed_generate(engine, prompt_ids: list[int], max_new_tokens: int,
         now = time.perf_counter()
         for o in outs:
             if o.request_id == rid:
-                new = o.outputs[0].token_ids[len(toks):]
+                new = o.outputs[0].token_ids[len(toks) :]
                 toks.extend(new)
                 timing.token_times.extend([now] * len(new))
     return timing, toks
@@ -75,8 +79,11 @@ def engine_throughput(llm, requests: list[SampleRequest]) -> dict:
 
 def warm_up(llm) -> None:
     """One short prefill + decode (builds the C++ kernel and warms allocator caches)."""
-    llm.generate([{"prompt_token_ids": make_prompt_ids(llm.tokenizer, 24)}] * 2,
-                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": make_prompt_ids(llm.tokenizer, 24)}] * 2,
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

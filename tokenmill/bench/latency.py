@@ -1,17 +1,24 @@
 """`tokenmill bench latency`: batch 1 TTFT, decode tokens/s and per-token latency percentiles, with
 Hugging Face transformers and llama.cpp on the same model, dtype and thread count."""
+
 from __future__ import annotations
 
 import argparse
 
 from tokenmill.bench import peers
 from tokenmill.bench.common import environment, format_table, set_threads, write_json
-from tokenmill.bench.engine_runs import (common_prefix_len, engine_kwargs, engine_timed_generate, make_prompt_ids,
-                                         warm_up)
+from tokenmill.bench.engine_runs import (
+    common_prefix_len,
+    engine_kwargs,
+    engine_timed_generate,
+    make_prompt_ids,
+    warm_up,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tokenmill.entrypoints.engine_args import add_engine_args
+
     add_engine_args(p)
     g = p.add_argument_group("latency")
     g.add_argument("--input-len", type=int, default=32, help="Prompt tokens (default: 32)")
@@ -41,16 +48,26 @@ def measure(gen, prompt_ids: list[int], output_len: int, num_iters: int) -> tupl
 
 def run_latency(args: argparse.Namespace) -> dict:
     from tokenmill import LLM
+
     threads = set_threads(args.num_threads)
     llm = LLM(**engine_kwargs(args))
     dtype = llm.engine.config.model.torch_dtype
     warm_up(llm)
     prompt = make_prompt_ids(llm.tokenizer, args.input_len)
-    results: dict = {"config": {"model": args.model, "dtype": str(dtype).removeprefix("torch."),
-                                "input_len": args.input_len, "output_len": args.output_len,
-                                "num_iters": args.num_iters, "threads": threads}, "env": environment(threads)}
-    ours, our_toks = measure(lambda ids, n: engine_timed_generate(llm.engine, ids, n), prompt, args.output_len,
-                             args.num_iters)
+    results: dict = {
+        "config": {
+            "model": args.model,
+            "dtype": str(dtype).removeprefix("torch."),
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "num_iters": args.num_iters,
+            "threads": threads,
+        },
+        "env": environment(threads),
+    }
+    ours, our_toks = measure(
+        lambda ids, n: engine_timed_generate(llm.engine, ids, n), prompt, args.output_len, args.num_iters
+    )
     results["tokenmill"] = ours
     wanted = {p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"}
     if "hf" in wanted:
@@ -77,11 +94,16 @@ def run_latency(args: argparse.Namespace) -> dict:
 
 
 def print_latency(results: dict) -> None:
-    rows = peers.engine_rows(results, lambda r: [r["ttft_ms"], r["decode_tok_s"], r["itl_ms"]["median"],
-                                                 r["itl_ms"]["p90"], r["itl_ms"]["p99"]], 5)
+    rows = peers.engine_rows(
+        results,
+        lambda r: [r["ttft_ms"], r["decode_tok_s"], r["itl_ms"]["median"], r["itl_ms"]["p90"], r["itl_ms"]["p99"]],
+        5,
+    )
     c = results["config"]
-    print(f"\nbatch 1, {c['input_len']} prompt tokens, {c['output_len']} new tokens, {c['dtype']}, "
-          f"{c['threads']} threads (median of {c['num_iters']} runs)")
+    print(
+        f"\nbatch 1, {c['input_len']} prompt tokens, {c['output_len']} new tokens, {c['dtype']}, "
+        f"{c['threads']} threads (median of {c['num_iters']} runs)"
+    )
     print(format_table(["engine", "TTFT ms", "decode tok/s", "ITL p50 ms", "ITL p90 ms", "ITL p99 ms"], rows))
     peers.print_peer_ratios(results, "decode tok/s")
 
@@ -91,4 +113,3 @@ def run(args: argparse.Namespace) -> int:
     print_latency(results)
     write_json(args.output_json, results)
     return 0
-

@@ -6,6 +6,7 @@ they can run here; a benchmark reports an absent peer as {"available": false, "r
 of failing. llama-cpp-python is never installed by us (it compiles for a long time on small
 machines); llama-server is a binary built by scripts/build_llama_server.sh.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -73,6 +74,7 @@ def llamacpp_available(model: str = "smollm2-135m") -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed (pip install llama-cpp-python; it compiles llama.cpp)"
     from tokenmill.models.loader import resolve_model_path
+
     if resolve_model_path(model).suffix != ".gguf":
         return f"llama.cpp reads GGUF files only; {model} is not one"
     return None
@@ -84,9 +86,12 @@ def llamaserver_available(model: str = "smollm2-135m", binary: str | os.PathLike
         explicit = binary or os.environ.get(LLAMA_SERVER_ENV)
         if explicit:
             return f"llama-server not found at {explicit} (from --llama-server or ${LLAMA_SERVER_ENV})"
-        return (f"llama-server not found (pass --llama-server PATH, set ${LLAMA_SERVER_ENV}, or build it into "
-                "../shared/tools/llama-server with scripts/build_llama_server.sh)")
+        return (
+            f"llama-server not found (pass --llama-server PATH, set ${LLAMA_SERVER_ENV}, or build it into "
+            "../shared/tools/llama-server with scripts/build_llama_server.sh)"
+        )
     from tokenmill.models.loader import ModelLoadError, resolve_model_path
+
     try:
         path = resolve_model_path(model)
     except ModelLoadError as e:
@@ -105,14 +110,18 @@ class StreamTiming:
 
     def summary(self) -> dict:
         from tokenmill.bench.common import summarize
+
         n = len(self.token_times)
         ttft = self.token_times[0] - self.start if n else float("nan")
         decode_s = self.token_times[-1] - self.token_times[0] if n > 1 else float("nan")
         gaps = [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-        return {"num_tokens": n, "ttft_ms": ttft * 1e3,
-                "decode_tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan"),
-                "e2e_ms": (self.token_times[-1] - self.start) * 1e3 if n else float("nan"),
-                "itl_ms": {k: v * 1e3 for k, v in summarize(gaps).items()}}
+        return {
+            "num_tokens": n,
+            "ttft_ms": ttft * 1e3,
+            "decode_tok_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan"),
+            "e2e_ms": (self.token_times[-1] - self.start) * 1e3 if n else float("nan"),
+            "itl_ms": {k: v * 1e3 for k, v in summarize(gaps).items()},
+        }
 
 
 # ------------------------------------------------------------------ HF peer
@@ -125,8 +134,10 @@ class HFPeer:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from tokenmill.models.loader import resolve_model_path
+
         path = Path(resolve_model_path(model))
         import transformers
+
         kw = {"dtype": dtype} if int(transformers.__version__.split(".")[0]) >= 5 else {"torch_dtype": dtype}
         if path.suffix != ".gguf":
             self.model = AutoModelForCausalLM.from_pretrained(path, **kw)
@@ -141,8 +152,9 @@ class HFPeer:
         assert next(self.model.parameters()).dtype == dtype, "HF peer did not load in the requested dtype"
         self.model.eval()
         self.dtype = dtype
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
-            else self.tokenizer.eos_token_id
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        )
 
     @torch.inference_mode()
     def timed_generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[StreamTiming, list[int]]:
@@ -158,10 +170,16 @@ class HFPeer:
 
         ids = torch.tensor([prompt_ids])
         timing.start = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                  pad_token_id=self.pad_id, stopping_criteria=StoppingCriteriaList([Stamp()]))
-        return timing, out[0, ids.shape[1]:].tolist()
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=self.pad_id,
+            stopping_criteria=StoppingCriteriaList([Stamp()]),
+        )
+        return timing, out[0, ids.shape[1] :].tolist()
 
     @torch.inference_mode()
     def throughput(self, requests: list[SampleRequest], max_batch_size: int) -> dict:
@@ -186,11 +204,17 @@ class HFPeer:
             ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for i, r in enumerate(batch):
-                ids[i, width - r.prompt_len:] = torch.tensor(r.prompt_token_ids)
-                mask[i, width - r.prompt_len:] = 1
+                ids[i, width - r.prompt_len :] = torch.tensor(r.prompt_token_ids)
+                mask[i, width - r.prompt_len :] = 1
             n_out = max(r.output_len for r in batch)
-            self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n_out,
-                                min_new_tokens=n_out, pad_token_id=self.pad_id)
+            self.model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=n_out,
+                min_new_tokens=n_out,
+                pad_token_id=self.pad_id,
+            )
         elapsed = time.perf_counter() - t0
         return throughput_figures(requests, elapsed) | {"num_batches": len(batches), "max_batch_size": max_batch_size}
 
@@ -205,9 +229,11 @@ class LlamaCppPeer:
         from llama_cpp import Llama
 
         from tokenmill.models.loader import resolve_model_path
+
         self.path = Path(resolve_model_path(model))
-        self.llm = Llama(model_path=str(self.path), n_threads=num_threads, n_threads_batch=num_threads,
-                         n_ctx=n_ctx, verbose=False)
+        self.llm = Llama(
+            model_path=str(self.path), n_threads=num_threads, n_threads_batch=num_threads, n_ctx=n_ctx, verbose=False
+        )
 
     def timed_generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[StreamTiming, list[int]]:
         self.llm.reset()
@@ -252,18 +278,36 @@ def find_llama_server(binary: str | os.PathLike | None = None) -> Path | None:
     return Path(found) if found else None
 
 
-def llama_server_command(binary: Path, model_path: Path, port: int, num_threads: int, slots: int,
-                         ctx_per_slot: int = 2048) -> list[str]:
+def llama_server_command(
+    binary: Path, model_path: Path, port: int, num_threads: int, slots: int, ctx_per_slot: int = 2048
+) -> list[str]:
     """The server's command line. In this llama.cpp (0.3.36's) the unified KV cache is off unless
     --parallel is left on auto, and then -c is split evenly: every slot gets c / N tokens (padded to
     256). So -c N * ctx_per_slot gives each slot its own ctx_per_slot-token KV stream (2048: vLLM's
     ShareGPT filter keeps prompt + reply <= 2048); --no-kv-unified says so explicitly. (With a unified
     pool, -c is shared, and each slot's attention scans the used part of the whole pool, masked.)"""
-    return [str(binary), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port),
-            "-t", str(num_threads), "-tb", str(num_threads),
-            "--parallel", str(slots), "-c", str(slots * ctx_per_slot), "--no-kv-unified", "--cont-batching",
-            "--cache-ram", "0",  # no host-memory prompt cache: requests say cache_prompt: false anyway
-            "--no-webui"]
+    return [
+        str(binary),
+        "-m",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(num_threads),
+        "-tb",
+        str(num_threads),
+        "--parallel",
+        str(slots),
+        "-c",
+        str(slots * ctx_per_slot),
+        "--no-kv-unified",
+        "--cont-batching",
+        "--cache-ram",
+        "0",  # no host-memory prompt cache: requests say cache_prompt: false anyway
+        "--no-webui",
+    ]
 
 
 def _die_with_parent() -> None:
@@ -271,6 +315,7 @@ def _die_with_parent() -> None:
     even by SIGKILL, so a crashed run cannot leave a server holding the CPUs."""
     import ctypes
     import signal
+
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
@@ -282,10 +327,18 @@ class LlamaServerPeer:
 
     name = "llama-server"
 
-    def __init__(self, model: str, num_threads: int, slots: int = 16, binary: str | os.PathLike | None = None,
-                 ctx_per_slot: int = 2048, startup_timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        model: str,
+        num_threads: int,
+        slots: int = 16,
+        binary: str | os.PathLike | None = None,
+        ctx_per_slot: int = 2048,
+        startup_timeout: float = 120.0,
+    ) -> None:
         from tokenmill.bench.serve import free_port
         from tokenmill.models.loader import resolve_model_path
+
         found = find_llama_server(binary)
         if found is None:
             raise RuntimeError(llamaserver_available(model, binary) or "llama-server not found")
@@ -299,8 +352,14 @@ class LlamaServerPeer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(found.parent), env.get("LD_LIBRARY_PATH")]))
         self.log = tempfile.NamedTemporaryFile("w+b", prefix="llama-server-", suffix=".log", delete=False)
         cmd = llama_server_command(found, self.path, self.port, num_threads, slots, ctx_per_slot)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
         try:
             self._wait_healthy(startup_timeout)
         except BaseException:
@@ -318,8 +377,9 @@ class LlamaServerPeer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with code {self.proc.returncode} during startup:\n"
-                                   + self._log_tail())
+                raise RuntimeError(
+                    f"llama-server exited with code {self.proc.returncode} during startup:\n" + self._log_tail()
+                )
             try:
                 status, _ = self._request("GET", "/health", None, timeout=2.0)
                 if status == 200:
@@ -333,8 +393,12 @@ class LlamaServerPeer:
         # http.client, not urllib: urllib would route 127.0.0.1 through an http_proxy from the environment.
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
-            conn.request(method, path, body=None if body is None else json.dumps(body),
-                         headers={"Content-Type": "application/json"})
+            conn.request(
+                method,
+                path,
+                body=None if body is None else json.dumps(body),
+                headers={"Content-Type": "application/json"},
+            )
             resp = conn.getresponse()
             return resp.status, resp.read()
         finally:
@@ -343,8 +407,14 @@ class LlamaServerPeer:
     def complete(self, prompt_ids: list[int], n_predict: int, timeout: float = 3600.0) -> dict:
         """One greedy /completion on token ids, EOS ignored, no prompt cache reuse (llama-server's
         native endpoint: it takes token ids and reports how many tokens it generated)."""
-        body = {"prompt": prompt_ids, "n_predict": n_predict, "ignore_eos": True, "temperature": 0.0,
-                "cache_prompt": False, "stream": False}
+        body = {
+            "prompt": prompt_ids,
+            "n_predict": n_predict,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "cache_prompt": False,
+            "stream": False,
+        }
         status, data = self._request("POST", "/completion", body, timeout)
         if status != 200:
             raise RuntimeError(f"/completion: HTTP {status}: {data[:300].decode(errors='replace')}")
@@ -371,9 +441,12 @@ class LlamaServerPeer:
         mismatched = sum(1 for r, o in zip(requests, outs) if o != r.output_len)
         errors = sorted({o for o in outs if isinstance(o, str)})
         return throughput_figures(requests, elapsed) | {
-            "slots": self.slots, "ctx_per_slot": self.ctx_per_slot,
+            "slots": self.slots,
+            "ctx_per_slot": self.ctx_per_slot,
             "generated_tokens": sum(o for o in outs if isinstance(o, int)),
-            "num_mismatched_outputs": mismatched, "errors": errors[:5]}
+            "num_mismatched_outputs": mismatched,
+            "errors": errors[:5],
+        }
 
     def stop(self) -> None:
         """terminate, then kill if it has not exited within 10 s; removes the log file."""
@@ -381,7 +454,7 @@ class LlamaServerPeer:
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
 
-    def __enter__(self) -> "LlamaServerPeer":
+    def __enter__(self) -> LlamaServerPeer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -391,6 +464,12 @@ class LlamaServerPeer:
 def throughput_figures(requests: list[SampleRequest], elapsed: float) -> dict:
     n_in = sum(r.prompt_len for r in requests)
     n_out = sum(r.output_len for r in requests)
-    return {"elapsed_s": elapsed, "num_requests": len(requests), "prompt_tokens": n_in, "output_tokens": n_out,
-            "requests_per_s": len(requests) / elapsed, "output_tok_s": n_out / elapsed,
-            "total_tok_s": (n_in + n_out) / elapsed}
+    return {
+        "elapsed_s": elapsed,
+        "num_requests": len(requests),
+        "prompt_tokens": n_in,
+        "output_tokens": n_out,
+        "requests_per_s": len(requests) / elapsed,
+        "output_tok_s": n_out / elapsed,
+        "total_tok_s": (n_in + n_out) / elapsed,
+    }

@@ -14,6 +14,7 @@ optional --max-concurrency cap. Comma lists sweep rates and caps; the result is 
 and PNG plots (latency vs request rate, throughput vs concurrency) in --result-dir.
 With --launch-server the command starts `tokenmill serve` on a free local port and stops it at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tokenmill.bench.common import (SampleRequest, stop_process, add_dataset_args, environment, format_table, requests_from_args,
-                                    summarize, write_json)
+from tokenmill.bench.common import (
+    SampleRequest,
+    add_dataset_args,
+    environment,
+    format_table,
+    requests_from_args,
+    stop_process,
+    summarize,
+    write_json,
+)
 
 
 @dataclass
@@ -61,11 +70,24 @@ def parse_sse_line(line: str) -> dict | None | str:
     return json.loads(data)
 
 
-async def send_request(client, url: str, model: str, req: SampleRequest, chat: bool, ignore_eos: bool,
-                       extra_body: dict | None = None, headers: dict | None = None) -> RequestResult:
+async def send_request(
+    client,
+    url: str,
+    model: str,
+    req: SampleRequest,
+    chat: bool,
+    ignore_eos: bool,
+    extra_body: dict | None = None,
+    headers: dict | None = None,
+) -> RequestResult:
     """Stream one completion and time its chunks."""
-    body: dict = {"model": model, "max_tokens": req.output_len, "temperature": 0.0, "stream": True,
-                  "stream_options": {"include_usage": True}}
+    body: dict = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": req.prompt}]
     else:
@@ -127,16 +149,28 @@ async def arrivals(requests: list[SampleRequest], rate: float, pattern: str, see
         await asyncio.sleep(gap)
 
 
-async def run_load(base_url: str, model: str, requests: list[SampleRequest], rate: float, pattern: str,
-                   max_concurrency: int | None, chat: bool = False, ignore_eos: bool = False, seed: int = 0,
-                   api_key: str | None = None, timeout: float = 600.0,
-                   extra_body: dict | None = None) -> tuple[list[RequestResult], float]:
+async def run_load(
+    base_url: str,
+    model: str,
+    requests: list[SampleRequest],
+    rate: float,
+    pattern: str,
+    max_concurrency: int | None,
+    chat: bool = False,
+    ignore_eos: bool = False,
+    seed: int = 0,
+    api_key: str | None = None,
+    timeout: float = 600.0,
+    extra_body: dict | None = None,
+) -> tuple[list[RequestResult], float]:
     import httpx
+
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+
         async def one(r: SampleRequest) -> RequestResult:
             if sem is None:
                 return await send_request(client, url, model, r, chat, ignore_eos, extra_body, headers)
@@ -162,8 +196,12 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
-def calculate_metrics(results: list[RequestResult], duration: float, slos: dict[str, float] | None = None,
-                      percentiles: tuple[float, ...] = (99,)) -> dict:
+def calculate_metrics(
+    results: list[RequestResult],
+    duration: float,
+    slos: dict[str, float] | None = None,
+    percentiles: tuple[float, ...] = (99,),
+) -> dict:
     """vLLM's serving metrics (times reported in milliseconds)."""
     ok = [r for r in results if r.success]
     ttfts = [r.ttft for r in ok]
@@ -176,19 +214,28 @@ def calculate_metrics(results: list[RequestResult], duration: float, slos: dict[
     if slos:
         for r in ok:
             tpot = (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
-            if ((r.ttft * 1e3 <= slos.get("ttft", math.inf)) and (tpot * 1e3 <= slos.get("tpot", math.inf))
-                    and (r.latency * 1e3 <= slos.get("e2el", math.inf))):
+            if (
+                (r.ttft * 1e3 <= slos.get("ttft", math.inf))
+                and (tpot * 1e3 <= slos.get("tpot", math.inf))
+                and (r.latency * 1e3 <= slos.get("e2el", math.inf))
+            ):
                 good += 1
     pcts = tuple(sorted(set(percentiles) | {99}))
     ms = lambda xs: {k: v * 1e3 for k, v in summarize(xs, pcts).items()}  # noqa: E731
     return {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-        "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": n_in,
+        "total_output_tokens": n_out,
         "request_throughput": len(ok) / duration if duration else float("nan"),
         "request_goodput": good / duration if (slos and duration) else None,
         "output_throughput": n_out / duration if duration else float("nan"),
         "total_token_throughput": (n_in + n_out) / duration if duration else float("nan"),
-        "ttft_ms": ms(ttfts), "tpot_ms": ms(tpots), "itl_ms": ms(itls), "e2el_ms": ms(e2els),
+        "ttft_ms": ms(ttfts),
+        "tpot_ms": ms(tpots),
+        "itl_ms": ms(itls),
+        "e2el_ms": ms(e2els),
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
 
@@ -203,19 +250,34 @@ def free_port() -> int:
 class LaunchedServer:
     """`tokenmill serve` as a subprocess on 127.0.0.1:<free port>; stopped on exit."""
 
-    def __init__(self, server_args: list[str], startup_timeout: float = 300.0, log_path: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        server_args: list[str],
+        startup_timeout: float = 300.0,
+        log_path: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         """env: the server process's environment (default: this one's), e.g. PYTHONPATH set to another checkout."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), *server_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tokenmill.entrypoints.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *server_args,
+        ]
         self.log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_ready(startup_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
         import httpx
+
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -234,7 +296,7 @@ class LaunchedServer:
         if self.log is not subprocess.DEVNULL:
             self.log.close()
 
-    def __enter__(self) -> "LaunchedServer":
+    def __enter__(self) -> LaunchedServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -257,11 +319,13 @@ def metric_values(text: str) -> dict[str, float]:
 def scrape_metrics(base_url: str) -> dict[str, float]:
     """A running server's /metrics, as metric_values."""
     import httpx
+
     return metric_values(httpx.get(base_url.rstrip("/") + "/metrics", timeout=30).text)
 
 
 def discover_model(base_url: str, api_key: str | None = None) -> str:
     import httpx
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     data = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()
     return data["data"][0]["id"]
@@ -273,6 +337,7 @@ def write_plots(runs: list[dict], out_dir: Path) -> list[str]:
     (one line per rate). Returns the PNG paths written ([] without matplotlib)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -334,8 +399,11 @@ def _caps(s: str | None) -> list[int | None]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default=None, help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    g.add_argument("--launch-server", action="store_true",
-                   help="Start `tokenmill serve` on a free local port for the run and stop it afterwards")
+    g.add_argument(
+        "--launch-server",
+        action="store_true",
+        help="Start `tokenmill serve` on a free local port for the run and stop it afterwards",
+    )
     g.add_argument("--server-args", default="", help="Extra arguments for the launched server (one string)")
     g.add_argument("--model-name", default=None, help="Model name in requests (default: first of /v1/models)")
     g.add_argument("--tokenizer", default="smollm2-135m", help="Tokenizer for prompt lengths (model path or alias)")
@@ -351,25 +419,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metric-percentiles", default="99", help="Percentiles to report (comma list)")
     g.add_argument("--result-dir", default="bench_out/serve", help="JSON and PNG plots go here")
     g.add_argument("--no-plots", action="store_true")
-    g.add_argument("--share-prefix-cache", action="store_true",
-                   help="Let sweep points share prefix-cache blocks (by default each sends its own cache_salt, so "
-                        "no point finds an earlier point's prompts cached)")
+    g.add_argument(
+        "--share-prefix-cache",
+        action="store_true",
+        help="Let sweep points share prefix-cache blocks (by default each sends its own cache_salt, so "
+        "no point finds an earlier point's prompts cached)",
+    )
 
 
 def load_tokenizer(model: str):
     from tokenmill.models.loader import GGUFSource, HFDirSource, resolve_model_path
+
     path = resolve_model_path(model)
     return (GGUFSource(path) if path.is_file() else HFDirSource(path)).tokenizer()
 
 
-def run_sweep(base_url: str, model: str, requests: list[SampleRequest], rates: list[float], caps: list[int | None],
-              args: argparse.Namespace) -> list[dict]:
+def run_sweep(
+    base_url: str,
+    model: str,
+    requests: list[SampleRequest],
+    rates: list[float],
+    caps: list[int | None],
+    args: argparse.Namespace,
+) -> list[dict]:
     slos = parse_goodput(args.goodput)
     pcts = tuple(_floats(args.metric_percentiles))
     chat = args.endpoint == "chat"
     # One short request first (vLLM's test run): fails fast on a bad endpoint, warms the server.
-    warm, _ = asyncio.run(run_load(base_url, model, [SampleRequest(requests[0].prompt, requests[0].prompt_token_ids, 4)],
-                                   math.inf, "poisson", None, chat, args.ignore_eos, api_key=args.api_key))
+    warm, _ = asyncio.run(
+        run_load(
+            base_url,
+            model,
+            [SampleRequest(requests[0].prompt, requests[0].prompt_token_ids, 4)],
+            math.inf,
+            "poisson",
+            None,
+            chat,
+            args.ignore_eos,
+            api_key=args.api_key,
+        )
+    )
     if not warm[0].success:
         raise ValueError(f"test request to {base_url} failed: {warm[0].error}")
     runs = []
@@ -379,29 +468,78 @@ def run_sweep(base_url: str, model: str, requests: list[SampleRequest], rates: l
             # after the first would find them all in the prefix cache and skip their prefill (seen: 23.9 out
             # tok/s for a cold first point vs 111 for the same load later)
             extra = None if args.share_prefix_cache else {"cache_salt": f"sweep-{len(runs)}-{time.time_ns()}"}
-            results, duration = asyncio.run(run_load(base_url, model, requests, rate, args.arrival, cap, chat,
-                                                     args.ignore_eos, args.seed, args.api_key, extra_body=extra))
+            results, duration = asyncio.run(
+                run_load(
+                    base_url,
+                    model,
+                    requests,
+                    rate,
+                    args.arrival,
+                    cap,
+                    chat,
+                    args.ignore_eos,
+                    args.seed,
+                    args.api_key,
+                    extra_body=extra,
+                )
+            )
             m = calculate_metrics(results, duration, slos, pcts)
-            runs.append({"request_rate": rate, "max_concurrency": cap, "num_prompts": len(requests), "metrics": m,
-                         "per_request": [{k: v for k, v in asdict(r).items() if k != "generated_text"}
-                                         for r in results]})
-            print(f"rate {rate} cap {cap or '-'}: {m['completed']} ok, {m['failed']} failed, "
-                  f"{m['output_throughput']:.1f} out tok/s")
+            runs.append(
+                {
+                    "request_rate": rate,
+                    "max_concurrency": cap,
+                    "num_prompts": len(requests),
+                    "metrics": m,
+                    "per_request": [{k: v for k, v in asdict(r).items() if k != "generated_text"} for r in results],
+                }
+            )
+            print(
+                f"rate {rate} cap {cap or '-'}: {m['completed']} ok, {m['failed']} failed, "
+                f"{m['output_throughput']:.1f} out tok/s"
+            )
     return runs
 
 
 def print_runs(runs: list[dict], slos: dict[str, float]) -> None:
-    headers = ["rate", "conc", "done", "req/s", "out tok/s", "TTFT mean", "TTFT med", "TTFT p99", "TPOT mean",
-               "TPOT med", "TPOT p99", "ITL med", "ITL p99", "E2EL med", "E2EL p99"]
+    headers = [
+        "rate",
+        "conc",
+        "done",
+        "req/s",
+        "out tok/s",
+        "TTFT mean",
+        "TTFT med",
+        "TTFT p99",
+        "TPOT mean",
+        "TPOT med",
+        "TPOT p99",
+        "ITL med",
+        "ITL p99",
+        "E2EL med",
+        "E2EL p99",
+    ]
     if slos:
         headers.append("goodput req/s")
     rows = []
     for r in runs:
         m = r["metrics"]
-        row = [r["request_rate"], r["max_concurrency"] or "-", m["completed"], m["request_throughput"],
-               m["output_throughput"], m["ttft_ms"]["mean"], m["ttft_ms"]["median"], m["ttft_ms"]["p99"],
-               m["tpot_ms"]["mean"], m["tpot_ms"]["median"], m["tpot_ms"]["p99"], m["itl_ms"]["median"],
-               m["itl_ms"]["p99"], m["e2el_ms"]["median"], m["e2el_ms"]["p99"]]
+        row = [
+            r["request_rate"],
+            r["max_concurrency"] or "-",
+            m["completed"],
+            m["request_throughput"],
+            m["output_throughput"],
+            m["ttft_ms"]["mean"],
+            m["ttft_ms"]["median"],
+            m["ttft_ms"]["p99"],
+            m["tpot_ms"]["mean"],
+            m["tpot_ms"]["median"],
+            m["tpot_ms"]["p99"],
+            m["itl_ms"]["median"],
+            m["itl_ms"]["p99"],
+            m["e2el_ms"]["median"],
+            m["e2el_ms"]["p99"],
+        ]
         if slos:
             row.append(m["request_goodput"])
         rows.append(row)
@@ -432,8 +570,16 @@ def run(args: argparse.Namespace) -> int:
             server.stop()
     slos = parse_goodput(args.goodput)
     print_runs(runs, slos)
-    payload = {"base_url": base_url, "model": model, "endpoint": args.endpoint, "dataset": args.dataset_name,
-               "arrival": args.arrival, "goodput_slos_ms": slos, "env": environment(), "runs": runs}
+    payload = {
+        "base_url": base_url,
+        "model": model,
+        "endpoint": args.endpoint,
+        "dataset": args.dataset_name,
+        "arrival": args.arrival,
+        "goodput_slos_ms": slos,
+        "env": environment(),
+        "runs": runs,
+    }
     write_json(out_dir / "serve.json", payload)
     if not args.no_plots:
         for p in write_plots(runs, out_dir):

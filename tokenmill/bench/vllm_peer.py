@@ -10,6 +10,7 @@ Two ways to run it on a small machine, both reported (`VLLMBinding`):
   front end and computes on the other ("Reducing Torch threads from 2 to 1").
 - "all-cores": VLLM_CPU_OMP_THREADS_BIND=0-<n-1>, its compute threads bound to every core.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -40,13 +41,20 @@ def vllm_available(venv: str | os.PathLike | None = None, model_dir: str | os.Pa
     """None if vLLM can serve `model_dir` here, else the reason why not."""
     py = vllm_python(venv)
     if not py.is_file():
-        return (f"vLLM not installed: no {py} (bash scripts/setup_vllm_peer.sh [VENV], or pass --vllm-venv / "
-                f"set ${VLLM_VENV_ENV})")
+        return (
+            f"vLLM not installed: no {py} (bash scripts/setup_vllm_peer.sh [VENV], or pass --vllm-venv / "
+            f"set ${VLLM_VENV_ENV})"
+        )
     model = Path(model_dir or DEFAULT_VLLM_MODEL)
     if not (model / "config.json").is_file():
         return f"no Hugging Face model directory at {model} (benchmarks/gguf_to_hf.py --out {model})"
-    probe = subprocess.run([str(py), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
-                           env=vllm_env("default"), timeout=300)
+    probe = subprocess.run(
+        [str(py), "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        env=vllm_env("default"),
+        timeout=300,
+    )
     if probe.returncode != 0:
         return f"`import vllm` fails in {py}: {probe.stderr.strip().splitlines()[-1] if probe.stderr else '?'}"
     return None
@@ -88,13 +96,28 @@ class VLLMServer:
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+b", prefix="vllm-server-", suffix=".log", delete=False)
-        cmd = [str(vllm_python(config.venv)), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(config.model_dir), "--served-model-name", Path(config.model_dir).name,
-               "--dtype", config.dtype, "--max-model-len", str(config.max_model_len),
-               "--gpu-memory-utilization", str(config.memory_fraction),
-               "--host", "127.0.0.1", "--port", str(port)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=vllm_env(config.binding),
-                                     start_new_session=True)
+        cmd = [
+            str(vllm_python(config.venv)),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(config.model_dir),
+            "--served-model-name",
+            Path(config.model_dir).name,
+            "--dtype",
+            config.dtype,
+            "--max-model-len",
+            str(config.max_model_len),
+            "--gpu-memory-utilization",
+            str(config.memory_fraction),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=vllm_env(config.binding), start_new_session=True
+        )
         self.startup_s = self._wait_ready(startup_timeout)
 
     def _log_tail(self, n: int = 4000) -> str:
@@ -138,7 +161,7 @@ class VLLMServer:
             pass
         self.log.close()
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         return self
 
     def __exit__(self, *exc) -> None:

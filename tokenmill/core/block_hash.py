@@ -7,6 +7,7 @@ equal hashes mean equal prefixes; sha256 makes an accidental collision (which wo
 wrong keys and values) practically impossible. Extra keys carry `cache_salt` so tenants can
 be isolated.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,10 +28,11 @@ def hash_block(parent: BlockHash | None, token_ids: list[int] | tuple[int, ...],
     return BlockHash(h.digest())
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], block_size: int,
-                        extra: str | None = None) -> None:
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: list[int], block_size: int, extra: str | None = None
+) -> None:
     """Append hashes for every full block of token_ids not hashed yet (in place)."""
     num_full = len(token_ids) // block_size
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i else None
-        hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra))
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra))

@@ -8,6 +8,7 @@ A block whose ref_cnt drops to 0 joins the back. A free block that still has a h
 findable in `cached` until it is popped for reuse (eviction = least recently freed first).
 A cache hit on a free block takes it out of the queue again ("touch").
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
-    prev: "KVCacheBlock | None" = None
-    next: "KVCacheBlock | None" = None
+    prev: KVCacheBlock | None = None
+    next: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_cnt}{', cached' if self.block_hash else ''})"
@@ -150,12 +151,15 @@ class BlockPool:
         if given, expected_refs (block id -> holders) must equal the ref counts."""
         in_queue = {b.block_id for b in self.free_queue}
         assert len(in_queue) == self.free_queue.num_free, "free queue count drift"
-        assert self.num_cached_free_blocks == sum(1 for b in self.free_queue if b.block_hash is not None), \
+        assert self.num_cached_free_blocks == sum(1 for b in self.free_queue if b.block_hash is not None), (
             "cached-free count drift"
+        )
         for b in self.blocks:
             assert b.ref_cnt >= 0
             assert (b.ref_cnt == 0) == (b.block_id in in_queue), f"{b}: ref_cnt and free queue disagree"
             if expected_refs is not None:
-                assert b.ref_cnt == expected_refs.get(b.block_id, 0), f"{b}: expected {expected_refs.get(b.block_id, 0)} refs"
+                assert b.ref_cnt == expected_refs.get(b.block_id, 0), (
+                    f"{b}: expected {expected_refs.get(b.block_id, 0)} refs"
+                )
         for h, b in self.cached.items():
             assert b.block_hash == h, f"{b} cached under a different hash"

@@ -30,17 +30,17 @@ before c - W + 1 goes back to the pool and its table entry becomes NULL_BLOCK.
 A prefix hit must hold, in every windowed group, the blocks the next query sees; the hit is the
 longest prefix of cached global blocks for which it does (`get_computed_blocks`).
 """
+
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
 
 from tokenmill.config import KVCacheGroup
 from tokenmill.core.block_hash import BlockHash, extend_block_hashes
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
 from tokenmill.core.step_io import BlockCopy
 from tokenmill.request import Request
-
 
 NULL_BLOCK = KVCacheBlock(-1)
 """A windowed group's table entry for a block that slid out of the window (never read, never written)."""
@@ -104,8 +104,8 @@ entry), used by one request, shared by several (prefix hits, n > 1 samples, beam
 class BlockMap:
     """Every block of the pool at one moment, for a picture of it (the dashboard's grid).
 
-        pool of 6, A holds [0 1], B hit A's first block and holds [0 2], block 4 was freed but is cached:
-        states = "sucu.."   owners = {"A": [0, 1], "B": [0, 2]}
+    pool of 6, A holds [0 1], B hit A's first block and holds [0 2], block 4 was freed but is cached:
+    states = "sucu.."   owners = {"A": [0, 1], "B": [0, 2]}
     """
 
     states: str
@@ -115,8 +115,13 @@ class BlockMap:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 groups: Sequence[KVCacheGroup] | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        groups: Sequence[KVCacheGroup] | None = None,
+    ) -> None:
         """groups: the model's KV-cache groups (plan_kv_groups); None: one global group."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -177,8 +182,12 @@ class KVCacheManager:
                         break
         windowed = [g for g, grp in enumerate(self.groups) if grp.sliding_window is not None]
         while n > 0 and windowed:  # the hit must hold every window's blocks for the query at n * block_size
-            missing = [j for g in windowed for j in range(self.first_needed_block(g, n * self.block_size), n)
-                       if get(self._key(g, hashes[j])) is None]
+            missing = [
+                j
+                for g in windowed
+                for j in range(self.first_needed_block(g, n * self.block_size), n)
+                if get(self._key(g, hashes[j])) is None
+            ]
             if not missing:
                 break
             n = max(missing)
@@ -211,8 +220,9 @@ class KVCacheManager:
                 self.pool.free_blocks(gone)
                 self.num_blocks_slid_out += len(gone)
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: ComputedBlocks | None = None,
-                       cache_blocks: bool = True) -> list[KVCacheBlock] | None:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed: ComputedBlocks | None = None, cache_blocks: bool = True
+    ) -> list[KVCacheBlock] | None:
         """Make room for num_new_tokens more tokens after the computed ones (and after the
         cache hits in `computed`), in every group. Returns the newly allocated blocks, or None if the pool
         cannot supply them (nothing changes then, except that windowed groups may have returned blocks no
@@ -337,8 +347,10 @@ class KVCacheManager:
         """Blocks a request of num_tokens tokens holds at least at its end, summed over groups (a window holds
         the blocks its last query sees): more than the pool means it can never run."""
         full = -(-num_tokens // self.block_size)
-        return sum(full if g.sliding_window is None else min(full, -(-g.sliding_window // self.block_size) + 1)
-                   for g in self.groups)
+        return sum(
+            full if g.sliding_window is None else min(full, -(-g.sliding_window // self.block_size) + 1)
+            for g in self.groups
+        )
 
     def group_kind(self, g: int) -> str:
         w = self.groups[g].sliding_window
@@ -366,10 +378,15 @@ class KVCacheManager:
                 fill[b.block_id] = f
         pool = self.pool
         return KVMemoryUsage(
-            num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_blocks - pool.num_free_blocks,
-            num_blocks_free=pool.num_free_blocks, num_blocks_cached_free=pool.num_cached_free_blocks,
+            num_blocks_total=pool.num_blocks,
+            num_blocks_used=pool.num_blocks - pool.num_free_blocks,
+            num_blocks_free=pool.num_free_blocks,
+            num_blocks_cached_free=pool.num_cached_free_blocks,
             num_blocks_shared=num_shared,
-            num_allocated_slots=len(fill) * bs, num_filled_slots=sum(fill.values()), num_blocks_used_by_kind=by_kind)
+            num_allocated_slots=len(fill) * bs,
+            num_filled_slots=sum(fill.values()),
+            num_blocks_used_by_kind=by_kind,
+        )
 
     def block_map(self) -> BlockMap:
         """The state of every block and who holds it: O(pool + allocated blocks), for a few looks a second."""

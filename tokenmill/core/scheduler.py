@@ -8,20 +8,27 @@ token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
      freed, recomputed later) and nobody new is admitted in this step.
 The scheduler never sees tensors; it hands the runner a SchedulerOutput.
 """
+
 from __future__ import annotations
 
 import itertools
 import time
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.config import CacheConfig, KVCacheGroup, SchedulerConfig
 from tokenmill.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from tokenmill.core.step_cost import StepCostModel, chunk_kilo_keys
 from tokenmill.core.step_io import BlockCopy, NewRequestData, ScheduledChunk, StepInput, StepOutput
-from tokenmill.distributed.kv_connector import (ConnectorEvents, ConnectorStep, HoldForDecode, KVConnectorScheduler,
-                                                KVLoad, PullFromPrefill)
+from tokenmill.distributed.kv_connector import (
+    ConnectorEvents,
+    ConnectorStep,
+    HoldForDecode,
+    KVConnectorScheduler,
+    KVLoad,
+    PullFromPrefill,
+)
 from tokenmill.request import Request, RequestStatus
 
 
@@ -51,7 +58,7 @@ class ScheduledRequest:
     @property
     def token_ids(self) -> list[int]:
         toks = self.request.all_token_ids + self.request.spec_token_ids
-        return toks[self.start_pos:self.start_pos + self.num_new_tokens]
+        return toks[self.start_pos : self.start_pos + self.num_new_tokens]
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,9 @@ class SchedulerOutput:
         for s in self.scheduled:
             real = s.num_new_tokens - s.num_spec_tokens
             draft += s.num_spec_tokens
-            if real == 1 and s.start_pos >= s.request.num_prompt_tokens:  # NOTE: constant fields only: valid after update()
+            if (
+                real == 1 and s.start_pos >= s.request.num_prompt_tokens
+            ):  # NOTE: constant fields only: valid after update()
                 decode += 1
             else:
                 prefill += real
@@ -108,6 +117,7 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class PrefillAllowance:
     """What one step may spend on prompt chunks under the step-time target (Scheduler._prefill_allowance)."""
+
     tokens: int
     """Prompt tokens: the chunk of the first prompt in progress that fits beside the decodes, at least
     min_prefill_chunk."""
@@ -120,6 +130,7 @@ class PrefillAllowance:
 @dataclass(frozen=True)
 class PrefillPlan:
     """One step's share of the prompt allowance (Scheduler._prefill_plan)."""
+
     take: dict[str, int]
     """New tokens per prompt that computes this step (a chunk's last token included)."""
     admit: list[Request]
@@ -136,9 +147,15 @@ class _RunnerView:
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
-                 connector: KVConnectorScheduler | None = None,
-                 kv_groups: Sequence[KVCacheGroup] | None = None) -> None:
+    def __init__(
+        self,
+        sched: SchedulerConfig,
+        cache: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        connector: KVConnectorScheduler | None = None,
+        kv_groups: Sequence[KVCacheGroup] | None = None,
+    ) -> None:
         """connector: the KV connector's scheduler half (prefill/decode disaggregation), or None.
         kv_groups: the model's KV-cache groups (config.plan_kv_groups); None: one."""
         self.config = sched
@@ -185,8 +202,9 @@ class Scheduler:
 
     def _num_reserved_seqs(self) -> int:
         """Sequence slots promised to pending forks of running leaders."""
-        return sum(len(f) for lid, f in self.pending_forks.items()
-                   if self.requests[lid].status == RequestStatus.RUNNING)
+        return sum(
+            len(f) for lid, f in self.pending_forks.items() if self.requests[lid].status == RequestStatus.RUNNING
+        )
 
     def _fork_pending(self, sr: ScheduledRequest, out: SchedulerOutput, new_running: list[Request]) -> None:
         """n > 1: from the step that computes the leader's last prompt token, the other samples
@@ -204,8 +222,11 @@ class Scheduler:
             f.num_cached_tokens = leader.num_cached_tokens
             f.first_scheduled_time = leader.first_scheduled_time
             new_running.append(f)
-            out.forked.append(ScheduledRequest(f, 0, f.num_computed_tokens, self.kv.get_block_ids(f.request_id),
-                                               fork_of=leader.request_id))
+            out.forked.append(
+                ScheduledRequest(
+                    f, 0, f.num_computed_tokens, self.kv.get_block_ids(f.request_id), fork_of=leader.request_id
+                )
+            )
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -301,9 +322,12 @@ class Scheduler:
         req.num_cached_tokens = req.num_computed_tokens = computed.num_tokens
         self.loading[req.request_id] = req
         blocks = self.kv.get_block_ids(req.request_id)
-        self.connector.add_load(KVLoad(req.request_id, source, plan.first_block,
-                                       blocks[plan.first_block:plan.first_block + plan.num_blocks]),
-                                num_skipped_blocks=plan.first_block)
+        self.connector.add_load(
+            KVLoad(
+                req.request_id, source, plan.first_block, blocks[plan.first_block : plan.first_block + plan.num_blocks]
+            ),
+            num_skipped_blocks=plan.first_block,
+        )
         return True
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -376,8 +400,9 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 break
             num_spec = max(0, req.num_computed_tokens + num_new - req.num_tokens)
-            out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
-                                                  self.kv.get_block_ids(req.request_id), num_spec))
+            out.scheduled.append(
+                ScheduledRequest(req, num_new, req.num_computed_tokens, self.kv.get_block_ids(req.request_id), num_spec)
+            )
             if req.request_id in self.pending_forks and out.scheduled[-1].is_sampling:
                 self._fork_pending(out.scheduled[-1], out, new_forks)
             budget -= num_new
@@ -396,8 +421,14 @@ class Scheduler:
                         continue
                     if req.kv_transfer is not None:
                         break  # no blocks for it yet
-                if self.pending_forks and len(self.running) + self._num_reserved_seqs() + 1 + \
-                        len(self.pending_forks.get(req.request_id, ())) > self.config.max_num_seqs:
+                if (
+                    self.pending_forks
+                    and len(self.running)
+                    + self._num_reserved_seqs()
+                    + 1
+                    + len(self.pending_forks.get(req.request_id, ()))
+                    > self.config.max_num_seqs
+                ):
                     break  # pending samples (n > 1) will need sequence slots too
                 computed = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - computed.num_tokens
@@ -455,7 +486,7 @@ class Scheduler:
         oldest = prompts[0]
         promised = min(left[oldest.request_id] - 1, self.config.min_prefill_chunk, tokens)
         tokens -= promised
-        if room is not None and cost is not None:   # the promise holds whatever the room: nothing starves
+        if room is not None and cost is not None:  # the promise holds whatever the room: nothing starves
             room -= cost.chunk_cost(oldest.num_computed_tokens, promised)
         take: dict[str, int] = {}
         for r in sorted(prompts[1:], key=lambda r: left[r.request_id]):  # stable: ties stay in queue order
@@ -467,7 +498,7 @@ class Scheduler:
             tokens -= got
         rest = fit(oldest.num_computed_tokens + promised, min(left[oldest.request_id] - 1 - promised, tokens))
         take[oldest.request_id] = 1 + promised + rest
-        admit = [r for r in prompts[len(chunking):] if r.request_id in take]
+        admit = [r for r in prompts[len(chunking) :] if r.request_id in take]
         admit.sort(key=lambda r: (r is not oldest, left[r.request_id]))  # the oldest first, then shortest first
         return PrefillPlan(take, admit)
 
@@ -498,8 +529,9 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         self.running.append(req)
-        out.scheduled.append(ScheduledRequest(req, num_new, req.num_computed_tokens,
-                                              self.kv.get_block_ids(req.request_id)))
+        out.scheduled.append(
+            ScheduledRequest(req, num_new, req.num_computed_tokens, self.kv.get_block_ids(req.request_id))
+        )
         return True
 
     def _runner_step(self, out: SchedulerOutput) -> StepInput:
@@ -522,23 +554,43 @@ class Scheduler:
             new_tables: list[list[int]] = [[] for _ in tables]
             replace = False
             if view is None or req.num_tokens < view.num_tokens:  # (beam search takes tokens back: a new row)
-                new.append(NewRequestData(rid, list(req.prompt_token_ids), list(req.output_token_ids),
-                                          req.sampling_params, req.eos_token_id, list(tables[0]), tables[1:],
-                                          req.max_tokens))
+                new.append(
+                    NewRequestData(
+                        rid,
+                        list(req.prompt_token_ids),
+                        list(req.output_token_ids),
+                        req.sampling_params,
+                        req.eos_token_id,
+                        list(tables[0]),
+                        tables[1:],
+                        req.max_tokens,
+                    )
+                )
                 views[rid] = _RunnerView(req.num_tokens, [len(t) for t in tables])
             else:
-                new_tokens = req.all_token_ids[view.num_tokens:]
+                new_tokens = req.all_token_ids[view.num_tokens :]
                 replace = rid in rewritten  # copy on write replaced a block: the whole tables; else appends
                 new_tables = [list(t) if replace else t[n:] for t, n in zip(tables, view.num_blocks)]
                 view.num_tokens, view.num_blocks = req.num_tokens, [len(t) for t in tables]
-            return ScheduledChunk(rid, s.start_pos, s.num_new_tokens, new_tokens, new_tables[0], replace,
-                                  req.spec_token_ids[:s.num_spec_tokens], s.is_sampling, s.fork_of,
-                                  None if req.spec_parents is None else req.spec_parents[:s.num_spec_tokens],
-                                  new_tables[1:])
+            return ScheduledChunk(
+                rid,
+                s.start_pos,
+                s.num_new_tokens,
+                new_tokens,
+                new_tables[0],
+                replace,
+                req.spec_token_ids[: s.num_spec_tokens],
+                s.is_sampling,
+                s.fork_of,
+                None if req.spec_parents is None else req.spec_parents[: s.num_spec_tokens],
+                new_tables[1:],
+            )
 
         scheduled = [chunk(s) for s in out.scheduled]
         forked = [chunk(s) for s in out.forked]
-        return StepInput(list(out.finished_ids), list(out.preempted_ids), new, list(out.block_copies), scheduled, forked)
+        return StepInput(
+            list(out.finished_ids), list(out.preempted_ids), new, list(out.block_copies), scheduled, forked
+        )
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -618,10 +670,15 @@ class Scheduler:
     # ------------------------------------------------------------- accounting
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting} | \
-            {f.request_id for forks in self.pending_forks.values() for f in forks} | set(self.loading)
-        assert set(self.kv.req_blocks) <= {r.request_id for r in self.running} | set(self.loading), \
+        live = (
+            {r.request_id for r in self.running}
+            | {r.request_id for r in self.waiting}
+            | {f.request_id for forks in self.pending_forks.values() for f in forks}
+            | set(self.loading)
+        )
+        assert set(self.kv.req_blocks) <= {r.request_id for r in self.running} | set(self.loading), (
             "blocks held by a non-running request"
+        )
         if self.connector is not None:
             assert set(self.kv.held) == set(self.connector.held), "held transfers drift"
         assert live == set(self.requests), "request table drift"

@@ -14,6 +14,7 @@ the next chunk starts, the chunk that keeps a step under the target is the large
 
 Worked example: a = 8 ms, b = 1 ms, c = 0.5 ms, e = 0, 16 decodes, target 40 ms -> (40 - 8 - 16) / 0.5 = 32.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,8 +59,9 @@ class StepCost:
             return 0
         return max(0, int(p))
 
-    def prefill_budget(self, num_decode_tokens: int, target_s: float, decode_kilo_keys: float = 0.0,
-                       chunk_start: int = 0) -> int:
+    def prefill_budget(
+        self, num_decode_tokens: int, target_s: float, decode_kilo_keys: float = 0.0, chunk_start: int = 0
+    ) -> int:
         """Prefill tokens that fit in a step of target_s next to these decodes, for a chunk starting at
         chunk_start (0 if none fit)."""
         return self.chunk_tokens(self.decode_room(num_decode_tokens, target_s, decode_kilo_keys), chunk_start)
@@ -121,8 +123,7 @@ class StepCostModel:
         if not self._prefill_sizes[p]:
             del self._prefill_sizes[p]
 
-    def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float,
-                kilo_keys: float = 0.0) -> None:
+    def observe(self, num_decode_tokens: int, num_prefill_tokens: int, seconds: float, kilo_keys: float = 0.0) -> None:
         if num_decode_tokens + num_prefill_tokens == 0:
             return
         sample = (float(num_decode_tokens), float(num_prefill_tokens), kilo_keys, seconds)
@@ -148,8 +149,10 @@ class StepCostModel:
         S, St = self._xx, self._xt
         dm, km = S[0][1] / n, S[0][3] / n
         shift = (0.0, dm, 0.0, km)
-        xtx = [[S[i][j] - shift[i] * S[0][j] - shift[j] * S[0][i] + shift[i] * shift[j] * n for j in range(4)]
-               for i in range(4)]
+        xtx = [
+            [S[i][j] - shift[i] * S[0][j] - shift[j] * S[0][i] + shift[i] * shift[j] * n for j in range(4)]
+            for i in range(4)
+        ]
         xtt = [St[i] - shift[i] * St[0] for i in range(4)]
         xtx[1][1] += RIDGE * n
         xtx[3][3] += RIDGE * n

@@ -14,10 +14,12 @@ The runner never samples into its rows: a token it returned becomes part of the 
 sends it back (`new_token_ids`), so what the engine keeps (stop conditions, rejected drafts, beams that
 take a token back) is what the runner sees.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol
 
 from tokenmill.sampling_params import SamplingParams
 

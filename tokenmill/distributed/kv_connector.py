@@ -29,6 +29,7 @@ its local prefix hit and computes the rest of its prompt where it is: it is reco
 A whole request is one transfer, not one per layer: the pull starts after the prefill finished, so there is no
 compute left to overlap a layer-wise stream with (docs/disaggregation.md).
 """
+
 from __future__ import annotations
 
 import time
@@ -54,21 +55,39 @@ class PullFromPrefill:
     """Prompt tokens whose K/V are held; must equal this request's prompt length."""
 
     def to_params(self) -> dict:
-        return {"remote_host": self.host, "remote_port": self.port, "transfer_id": self.transfer_id,
-                "num_tokens": self.num_tokens}
+        return {
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "transfer_id": self.transfer_id,
+            "num_tokens": self.num_tokens,
+        }
 
     @classmethod
-    def from_params(cls, params: dict) -> "PullFromPrefill":
+    def from_params(cls, params: dict) -> PullFromPrefill:
         """From the `kv_transfer_params` a prefill worker returned; ValueError names a missing or bad field."""
         try:
-            host, port, tid, n = params["remote_host"], params["remote_port"], params["transfer_id"], params["num_tokens"]
+            host, port, tid, n = (
+                params["remote_host"],
+                params["remote_port"],
+                params["transfer_id"],
+                params["num_tokens"],
+            )
         except (KeyError, TypeError) as e:
-            raise ValueError(f"kv_transfer_params needs remote_host, remote_port, transfer_id and num_tokens "
-                             f"(missing {e})") from None
-        if not isinstance(host, str) or not isinstance(tid, str) or not isinstance(port, int) or \
-                not isinstance(n, int) or n < 1 or not 0 < port < 65536:
-            raise ValueError("kv_transfer_params: remote_host and transfer_id must be strings, remote_port a port "
-                             "number, num_tokens a positive integer")
+            raise ValueError(
+                f"kv_transfer_params needs remote_host, remote_port, transfer_id and num_tokens (missing {e})"
+            ) from None
+        if (
+            not isinstance(host, str)
+            or not isinstance(tid, str)
+            or not isinstance(port, int)
+            or not isinstance(n, int)
+            or n < 1
+            or not 0 < port < 65536
+        ):
+            raise ValueError(
+                "kv_transfer_params: remote_host and transfer_id must be strings, remote_port a port "
+                "number, num_tokens a positive integer"
+            )
         return cls(host, port, tid, n)
 
 
@@ -167,8 +186,9 @@ class KVConnectorScheduler:
         """Held blocks still wait for a pull (the engine keeps stepping to serve it)."""
         return bool(self.held) or not self.pending.is_empty
 
-    def plan_load(self, source: PullFromPrefill, num_prompt_tokens: int, num_cached_tokens: int,
-                  block_size: int) -> LoadPlan:
+    def plan_load(
+        self, source: PullFromPrefill, num_prompt_tokens: int, num_cached_tokens: int, block_size: int
+    ) -> LoadPlan:
         """Blocks to pull for a prompt of `num_prompt_tokens` whose first `num_cached_tokens` (block-aligned) hit
         the local prefix cache. The last prompt token is left to compute.
 
@@ -176,8 +196,9 @@ class KVConnectorScheduler:
             block_size 4, prompt 9 tokens, 8 cached: nothing to pull (token 8 is computed) -> LoadPlan(2, 0)
         """
         if source.num_tokens != num_prompt_tokens:
-            raise ValueError(f"kv_transfer_params: {source.num_tokens} tokens held, but the prompt has "
-                             f"{num_prompt_tokens}")
+            raise ValueError(
+                f"kv_transfer_params: {source.num_tokens} tokens held, but the prompt has {num_prompt_tokens}"
+            )
         first = num_cached_tokens // block_size
         end = -(-(num_prompt_tokens - 1) // block_size)
         return LoadPlan(first, max(0, end - first))

@@ -21,6 +21,7 @@ Transports:
   send/recv. A session whose peer died (its ops raise) is dropped; the next pull opens a new one, so a
   restarted worker is reached again without restarting the other.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,14 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from tokenmill.distributed.kv_connector import (ConnectorEvents, ConnectorStats, ConnectorStep, KVHold, KVLoad,
-                                               PullFromPrefill)
+from tokenmill.distributed.kv_connector import (
+    ConnectorEvents,
+    ConnectorStats,
+    ConnectorStep,
+    KVHold,
+    KVLoad,
+    PullFromPrefill,
+)
 
 logger = logging.getLogger("tokenmill.kv_transfer")
 
@@ -86,8 +93,9 @@ class KVTransport(Protocol):
     def address(self) -> tuple[str, int] | None:
         """Where decode workers pull this worker's held blocks from (None: it holds none)."""
 
-    def pull(self, request_id: str, source: PullFromPrefill, first_block: int, num_blocks: int,
-             into: torch.Tensor) -> None:
+    def pull(
+        self, request_id: str, source: PullFromPrefill, first_block: int, num_blocks: int, into: torch.Tensor
+    ) -> None:
         """Start pulling into `into` (filled when a LoadDone for request_id reports ok)."""
 
     def answer(self, pull: PullRequest, data: torch.Tensor | None, error: str | None) -> None:
@@ -112,8 +120,9 @@ class KVTransport(Protocol):
 class KVConnectorWorker:
     """Applies the scheduler half's `ConnectorStep` to the KV cache and reports `ConnectorEvents`."""
 
-    def __init__(self, kv_caches: list[torch.Tensor], transport: KVTransport, stats: ConnectorStats,
-                 timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, kv_caches: list[torch.Tensor], transport: KVTransport, stats: ConnectorStats, timeout_s: float = 30.0
+    ) -> None:
         """timeout_s: a pull not finished by then fails here, whatever the transport is still waiting on (a TCP
         store whose host is frozen answers nothing, and its client waits for it indefinitely)."""
         self.kv_caches = kv_caches  # [num_layers] x [2, num_blocks, block_size, num_kv_heads, cache_head_dim]
@@ -173,8 +182,13 @@ class KVConnectorWorker:
         now = time.perf_counter()
         for rid, (load, _, t0) in list(self.loads.items()):
             if now - t0 > self.timeout_s:
-                logger.warning("KV pull for %s from %s:%d ran past %.1f s: recomputing its prompt here", rid,
-                               load.source.host, load.source.port, self.timeout_s)
+                logger.warning(
+                    "KV pull for %s from %s:%d ran past %.1f s: recomputing its prompt here",
+                    rid,
+                    load.source.host,
+                    load.source.port,
+                    self.timeout_s,
+                )
                 del self.loads[rid]
                 self.transport.abandon(load.source)
                 self.stats.load_seconds += now - t0
@@ -194,17 +208,26 @@ class KVConnectorWorker:
             return
         blocks = hold.block_ids
         if p.first_block + p.num_blocks > len(blocks) or p.first_block < 0:
-            self.transport.answer(p, None, f"transfer {p.transfer_id!r} holds {len(blocks)} blocks, pull asked for "
-                                           f"{p.first_block}..{p.first_block + p.num_blocks - 1}")
+            self.transport.answer(
+                p,
+                None,
+                f"transfer {p.transfer_id!r} holds {len(blocks)} blocks, pull asked for "
+                f"{p.first_block}..{p.first_block + p.num_blocks - 1}",
+            )
             return
         want = self.buffer_shape(p.num_blocks)
         if tuple(p.shape) != want or p.dtype != str(self.kv_caches[0].dtype):
-            self.transport.answer(p, None, f"KV layout differs: the puller expects {tuple(p.shape)} {p.dtype}, this "
-                                           f"worker has {want} {self.kv_caches[0].dtype} (same model, block size "
-                                           f"and kv_cache_dtype on both sides?)")
+            self.transport.answer(
+                p,
+                None,
+                f"KV layout differs: the puller expects {tuple(p.shape)} {p.dtype}, this "
+                f"worker has {want} {self.kv_caches[0].dtype} (same model, block size "
+                f"and kv_cache_dtype on both sides?)",
+            )
             return
-        idx = torch.tensor(blocks[p.first_block:p.first_block + p.num_blocks], dtype=torch.long,
-                           device=self.kv_caches[0].device)
+        idx = torch.tensor(
+            blocks[p.first_block : p.first_block + p.num_blocks], dtype=torch.long, device=self.kv_caches[0].device
+        )
         data = torch.stack([c.index_select(1, idx) for c in self.kv_caches]).cpu()
         self.sends_started[p.transfer_id] = time.perf_counter()
         self.stats.num_blocks_sent += p.num_blocks
@@ -225,7 +248,7 @@ class InProcessHub:
     def __init__(self) -> None:
         self.endpoints: dict[tuple[str, int], InProcessTransport] = {}
 
-    def endpoint(self, port: int) -> "InProcessTransport":
+    def endpoint(self, port: int) -> InProcessTransport:
         t = InProcessTransport(self, ("inprocess", port))
         self.endpoints[t.address] = t
         return t
@@ -233,7 +256,7 @@ class InProcessHub:
 
 @dataclass(frozen=True)
 class _InProcessReply:
-    transport: "InProcessTransport"
+    transport: InProcessTransport
     request_id: str
     into: torch.Tensor
 
@@ -248,14 +271,23 @@ class InProcessTransport:
     def address(self) -> tuple[str, int]:
         return self._address
 
-    def pull(self, request_id: str, source: PullFromPrefill, first_block: int, num_blocks: int,
-             into: torch.Tensor) -> None:
+    def pull(
+        self, request_id: str, source: PullFromPrefill, first_block: int, num_blocks: int, into: torch.Tensor
+    ) -> None:
         peer = self.hub.endpoints.get((source.host, source.port))
         if peer is None:
             self.events.loads.append(LoadDone(request_id, False, f"no KV endpoint at {source.host}:{source.port}"))
             return
-        peer.events.pulls.append(PullRequest(source.transfer_id, first_block, num_blocks, tuple(into.shape),
-                                             str(into.dtype), _InProcessReply(self, request_id, into)))
+        peer.events.pulls.append(
+            PullRequest(
+                source.transfer_id,
+                first_block,
+                num_blocks,
+                tuple(into.shape),
+                str(into.dtype),
+                _InProcessReply(self, request_id, into),
+            )
+        )
 
     def answer(self, pull: PullRequest, data: torch.Tensor | None, error: str | None) -> None:
         reply: _InProcessReply = pull.reply_to
@@ -294,17 +326,19 @@ PULL_POLL_S = 0.001
 def _store(host: str, port: int, timeout_s: float, is_master: bool = False):
     """A TCPStore client (or, is_master, the store itself) whose waits and gets time out after timeout_s."""
     import torch.distributed as dist
+
     return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 def _group(store, prefix: str, rank: int, timeout_s: float):
     import torch.distributed as dist
+
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, timedelta(seconds=timeout_s))
 
 
 @dataclass(frozen=True)
 class _GlooReply:
-    session: "_ServerSession"
+    session: _ServerSession
     index: int
 
 
@@ -312,7 +346,7 @@ class _ServerSession:
     """Prefill side: one decode worker's session. A thread reads its pulls from the store; answers are sent by
     a second thread so a slow receiver never delays reading the next pull."""
 
-    def __init__(self, transport: "GlooTransport", number: int) -> None:
+    def __init__(self, transport: GlooTransport, number: int) -> None:
         self.transport = transport
         self.number = number
         self.outbox: queue.Queue = queue.Queue()
@@ -341,8 +375,16 @@ class _ServerSession:
                 logger.warning("KV session %d: store unreadable (%s); closing it", self.number, e)
                 self.alive = False
                 return
-            t.push_pull(PullRequest(msg["transfer_id"], msg["first_block"], msg["num_blocks"], tuple(msg["shape"]),
-                                    msg["dtype"], _GlooReply(self, i)))
+            t.push_pull(
+                PullRequest(
+                    msg["transfer_id"],
+                    msg["first_block"],
+                    msg["num_blocks"],
+                    tuple(msg["shape"]),
+                    msg["dtype"],
+                    _GlooReply(self, i),
+                )
+            )
             i += 1
 
     def _send_loop(self, store, pg) -> None:
@@ -361,8 +403,9 @@ class _ServerSession:
                 n = 0 if data is None else data.numel() * data.element_size()
                 self.transport.push_send(SendDone(transfer_id, data is not None, n, time.perf_counter() - t0, error))
             except Exception as e:  # noqa: BLE001 - the decode worker died mid-transfer
-                logger.warning("KV session %d: send of %s failed (%s); dropping the session", self.number,
-                               transfer_id, e)
+                logger.warning(
+                    "KV session %d: send of %s failed (%s); dropping the session", self.number, transfer_id, e
+                )
                 self.alive = False
                 self.transport.push_send(SendDone(transfer_id, False, 0, time.perf_counter() - t0, str(e)))
         while True:  # whatever is still queued fails: its holds end
@@ -391,7 +434,7 @@ class _Answer(NamedTuple):
 class _ClientSession:
     """Decode side: a session to one prefill worker; its thread runs the pulls in order."""
 
-    def __init__(self, transport: "GlooTransport", host: str, port: int) -> None:
+    def __init__(self, transport: GlooTransport, host: str, port: int) -> None:
         self.transport = transport
         self.host, self.port = host, port
         self.jobs: queue.Queue = queue.Queue()
@@ -442,9 +485,18 @@ class _ClientSession:
             except queue.Empty:
                 continue
             try:
-                store.set(f"s{number}/pull/{i}", json.dumps({
-                    "transfer_id": job.source.transfer_id, "first_block": job.first_block,
-                    "num_blocks": job.num_blocks, "shape": list(job.into.shape), "dtype": str(job.into.dtype)}))
+                store.set(
+                    f"s{number}/pull/{i}",
+                    json.dumps(
+                        {
+                            "transfer_id": job.source.transfer_id,
+                            "first_block": job.first_block,
+                            "num_blocks": job.num_blocks,
+                            "shape": list(job.into.shape),
+                            "dtype": str(job.into.dtype),
+                        }
+                    ),
+                )
                 ack = store.get(f"s{number}/ack/{i}").decode()
                 if ack != "ok":
                     t.push_load(LoadDone(job.request_id, False, ack.removeprefix("error: ")))
@@ -506,8 +558,9 @@ class GlooTransport:
         self._ready.set()
 
     # --- called on the engine thread
-    def pull(self, request_id: str, source: PullFromPrefill, first_block: int, num_blocks: int,
-             into: torch.Tensor) -> None:
+    def pull(
+        self, request_id: str, source: PullFromPrefill, first_block: int, num_blocks: int, into: torch.Tensor
+    ) -> None:
         key = (source.host, source.port)
         job = _PullJob(request_id, source, first_block, num_blocks, into)
         session = self._clients.get(key)

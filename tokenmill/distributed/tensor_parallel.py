@@ -19,12 +19,13 @@ data (core/step_io.StepInput) to the other ranks by broadcast, and every rank ru
 shard. Their logits are identical after the gather and their generators are seeded alike, so each rank samples
 the same tokens; rank 0's are the ones kept.
 """
+
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch
 from torch import nn
@@ -37,15 +38,27 @@ def check_tensor_parallel(arch: ModelArchConfig, size: int) -> None:
     """ValueError naming the sizes that do not divide (before any process starts)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
-    bad = [f"{what} ({n})" for what, n in (("query heads", arch.num_attention_heads),
-                                           ("KV heads", arch.num_key_value_heads),
-                                           ("intermediate size", arch.intermediate_size)) if n % size]
+    bad = [
+        f"{what} ({n})"
+        for what, n in (
+            ("query heads", arch.num_attention_heads),
+            ("KV heads", arch.num_key_value_heads),
+            ("intermediate size", arch.intermediate_size),
+        )
+        if n % size
+    ]
     if bad:
-        ok = [d for d in range(1, arch.num_key_value_heads + 1)
-              if arch.num_attention_heads % d == 0 and arch.num_key_value_heads % d == 0
-              and arch.intermediate_size % d == 0]
-        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {', '.join(bad)}; "
-                         f"this model splits into {', '.join(map(str, ok))}")
+        ok = [
+            d
+            for d in range(1, arch.num_key_value_heads + 1)
+            if arch.num_attention_heads % d == 0
+            and arch.num_key_value_heads % d == 0
+            and arch.intermediate_size % d == 0
+        ]
+        raise ValueError(
+            f"tensor_parallel_size {size} does not divide the model's {', '.join(bad)}; "
+            f"this model splits into {', '.join(map(str, ok))}"
+        )
 
 
 class SharedMemoryAllReduce:
@@ -63,11 +76,12 @@ class SharedMemoryAllReduce:
     Waiting spins with sched_yield, so ranks sharing a core hand it over. Relies on x86's ordering of stores
     (the data is visible before the flag that announces it)."""
 
-    def __init__(self, data: torch.Tensor, flags: torch.Tensor, rank: int,
-                 check_peers: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, data: torch.Tensor, flags: torch.Tensor, rank: int, check_peers: Callable[[], None] | None = None
+    ) -> None:
         """check_peers: called every few thousand spins of a wait; raises when a peer process has died (rank 0
         passes it, so a rank that dies inside a step does not leave it spinning forever)."""
-        self.data = data    # [2, size, max_elems] float32, shared
+        self.data = data  # [2, size, max_elems] float32, shared
         self.flags = flags  # [2, size] int64, shared: row 0 written generation, row 1 read generation
         self.rank = rank
         self.generation = 0
@@ -75,8 +89,10 @@ class SharedMemoryAllReduce:
 
     @staticmethod
     def create(size: int, max_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.zeros(2, size, max_elems, dtype=torch.float32).share_memory_(),
-                torch.zeros(2, size, dtype=torch.int64).share_memory_())
+        return (
+            torch.zeros(2, size, max_elems, dtype=torch.float32).share_memory_(),
+            torch.zeros(2, size, dtype=torch.int64).share_memory_(),
+        )
 
     @property
     def max_elems(self) -> int:
@@ -163,7 +179,7 @@ class VocabParallelHead(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather_last(self.inner(hidden).float())[..., :self.vocab_size]
+        return self.group.all_gather_last(self.inner(hidden).float())[..., : self.vocab_size]
 
 
 def _rows(w: torch.Tensor, parts: list[slice]) -> torch.Tensor:
@@ -192,33 +208,50 @@ def shard_model(model: nn.Module, group: TPGroup) -> None:
                 raise ValueError("tensor parallelism needs dense weights here (a quantized checkpoint was given)")
         hq, hkv = attn.num_heads // n, attn.num_kv_heads // n
         q, kv = attn.q_size, attn.kv_size
-        parts = [slice(r * hq * d, (r + 1) * hq * d),                      # this rank's query heads
-                 slice(q + r * hkv * d, q + (r + 1) * hkv * d),              # its K heads
-                 slice(q + kv + r * hkv * d, q + kv + (r + 1) * hkv * d)]    # its V heads
+        parts = [
+            slice(r * hq * d, (r + 1) * hq * d),  # this rank's query heads
+            slice(q + r * hkv * d, q + (r + 1) * hkv * d),  # its K heads
+            slice(q + kv + r * hkv * d, q + kv + (r + 1) * hkv * d),
+        ]  # its V heads
         w, b = attn.qkv_proj.weight.data, attn.qkv_proj.bias
-        attn.qkv_proj = _sliced(attn.qkv_proj, _rows(w, parts), None if b is None else _rows(b.data, parts),
-                                [hq * d, hkv * d, hkv * d])
+        attn.qkv_proj = _sliced(
+            attn.qkv_proj, _rows(w, parts), None if b is None else _rows(b.data, parts), [hq * d, hkv * d, hkv * d]
+        )
         o = attn.o_proj
-        attn.o_proj = RowParallel(_sliced(o, o.weight.data[:, parts[0]].contiguous(),
-                                          None if o.bias is None else o.bias.data * (r == 0), [o.out_features]), group)
+        attn.o_proj = RowParallel(
+            _sliced(
+                o,
+                o.weight.data[:, parts[0]].contiguous(),
+                None if o.bias is None else o.bias.data * (r == 0),
+                [o.out_features],
+            ),
+            group,
+        )
         attn.num_heads, attn.num_kv_heads = hq, hkv
         attn.q_size, attn.kv_size = hq * d, hkv * d
         i = mlp.gate_up_proj.output_sizes[0] // n
         gparts = [slice(r * i, (r + 1) * i), slice(n * i + r * i, n * i + (r + 1) * i)]
         g, gb = mlp.gate_up_proj.weight.data, mlp.gate_up_proj.bias
-        mlp.gate_up_proj = _sliced(mlp.gate_up_proj, _rows(g, gparts), None if gb is None else _rows(gb.data, gparts),
-                                   [i, i])
+        mlp.gate_up_proj = _sliced(
+            mlp.gate_up_proj, _rows(g, gparts), None if gb is None else _rows(gb.data, gparts), [i, i]
+        )
         dn = mlp.down_proj
-        mlp.down_proj = RowParallel(_sliced(dn, dn.weight.data[:, r * i:(r + 1) * i].contiguous(),
-                                            None if dn.bias is None else dn.bias.data * (r == 0), [dn.out_features]),
-                                    group)
+        mlp.down_proj = RowParallel(
+            _sliced(
+                dn,
+                dn.weight.data[:, r * i : (r + 1) * i].contiguous(),
+                None if dn.bias is None else dn.bias.data * (r == 0),
+                [dn.out_features],
+            ),
+            group,
+        )
     # vocabulary-parallel head, from the tied table or the untied head
     table = model.lm_head.weight.data if model.lm_head is not None else model.model.embed_tokens.dense_table()
     if model.lm_head is not None and model.lm_head.quant_bits is not None:
         raise ValueError("tensor parallelism needs a dense LM head here (quantize_lm_head none)")
     vocab = arch.vocab_size
     per = -(-vocab // n)
-    rows = table[r * per:min((r + 1) * per, vocab)]
+    rows = table[r * per : min((r + 1) * per, vocab)]
     if rows.shape[0] < per:  # the last rank's slice is padded to the common width
         rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], rows.shape[1])])
     model.lm_head = VocabParallelHead(_sliced(Linear(1, 1), rows.contiguous(), None, [per]), group, vocab)
@@ -232,17 +265,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_group(port: int, rank: int, size: int, timeout_s: float, is_master: bool = False,
-               shm: SharedMemoryAllReduce | None = None) -> TPGroup:
+def make_group(
+    port: int, rank: int, size: int, timeout_s: float, is_master: bool = False, shm: SharedMemoryAllReduce | None = None
+) -> TPGroup:
     import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=is_master, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+
+    store = dist.TCPStore(
+        "127.0.0.1", port, size, is_master=is_master, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
     pg = dist.ProcessGroupGloo(dist.PrefixStore("tp/", store), rank, size, timedelta(seconds=timeout_s))
     return TPGroup(pg, rank, size, store, shm)
 
 
 def build_shard(model: str, dtype: torch.dtype, group: TPGroup):
     from tokenmill.models.loader import load_model
+
     loaded = load_model(model, dtype=dtype, load_tokenizer=False, quantize_lm_head="none")
     shard_model(loaded.model, group)
     return loaded

@@ -16,6 +16,7 @@ A slow reader gets what queued up merged into one output: the newest of cumulati
 joined deltas (SamplingParams.output_kind "delta", what the server streams); nothing is lost or repeated. Ordering: a command sent before another is handled before
 it; an Abort is handled before the next step starts.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,9 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, NewType, Protocol
+from typing import TYPE_CHECKING, Any, NewType, Protocol
 
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -51,9 +53,16 @@ class EngineCoreLike(Protocol):
     vocab_size: int
     """Largest token id + 1 that the model accepts (its embedding rows)."""
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None, kv_transfer: KVTransferRequest | None = None) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        kv_transfer: KVTransferRequest | None = None,
+    ) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -200,17 +209,23 @@ class AsyncEngine:
     thread) -> wait_ready() -> add_request()/generate() ... -> shutdown().
     """
 
-    def __init__(self, config: EngineConfig | None = None, *,
-                 core_factory: Callable[[], EngineCoreLike] | None = None,
-                 metrics: EngineMetrics | None = None,
-                 idle_poll_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        core_factory: Callable[[], EngineCoreLike] | None = None,
+        metrics: EngineMetrics | None = None,
+        idle_poll_s: float = 1.0,
+    ) -> None:
         if core_factory is None:
             if config is None:
                 raise ValueError("AsyncEngine needs a config or a core_factory")
 
             def core_factory() -> EngineCoreLike:
                 from tokenmill.engine.core import EngineCore
+
                 return EngineCore(config)
+
         self.config = config
         self._core_factory = core_factory
         self.metrics = metrics
@@ -297,10 +312,17 @@ class AsyncEngine:
     def new_request_id(self, prefix: str = "req") -> RequestId:
         return RequestId(f"{prefix}-{uuid.uuid4().hex[:16]}-{next(self._counter)}")
 
-    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                          request_id: str | None = None, prompt: str | None = None,
-                          arrival_time: float | None = None, cache_salt: str | None = None,
-                          kv_transfer: KVTransferRequest | None = None) -> RequestStream:
+    async def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        kv_transfer: KVTransferRequest | None = None,
+    ) -> RequestStream:
         """Hand a request to the engine; returns once the core accepted it.
 
         cache_salt: prefix-cache blocks are shared only between requests with the same salt.
@@ -335,8 +357,14 @@ class AsyncEngine:
             raise error
         return stream
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       request_id: str | None = None, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Convenience: add a request and iterate its outputs; aborts it if the caller stops early."""
         stream = await self.add_request(prompt_token_ids, params, request_id=request_id, prompt=prompt)
         async with stream:
@@ -442,9 +470,15 @@ class AsyncEngine:
     def _handle(self, core: EngineCoreLike, cmd: _Command) -> None:
         if isinstance(cmd, _Add):
             try:
-                core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                 prompt=cmd.prompt, arrival_time=cmd.arrival_time, cache_salt=cmd.cache_salt,
-                                 kv_transfer=cmd.kv_transfer)
+                core.add_request(
+                    cmd.request_id,
+                    cmd.prompt_token_ids,
+                    cmd.params,
+                    prompt=cmd.prompt,
+                    arrival_time=cmd.arrival_time,
+                    cache_salt=cmd.cache_salt,
+                    kv_transfer=cmd.kv_transfer,
+                )
                 self._live_ids.add(cmd.request_id)
                 error = None
             except (ValueError, TypeError) as e:
@@ -505,8 +539,11 @@ class AsyncEngine:
 
 def _observe(metrics: EngineMetrics, state: _StreamState, out: RequestOutput, now: float) -> None:
     """Latency bookkeeping: TTFT on the first token, one ITL sample per step that added tokens."""
-    num_tokens = state.num_tokens + sum(len(c.token_ids) for c in out.outputs) if out.is_delta \
+    num_tokens = (
+        state.num_tokens + sum(len(c.token_ids) for c in out.outputs)
+        if out.is_delta
         else sum(c.num_tokens for c in out.outputs)
+    )
     if num_tokens > state.num_tokens:
         if state.last_token_time is None:
             metrics.observe_ttft(now - state.arrival_time)
@@ -515,9 +552,13 @@ def _observe(metrics: EngineMetrics, state: _StreamState, out: RequestOutput, no
         state.num_tokens = num_tokens
         state.last_token_time = now
     if out.finished:
-        metrics.observe_finished(e2e=now - state.arrival_time, timings=out.metrics,
-                                 num_prompt_tokens=len(out.prompt_token_ids), num_generation_tokens=num_tokens,
-                                 finish_reasons=[c.finish_reason or "abort" for c in out.outputs])
+        metrics.observe_finished(
+            e2e=now - state.arrival_time,
+            timings=out.metrics,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_generation_tokens=num_tokens,
+            finish_reasons=[c.finish_reason or "abort" for c in out.outputs],
+        )
 
 
 def name_os_thread(name: str) -> None:
@@ -525,6 +566,7 @@ def name_os_thread(name: str) -> None:
     3.11 names threads for Python only. Threads it starts later (torch's OpenMP workers) inherit it."""
     try:
         import ctypes
+
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass  # not Linux: the name is cosmetic

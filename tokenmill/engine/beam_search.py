@@ -23,6 +23,7 @@ token-level control, no text, no outputs). A round:
 Scores: cumulative logprob / (generated tokens ** length_penalty), as in Hugging Face; beams run
 until max_tokens or until no beam is alive.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -99,14 +100,15 @@ class _Group:
 class BeamSearchRunner:
     """Drives beams through the engine's raw-sequence API; beams are not engine-level (detokenized) requests."""
 
-    def __init__(self, engine: "EngineCore", params: BeamSearchParams, cache_salt: str | None = None) -> None:
+    def __init__(self, engine: EngineCore, params: BeamSearchParams, cache_salt: str | None = None) -> None:
         self.engine = engine
         self.params = params
         self.cache_salt = cache_salt
         self.eos = engine.eos_token_id
         num_logprobs = min(2 * params.beam_width, engine.arch.vocab_size)
-        self.sampling = SamplingParams(temperature=0.0, logprobs=num_logprobs, ignore_eos=True,
-                                       max_tokens=params.max_tokens + 1)
+        self.sampling = SamplingParams(
+            temperature=0.0, logprobs=num_logprobs, ignore_eos=True, max_tokens=params.max_tokens + 1
+        )
         self._ids = itertools.count()
 
     def run(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
@@ -120,12 +122,14 @@ class BeamSearchRunner:
             if any(not isinstance(t, int) or not 0 <= t < self.engine.arch.vocab_size for t in ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {self.engine.arch.vocab_size})")
             if len(ids) + p.max_tokens > self.engine.max_model_len:
-                raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds "
-                                 f"max_model_len ({self.engine.max_model_len})")
+                raise ValueError(
+                    f"prompt ({len(ids)} tokens) + max_tokens ({p.max_tokens}) exceeds "
+                    f"max_model_len ({self.engine.max_model_len})"
+                )
         groups_per_wave = max(1, max_seqs // p.beam_width)
         outputs: list[BeamSearchOutput] = []
         for start in range(0, len(prompts), groups_per_wave):
-            outputs.extend(self._run_wave(prompts[start:start + groups_per_wave]))
+            outputs.extend(self._run_wave(prompts[start : start + groups_per_wave]))
         return outputs
 
     # ----------------------------------------------------------------------------------------
@@ -156,7 +160,7 @@ class BeamSearchRunner:
         tok = self.engine.tokenizer
         out = []
         for g in groups:
-            seqs = sorted(g.completed, key=lambda s: -s.score)[:self.params.beam_width]
+            seqs = sorted(g.completed, key=lambda s: -s.score)[: self.params.beam_width]
             if tok is not None:
                 for s in seqs:
                     s.text = tok.decode(s.tokens)
@@ -174,14 +178,18 @@ class BeamSearchRunner:
     def _select(self, g: _Group) -> None:
         p = self.params
         W = p.beam_width
-        cands = sorted(((b.cum_logprob + lp, i, t) for i, b in enumerate(g.live) for t, lp in b.pending.items()),
-                       key=lambda c: (-c[0], c[1], c[2]))
+        cands = sorted(
+            ((b.cum_logprob + lp, i, t) for i, b in enumerate(g.live) for t, lp in b.pending.items()),
+            key=lambda c: (-c[0], c[1], c[2]),
+        )
         survivors: list[tuple[float, int, int]] = []
         for rank, (cum, i, t) in enumerate(cands):
             if t == self.eos and not p.ignore_eos:
                 if rank < W:
                     toks = g.live[i].tokens + [t]
-                    g.completed.append(BeamSearchSequence(toks, cum, beam_score(cum, len(toks), p.length_penalty), "stop"))
+                    g.completed.append(
+                        BeamSearchSequence(toks, cum, beam_score(cum, len(toks), p.length_penalty), "stop")
+                    )
                 continue
             survivors.append((cum, i, t))
             if len(survivors) == W:
@@ -190,7 +198,9 @@ class BeamSearchRunner:
         if num_generated >= p.max_tokens:  # last round: every survivor is a finished hypothesis
             for cum, i, t in survivors:
                 toks = g.live[i].tokens + [t]
-                g.completed.append(BeamSearchSequence(toks, cum, beam_score(cum, len(toks), p.length_penalty), "length"))
+                g.completed.append(
+                    BeamSearchSequence(toks, cum, beam_score(cum, len(toks), p.length_penalty), "length")
+                )
             survivors = []
         parents = {i for _, i, _ in survivors}
         for i, b in enumerate(g.live):  # free the dead first: their blocks may serve the forks

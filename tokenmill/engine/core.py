@@ -8,6 +8,7 @@ Speculation lives in the runner behind the executor: drafts come back in the Ste
 them on their requests. A request asking for n samples becomes n child requests ("<id>#<i>"); child i of a
 seeded request uses seed + i, so it equals a separate request with that seed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,45 +54,64 @@ class EngineCore:
         t0 = time.time()
         loaded = load_target(mc)
         if mc.batch_invariant and mc.bf16_linears_vary_with_batch:
-            logger.warning("batch_invariant: prompts are attended per token, but this CPU's bf16 linears are not "
-                           "batch-invariant, so outputs still depend on batching")
+            logger.warning(
+                "batch_invariant: prompts are attended per token, but this CPU's bf16 linears are not "
+                "batch-invariant, so outputs still depend on batching"
+            )
         self.model = loaded.model
         self.arch: ModelArchConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.vocab_size = self.arch.vocab_size
         """Largest token id + 1 that the model accepts (its embedding rows; the tokenizer may count fewer)."""
-        self.max_model_len = min(mc.max_model_len or self.arch.max_position_embeddings,
-                                 self.arch.max_position_embeddings)
+        self.max_model_len = min(
+            mc.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
+        )
         if mc.max_model_len and mc.max_model_len > self.arch.max_position_embeddings:
-            raise ValueError(f"max_model_len {mc.max_model_len} exceeds the model's context length "
-                             f"{self.arch.max_position_embeddings}")
+            raise ValueError(
+                f"max_model_len {mc.max_model_len} exceeds the model's context length "
+                f"{self.arch.max_position_embeddings}"
+            )
         if mc.tensor_parallel_size > 1:
             from tokenmill.distributed.tensor_parallel import check_tensor_parallel
+
             check_tensor_parallel(self.arch, mc.tensor_parallel_size)
         self.kv_spec = plan_kv_cache(self.arch, config, self.max_model_len, available_memory_bytes(self.device))
         groups = list(self.kv_spec.groups)
         if groups and (mc.tensor_parallel_size > 1 or config.kv_transfer is not None):
-            raise ValueError("models with sliding-window layers (several KV-cache groups) run without tensor "
-                             "parallelism or KV transfer here")
+            raise ValueError(
+                "models with sliding-window layers (several KV-cache groups) run without tensor "
+                "parallelism or KV transfer here"
+            )
         kvt = config.kv_transfer
         self.kv_connector = KVConnectorScheduler(kvt.kv_role, kvt.hold_timeout_s) if kvt is not None else None
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv_spec.num_blocks, self.max_model_len,
-                                   self.kv_connector, groups or None)
-        self.executor = build_executor(config, loaded, RunnerOptions.from_config(config, self.kv_spec,
-                                                                                 self.max_model_len))
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            self.kv_spec.num_blocks,
+            self.max_model_len,
+            self.kv_connector,
+            groups or None,
+        )
+        self.executor = build_executor(
+            config, loaded, RunnerOptions.from_config(config, self.kv_spec, self.max_model_len)
+        )
         # An empty step: the runner answers (a spawned one is up) and reports its speculation counters.
         self.spec_metrics: dict[str, float] = self.executor.execute(StepInput()).spec_metrics or {}
         """The runner's speculative-decoding counters as of the last step (empty without speculation)."""
         self.kv_worker = None
         if kvt is not None:  # lazy import: colocated engines never load torch.distributed
             from tokenmill.distributed.kv_transfer import GlooTransport, KVConnectorWorker
+
             caches = self.executor.local_kv_caches()
             if caches is None:
-                raise ValueError("KV transfer needs the KV cache in the engine's process "
-                                 "(distributed_executor_backend uni, tensor_parallel_size 1)")
+                raise ValueError(
+                    "KV transfer needs the KV cache in the engine's process "
+                    "(distributed_executor_backend uni, tensor_parallel_size 1)"
+                )
             if kv_transport is None:
-                kv_transport = GlooTransport(kvt.kv_host, kvt.kv_port, serve=kvt.serves_kv,
-                                             timeout_s=kvt.transfer_timeout_s)
+                kv_transport = GlooTransport(
+                    kvt.kv_host, kvt.kv_port, serve=kvt.serves_kv, timeout_s=kvt.transfer_timeout_s
+                )
             self.kv_worker = KVConnectorWorker(caches, kv_transport, self.kv_connector.stats, kvt.transfer_timeout_s)
             if kv_transport.address is not None:
                 logger.info("KV endpoint (role %s) at %s:%d", kvt.kv_role, *kv_transport.address)
@@ -104,13 +124,23 @@ class EngineCore:
         self.forward_seconds = 0.0
         self.recent_steps: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else (self.arch.eos_token_ids or (None,))[0]
-        self.structured = StructuredOutputManager(self.tokenizer, self.arch.vocab_size,
-                                                  [self.eos_token_id] if self.eos_token_id is not None else []) \
-            if self.tokenizer is not None else None
+        self.structured = (
+            StructuredOutputManager(
+                self.tokenizer, self.arch.vocab_size, [self.eos_token_id] if self.eos_token_id is not None else []
+            )
+            if self.tokenizer is not None
+            else None
+        )
         """Grammar matchers of requests with structured_outputs (tokenmill.structured); None without a tokenizer."""
         nb = self.kv_spec.num_blocks
-        logger.info("loaded %s in %.1fs: %d KV blocks of %d tokens (%.1f MiB)", loaded.path.name, time.time() - t0,
-                    nb, self.kv_spec.block_size, nb * self.kv_spec.bytes_per_block / 2**20)
+        logger.info(
+            "loaded %s in %.1fs: %d KV blocks of %d tokens (%.1f MiB)",
+            loaded.path.name,
+            time.time() - t0,
+            nb,
+            self.kv_spec.block_size,
+            nb * self.kv_spec.bytes_per_block / 2**20,
+        )
 
     @staticmethod
     def _check_layout(config: EngineConfig) -> None:
@@ -123,14 +153,23 @@ class EngineCore:
             raise ValueError("tensor_parallel_size > 1 runs without KV transfer here")
         spec = config.speculative
         if tp > 1 and spec is not None and (spec.method != "ngram" or spec.tree is not None):
-            raise ValueError("with tensor_parallel_size > 1, speculative decoding takes n-gram chains (method "
-                             "ngram, no tree): the other methods run the target's shards on rank 0 alone, and a "
-                             "verified tree's accepted path is moved in rank 0's KV cache only")
+            raise ValueError(
+                "with tensor_parallel_size > 1, speculative decoding takes n-gram chains (method "
+                "ngram, no tree): the other methods run the target's shards on rank 0 alone, and a "
+                "verified tree's accepted path is moved in rank 0's KV cache only"
+            )
 
     # ------------------------------------------------------------------ intake
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None, kv_transfer: KVTransferRequest | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        kv_transfer: KVTransferRequest | None = None,
+    ) -> None:
         """kv_transfer (disaggregation): HoldForDecode on a prefill worker, PullFromPrefill on a decode worker."""
         if self.outputs.knows(request_id):
             raise InvalidRequest(f"request_id {request_id!r} is already in use", "request_id")
@@ -140,23 +179,35 @@ class EngineCore:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {self.arch.vocab_size})", "prompt")
         n_prompt = len(prompt_token_ids)
         if n_prompt >= self.max_model_len:
-            raise InvalidRequest(f"prompt has {n_prompt} tokens, but max_model_len is {self.max_model_len}; "
-                                 f"shorten the prompt", "prompt", "context_length_exceeded")
+            raise InvalidRequest(
+                f"prompt has {n_prompt} tokens, but max_model_len is {self.max_model_len}; shorten the prompt",
+                "prompt",
+                "context_length_exceeded",
+            )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
         if n_prompt + max_tokens > self.max_model_len:
-            raise InvalidRequest(f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
-                                 f"max_model_len ({self.max_model_len})", "max_tokens", "context_length_exceeded")
+            raise InvalidRequest(
+                f"max_tokens: prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         blocks_needed = self.scheduler.kv.min_blocks_for(n_prompt + max_tokens)
         if blocks_needed > self.kv_spec.num_blocks:
-            raise InvalidRequest(f"request needs {blocks_needed} KV blocks but the whole pool has "
-                                 f"{self.kv_spec.num_blocks}; raise the KV-cache budget or lower max_tokens",
-                                 "max_tokens")
+            raise InvalidRequest(
+                f"request needs {blocks_needed} KV blocks but the whole pool has "
+                f"{self.kv_spec.num_blocks}; raise the KV-cache budget or lower max_tokens",
+                "max_tokens",
+            )
         sc = self.config.scheduler
         if not sc.enable_chunked_prefill and n_prompt + max_tokens > sc.max_num_batched_tokens:
             # without chunking a prompt (or a preempted request's prompt + output) runs in one step
-            raise InvalidRequest(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
-                                 f"max_num_batched_tokens ({sc.max_num_batched_tokens}) and chunked prefill is off: "
-                                 f"it could never be scheduled", "max_tokens")
+            raise InvalidRequest(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_num_batched_tokens ({sc.max_num_batched_tokens}) and chunked prefill is off: "
+                f"it could never be scheduled",
+                "max_tokens",
+            )
         if params.n > self.config.scheduler.max_num_seqs:
             raise InvalidRequest(f"n ({params.n}) exceeds max_num_seqs ({self.config.scheduler.max_num_seqs})", "n")
         if cache_salt is not None:  # hashed as UTF-8 with the blocks: checked here, not in the step loop
@@ -171,8 +222,9 @@ class EngineCore:
         grammar = None
         if params.structured_outputs is not None:
             if self.structured is None:
-                raise InvalidRequest("structured_outputs need the model's tokenizer, and this model has none",
-                                     "structured_outputs")
+                raise InvalidRequest(
+                    "structured_outputs need the model's tokenizer, and this model has none", "structured_outputs"
+                )
             grammar = self.structured.compile(params.structured_outputs)
         arrival = arrival_time if arrival_time is not None else time.time()
         children, detoks = [], []
@@ -181,13 +233,33 @@ class EngineCore:
             if params.n > 1 and params.seed is not None:
                 child_params = params.clone(seed=params.seed + i)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(cid, prompt_token_ids, child_params, self.eos_token_id, max_tokens, arrival,
-                          cache_salt=cache_salt, sample_index=i, parent_id=request_id, kv_transfer=kv_transfer)
+            req = Request(
+                cid,
+                prompt_token_ids,
+                child_params,
+                self.eos_token_id,
+                max_tokens,
+                arrival,
+                cache_salt=cache_salt,
+                sample_index=i,
+                parent_id=request_id,
+                kv_transfer=kv_transfer,
+            )
             children.append(req)
-            detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                                 params.skip_special_tokens, params.include_stop_str_in_output))
-        self.outputs.add(ParentRequest(request_id, prompt, list(prompt_token_ids), children, detoks, arrival,
-                                       [Emitted() for _ in children]))
+            detoks.append(
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    params.stop,
+                    params.skip_special_tokens,
+                    params.include_stop_str_in_output,
+                )
+            )
+        self.outputs.add(
+            ParentRequest(
+                request_id, prompt, list(prompt_token_ids), children, detoks, arrival, [Emitted() for _ in children]
+            )
+        )
         if grammar is not None:
             self.structured.add([c.request_id for c in children], grammar)
         # Samples 2..n fork from the first once its prompt is computed (shared blocks, CoW).
@@ -197,19 +269,27 @@ class EngineCore:
     def _check_kv_transfer(self, kvt: KVTransferRequest, n_prompt: int, params: SamplingParams) -> None:
         cfg = self.config.kv_transfer
         if cfg is None:
-            raise InvalidRequest("kv_transfer_params: this server is not a prefill or decode worker "
-                                 "(start it with --kv-role)", "kv_transfer_params")
+            raise InvalidRequest(
+                "kv_transfer_params: this server is not a prefill or decode worker (start it with --kv-role)",
+                "kv_transfer_params",
+            )
         if params.n != 1:
             raise InvalidRequest("kv_transfer_params: disaggregated requests take n = 1", "n")
         if isinstance(kvt, HoldForDecode) and not cfg.serves_kv:
-            raise InvalidRequest(f"kv_transfer_params: a {cfg.kv_role} worker does not hold K/V for others "
-                                 f"(do_remote_decode needs kv_role prefill or both)", "kv_transfer_params")
+            raise InvalidRequest(
+                f"kv_transfer_params: a {cfg.kv_role} worker does not hold K/V for others "
+                f"(do_remote_decode needs kv_role prefill or both)",
+                "kv_transfer_params",
+            )
         if isinstance(kvt, PullFromPrefill):
             if cfg.kv_role == "prefill":
                 raise InvalidRequest("kv_transfer_params: a prefill worker does not pull K/V", "kv_transfer_params")
             if kvt.num_tokens != n_prompt:
-                raise InvalidRequest(f"kv_transfer_params: {kvt.num_tokens} prompt tokens held, but this prompt has "
-                                     f"{n_prompt} (the same prompt must reach both workers)", "kv_transfer_params")
+                raise InvalidRequest(
+                    f"kv_transfer_params: {kvt.num_tokens} prompt tokens held, but this prompt has "
+                    f"{n_prompt} (the same prompt must reach both workers)",
+                    "kv_transfer_params",
+                )
 
     def num_cached_prompt_tokens(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
         """Tokens of this prompt the prefix cache would serve now (a pure lookup)."""
@@ -233,24 +313,44 @@ class EngineCore:
     # ------------------------------------------------------- raw sequences
     # Beam search (engine/beam_search.py) drives these: token-level control over sequences that
     # share blocks, with no text and no RequestOutputs.
-    def add_sequence(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     output_token_ids: list[int] = (), cache_salt: str | None = None) -> None:
+    def add_sequence(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] = (),
+        cache_salt: str | None = None,
+    ) -> None:
         """Schedule a sequence that continues `prompt_token_ids + output_token_ids`."""
         if seq_id in self.sequences or self.outputs.knows(seq_id):
             raise InvalidRequest(f"sequence id {seq_id!r} is already in use", "request_id")
-        req = self._new_sequence(seq_id, prompt_token_ids, output_token_ids, params,
-                                 params.max_tokens or self.max_model_len, cache_salt)
+        req = self._new_sequence(
+            seq_id, prompt_token_ids, output_token_ids, params, params.max_tokens or self.max_model_len, cache_salt
+        )
         self.scheduler.add_request(req)
 
     def fork_sequence(self, parent_id: str, child_id: str) -> None:
         """A new sequence equal to `parent_id` so far, sharing its KV blocks (copied on first write)."""
         parent = self.sequences[parent_id]
-        child = self._new_sequence(child_id, parent.prompt_token_ids, parent.output_token_ids, parent.sampling_params,
-                                   parent.max_tokens, parent.cache_salt)
+        child = self._new_sequence(
+            child_id,
+            parent.prompt_token_ids,
+            parent.output_token_ids,
+            parent.sampling_params,
+            parent.max_tokens,
+            parent.cache_salt,
+        )
         self.scheduler.fork_request(parent, child, num_shared_tokens=child.num_tokens)
 
-    def _new_sequence(self, seq_id: str, prompt_token_ids: list[int], output_token_ids, params: SamplingParams,
-                      max_tokens: int, cache_salt: str | None) -> Request:
+    def _new_sequence(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids,
+        params: SamplingParams,
+        max_tokens: int,
+        cache_salt: str | None,
+    ) -> Request:
         req = Request(seq_id, prompt_token_ids, params, self.eos_token_id, max_tokens, cache_salt=cache_salt)
         for t in output_token_ids:
             req.append_output_token(t)
@@ -306,8 +406,7 @@ class EngineCore:
         if self.structured is not None and self.structured.matchers:
             for rid in self.structured.consume(changed):  # a complete grammar ends its sample, as EOS would
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        outputs = self.outputs.process(changed, self._held_kv if self.kv_worker is not None else None,
-                                       self.sequences)
+        outputs = self.outputs.process(changed, self._held_kv if self.kv_worker is not None else None, self.sequences)
         if not sched.is_empty:
             self.step_seconds += time.perf_counter() - t_step
         return outputs
@@ -316,9 +415,17 @@ class EngineCore:
         self.scheduler.observe_step(sched, forward_s)
         self.num_steps += 1
         self.forward_seconds += forward_s
-        self.recent_steps.append(StepRecord(self.num_steps, time.time(), sched.token_split(),
-                                            len(self.scheduler.running), len(self.scheduler.waiting),
-                                            len(sched.preempted_ids), forward_s * 1000.0))
+        self.recent_steps.append(
+            StepRecord(
+                self.num_steps,
+                time.time(),
+                sched.token_split(),
+                len(self.scheduler.running),
+                len(self.scheduler.waiting),
+                len(sched.preempted_ids),
+                forward_s * 1000.0,
+            )
+        )
 
     def _held_kv(self, req: Request) -> dict | None:
         """A finished prefill-side request whose K/V are held: where a decode worker pulls them from."""
@@ -333,33 +440,58 @@ class EngineCore:
         mem = kv.memory_usage({r.request_id: min(r.num_computed_tokens, r.num_tokens) for r in self.scheduler.running})
         spec = self.kv_spec
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=mem.num_blocks_used / mem.num_blocks_total, num_blocks_total=mem.num_blocks_total,
-            num_blocks_free=mem.num_blocks_free, num_blocks_cached_free=mem.num_blocks_cached_free,
-            block_size=kv.block_size, kv_bytes_per_token=spec.bytes_per_block * len(kv.groups) / spec.block_size,
-            num_allocated_slots=mem.num_allocated_slots, num_filled_slots=mem.num_filled_slots,
-            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
-            num_preemptions=self.scheduler.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.outputs.num_generation_tokens, spec_decode=dict(self.spec_metrics),
-            num_blocks_used=mem.num_blocks_used, num_blocks_shared=mem.num_blocks_shared,
-            num_blocks_used_by_kind=mem.num_blocks_used_by_kind, num_blocks_slid_out=kv.num_blocks_slid_out,
-            num_unfilled_slots=mem.num_unfilled_slots, kv_pool_tokens=mem.num_blocks_total * spec.block_size,
-            kv_pool_bytes=mem.num_blocks_total * spec.bytes_per_block, kv_cache_dtype=str(spec.dtype).removeprefix("torch."),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=mem.num_blocks_used / mem.num_blocks_total,
+            num_blocks_total=mem.num_blocks_total,
+            num_blocks_free=mem.num_blocks_free,
+            num_blocks_cached_free=mem.num_blocks_cached_free,
+            block_size=kv.block_size,
+            kv_bytes_per_token=spec.bytes_per_block * len(kv.groups) / spec.block_size,
+            num_allocated_slots=mem.num_allocated_slots,
+            num_filled_slots=mem.num_filled_slots,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.outputs.num_generation_tokens,
+            spec_decode=dict(self.spec_metrics),
+            num_blocks_used=mem.num_blocks_used,
+            num_blocks_shared=mem.num_blocks_shared,
+            num_blocks_used_by_kind=mem.num_blocks_used_by_kind,
+            num_blocks_slid_out=kv.num_blocks_slid_out,
+            num_unfilled_slots=mem.num_unfilled_slots,
+            kv_pool_tokens=mem.num_blocks_total * spec.block_size,
+            kv_pool_bytes=mem.num_blocks_total * spec.bytes_per_block,
+            kv_cache_dtype=str(spec.dtype).removeprefix("torch."),
             kv_transfer=dataclasses.asdict(self.kv_connector.stats) if self.kv_connector is not None else {},
-            num_steps=self.num_steps, step_seconds=self.step_seconds, forward_seconds=self.forward_seconds,
+            num_steps=self.num_steps,
+            step_seconds=self.step_seconds,
+            forward_seconds=self.forward_seconds,
             num_grammar_masks=self.structured.num_masks if self.structured else 0,
-            num_grammar_violations=self.structured.num_rejected_tokens if self.structured else 0)
+            num_grammar_violations=self.structured.num_rejected_tokens if self.structured else 0,
+        )
 
     def snapshot(self, since_step: int = 0) -> EngineSnapshot:
         """Stats, the block pool's map, the steps after `since_step` and every live request (the dashboard)."""
         sched = self.scheduler
         live = [*sched.running, *sched.waiting, *sched.loading.values()]
-        views = [RequestView(r.request_id, r.status.name, r.num_prompt_tokens, r.num_output_tokens,
-                             r.num_computed_tokens, r.num_cached_tokens) for r in live]
+        views = [
+            RequestView(
+                r.request_id,
+                r.status.name,
+                r.num_prompt_tokens,
+                r.num_output_tokens,
+                r.num_computed_tokens,
+                r.num_cached_tokens,
+            )
+            for r in live
+        ]
         steps = [s for s in self.recent_steps if s.index > since_step]
         sc = self.config.scheduler
-        return EngineSnapshot(self.stats(), sched.kv.block_map(), steps, views, sc.max_num_batched_tokens,
-                              sc.max_num_seqs)
+        return EngineSnapshot(
+            self.stats(), sched.kv.block_map(), steps, views, sc.max_num_batched_tokens, sc.max_num_seqs
+        )
 
     def close(self) -> None:
         """Stop the processes this engine started (tensor-parallel ranks, the KV transport's threads)."""
@@ -372,6 +504,7 @@ class EngineCore:
         self.scheduler.check_integrity()
         if not self.has_unfinished_requests():
             pool = self.scheduler.kv.pool
-            assert pool.num_free_blocks == pool.num_blocks, \
+            assert pool.num_free_blocks == pool.num_blocks, (
                 f"KV leak: {pool.num_blocks - pool.num_free_blocks} blocks held while idle"
+            )
             assert not self.scheduler.requests and not self.scheduler.kv.req_blocks

@@ -6,6 +6,7 @@ and nothing is emitted until the character completes. Stop strings follow OpenAI
 before the first occurrence. While running, the last (longest stop - 1) characters are held
 back from `visible_text` so a stop string that spans tokens is never streamed half-way.
 """
+
 from __future__ import annotations
 
 from tokenmill.tokenizer import Tokenizer
@@ -14,8 +15,14 @@ _INITIAL_WINDOW = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.token_ids = list(prompt_token_ids[-_INITIAL_WINDOW:])
         self.prefix_offset = 0
@@ -33,10 +40,10 @@ class IncrementalDetokenizer:
             self.token_ids.append(tok)
             self.num_decoded += 1
             before = len(self.text)
-            prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special)
-            full = self.tokenizer.decode(self.token_ids[self.prefix_offset:], self.skip_special)
+            prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip_special)
+            full = self.tokenizer.decode(self.token_ids[self.prefix_offset :], self.skip_special)
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
-                self.text += full[len(prefix):]
+                self.text += full[len(prefix) :]
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
             if self.stop and len(self.text) > before:
                 hit = self._find_stop(before)
@@ -53,7 +60,7 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         idx, s = best
-        self.text = self.text[:idx + len(s)] if self.include_stop else self.text[:idx]
+        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
         return s
 
     def visible_len(self, finished: bool) -> int:
@@ -63,4 +70,4 @@ class IncrementalDetokenizer:
         return max(0, len(self.text) - self.holdback)
 
     def visible_text(self, finished: bool) -> str:
-        return self.text[:self.visible_len(finished)]
+        return self.text[: self.visible_len(finished)]

@@ -1,14 +1,16 @@
 """The offline API, shaped like vLLM's:
 
-    from tokenmill import LLM, SamplingParams
-    llm = LLM(model="smollm2-135m", dtype="float32", max_num_seqs=64)
-    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
-    print(outs[0].outputs[0].text)
+from tokenmill import LLM, SamplingParams
+llm = LLM(model="smollm2-135m", dtype="float32", max_num_seqs=64)
+outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+print(outs[0].outputs[0].text)
 """
+
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -28,9 +30,13 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is text, a list of token ids, or
         {"prompt": text} / {"prompt_token_ids": ids}, optionally with "cache_salt". Requests share
         prefix-cache blocks only when their cache_salt (per prompt, else the argument) is equal."""
@@ -56,8 +62,9 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    cache_salt: str | None = None) -> list[BeamSearchOutput]:
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, cache_salt: str | None = None
+    ) -> list[BeamSearchOutput]:
         """Beam search per prompt (vLLM's LLM.beam_search shape); beams share KV blocks by
         reference with copy-on-write (engine/beam_search.py). One BeamSearchOutput per prompt."""
         if self.engine.has_unfinished_requests():
@@ -67,9 +74,13 @@ class LLM:
         ids = [self._tokenize(p)[1] for p in prompts]
         return BeamSearchRunner(self.engine, params, cache_salt).run(ids)
 
-    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt": self.tokenizer.apply_chat_template(c, add_generation_prompt)} for c in convs]

@@ -5,11 +5,13 @@ child's incremental detokenizer and what its delta outputs have carried so far. 
 hands it the requests that got tokens; it detokenizes them, ends those that hit a stop string (through the
 scheduler, as any finish), and builds one output per touched parent.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -44,7 +46,7 @@ class ParentRequest:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: "Tokenizer | None", scheduler: "Scheduler") -> None:
+    def __init__(self, tokenizer: Tokenizer | None, scheduler: Scheduler) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.parents: dict[str, ParentRequest] = {}
@@ -73,8 +75,12 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
-    def process(self, changed: list[Request], held_kv: Callable[[Request], dict | None] | None = None,
-                ignore: "set[str] | dict[str, Request] | None" = None) -> list[RequestOutput]:
+    def process(
+        self,
+        changed: list[Request],
+        held_kv: Callable[[Request], dict | None] | None = None,
+        ignore: set[str] | dict[str, Request] | None = None,
+    ) -> list[RequestOutput]:
         """Detokenize the step's new tokens, apply stop strings, build the outputs of the touched parents.
         held_kv: for a finished request, where a decode worker pulls its held K/V from (disaggregation), or None;
         ignore: request ids the engine steps for someone else (beam search's raw sequences)."""
@@ -87,10 +93,13 @@ class OutputProcessor:
                 raise AssertionError(f"step changed {req.request_id!r}, which the engine does not know")
             parent = self.parents[pid]
             detok = parent.detoks[req.sample_index]
-            new = req.output_token_ids[detok.num_decoded:]
+            new = req.output_token_ids[detok.num_decoded :]
             self.num_generation_tokens += len(new)
-            if req.status == RequestStatus.FINISHED_STOPPED and new and (
-                    new[-1] == req.eos_token_id or new[-1] in req.sampling_params.stop_token_ids):
+            if (
+                req.status == RequestStatus.FINISHED_STOPPED
+                and new
+                and (new[-1] == req.eos_token_id or new[-1] in req.sampling_params.stop_token_ids)
+            ):
                 new = new[:-1]  # a stop token ends the text without appearing in it
             stop = detok.update(new)
             if stop is not None and not req.is_finished:
@@ -128,10 +137,14 @@ class OutputProcessor:
         first = [r.first_token_time for r in parent.children if r.first_token_time]
         sched = [r.first_scheduled_time for r in parent.children if r.first_scheduled_time]
         last = [r.last_token_time for r in parent.children if r.last_token_time]
-        return RequestMetrics(arrival_time=parent.arrival_time, first_scheduled_time=min(sched, default=None),
-                              first_token_time=min(first, default=None), last_token_time=max(last, default=None),
-                              finished_time=time.time() if finished else None,
-                              num_generation_tokens=max(r.num_output_tokens for r in parent.children))
+        return RequestMetrics(
+            arrival_time=parent.arrival_time,
+            first_scheduled_time=min(sched, default=None),
+            first_token_time=min(first, default=None),
+            last_token_time=max(last, default=None),
+            finished_time=time.time() if finished else None,
+            num_generation_tokens=max(r.num_output_tokens for r in parent.children),
+        )
 
     def _cumulative(self, parent: ParentRequest, finished: bool, held: dict | None) -> RequestOutput:
         """Everything so far (output_kind "cumulative" or "final")."""
@@ -139,14 +152,28 @@ class OutputProcessor:
         for req, detok in zip(parent.children, parent.detoks):
             lps = None
             if req.sampling_params.logprobs is not None:
-                lps = self._decoded_logprobs(req.logprobs[:len(req.output_token_ids)])
-            comps.append(CompletionOutput(
-                index=req.sample_index, text=detok.visible_text(req.is_finished), token_ids=list(req.output_token_ids),
-                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason, logprobs=lps,
-                cumulative_logprob=sum(d[t].logprob for d, t in zip(lps, req.output_token_ids)) if lps else None))
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps, finished,
-                             self._metrics(parent, finished), num_cached_tokens=parent.children[0].num_cached_tokens,
-                             kv_transfer_params=held)
+                lps = self._decoded_logprobs(req.logprobs[: len(req.output_token_ids)])
+            comps.append(
+                CompletionOutput(
+                    index=req.sample_index,
+                    text=detok.visible_text(req.is_finished),
+                    token_ids=list(req.output_token_ids),
+                    finish_reason=req.status.finish_reason,
+                    stop_reason=req.stop_reason,
+                    logprobs=lps,
+                    cumulative_logprob=sum(d[t].logprob for d, t in zip(lps, req.output_token_ids)) if lps else None,
+                )
+            )
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            comps,
+            finished,
+            self._metrics(parent, finished),
+            num_cached_tokens=parent.children[0].num_cached_tokens,
+            kv_transfer_params=held,
+        )
 
     def _delta(self, parent: ParentRequest, finished: bool, held: dict | None) -> RequestOutput:
         """Only what is new since the last output (output_kind "delta"): work in proportion to the new
@@ -154,20 +181,31 @@ class OutputProcessor:
         comps = []
         for req, detok, sent in zip(parent.children, parent.detoks, parent.emitted):
             n = req.num_output_tokens
-            new_ids = req.output_token_ids[sent.num_tokens:n]
+            new_ids = req.output_token_ids[sent.num_tokens : n]
             visible = detok.visible_len(req.is_finished)
-            text = detok.text[sent.num_chars:visible] if visible > sent.num_chars else ""
+            text = detok.text[sent.num_chars : visible] if visible > sent.num_chars else ""
             if not new_ids and not text and (sent.finished or not req.is_finished):
                 continue
             lps = None
             cum = None
             if req.sampling_params.logprobs is not None:
-                lps = self._decoded_logprobs(req.logprobs[sent.num_tokens:n])
+                lps = self._decoded_logprobs(req.logprobs[sent.num_tokens : n])
                 sent.cumulative_logprob += sum(d[t].logprob for d, t in zip(lps, new_ids))
                 cum = sent.cumulative_logprob
             sent.num_tokens, sent.num_chars, sent.finished = n, max(visible, sent.num_chars), req.is_finished
-            comps.append(CompletionOutput(req.sample_index, text, list(new_ids), req.status.finish_reason,
-                                          req.stop_reason, lps, cum, n))
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, comps, finished,
-                             self._metrics(parent, finished), num_cached_tokens=parent.children[0].num_cached_tokens,
-                             is_delta=True, kv_transfer_params=held)
+            comps.append(
+                CompletionOutput(
+                    req.sample_index, text, list(new_ids), req.status.finish_reason, req.stop_reason, lps, cum, n
+                )
+            )
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            comps,
+            finished,
+            self._metrics(parent, finished),
+            num_cached_tokens=parent.children[0].num_cached_tokens,
+            is_delta=True,
+            kv_transfer_params=held,
+        )

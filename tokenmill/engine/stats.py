@@ -1,5 +1,6 @@
 """What the engine reports about itself: counters (EngineStats, read by /metrics and the log line) and the
 dashboard's snapshot types. Plain data; the engine core fills them between two steps."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,5 +1,6 @@
 """`tokenmill <command>`: each command lives in its own module exposing add_arguments(parser)
 and run(args); modules are imported only when their command runs."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("tokenmill.eval.cli", "Evaluate a model (perplexity)."),
     "train-eagle": ("tokenmill.training.eagle", "Train an EAGLE draft head for speculative decoding."),
     "train-medusa": ("tokenmill.training.medusa", "Train Medusa heads for token-tree speculative decoding."),
-    "build-datastore": ("tokenmill.training.datastore",
-                        "Build the n-gram proposer's datastore from the target's own answers."),
+    "build-datastore": (
+        "tokenmill.training.datastore",
+        "Build the n-gram proposer's datastore from the target's own answers.",
+    ),
     "bench": ("tokenmill.bench.cli", "Benchmarks: latency, throughput, serve, roofline, ablation."),
 }
 

@@ -1,4 +1,5 @@
 """`tokenmill chat`: an interactive chat; /reset clears the history, /exit or Ctrl-D quits."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokenmill.engine.core import EngineCore
+
     params = sampling_from_args(args)
     engine = EngineCore(engine_config_from_args(args))
     history = [{"role": "system", "content": args.system}] if args.system else []

@@ -1,4 +1,5 @@
 """`tokenmill generate "prompt"`: streams the completion to the terminal."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_from_args(args: argparse.Namespace):
     from tokenmill.sampling_params import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.sample_seed, stop=args.stop)
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sample_seed,
+        stop=args.stop,
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,12 +58,14 @@ def stream(engine, token_ids: list[int], params, out=sys.stdout) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from tokenmill.engine.core import EngineCore
+
     params = sampling_from_args(args)
     engine = EngineCore(engine_config_from_args(args))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat_template:
-        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
-                                      add_special_tokens=False)
+        ids = engine.tokenizer.encode(
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False
+        )
     else:
         ids = engine.tokenizer.encode(prompt)
     stream(engine, ids, params)

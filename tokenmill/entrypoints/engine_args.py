@@ -1,5 +1,6 @@
 """Engine flags shared by every CLI command, in vLLM's spelling, with help text taken from the
 config dataclasses' field docstrings."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,14 @@ import inspect
 import json
 from dataclasses import MISSING, fields
 
-from tokenmill.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -17,8 +25,12 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
-                isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(getattr(nxt, "value", None), ast.Constant)
+        ):
             docs[node.target.id] = str(nxt.value.value)
     return docs
 
@@ -34,8 +46,9 @@ def _flag_type(f) -> type:
     return {"int": int, "float": float}.get(names.pop(), str) if len(names) == 1 else str
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False,
-                    defaults: dict[str, object] | None = None) -> None:
+def add_engine_args(
+    parser: argparse.ArgumentParser, model_positional: bool = False, defaults: dict[str, object] | None = None
+) -> None:
     """The config fields as flags. `defaults` overrides a field's default for this command (`tokenmill serve`
     turns the relative step-time target on; the library default stays off, so offline runs are unchanged)."""
     defaults = defaults or {}
@@ -53,13 +66,28 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                 g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
                 continue
             g.add_argument(flag, dest=f.name, type=_flag_type(f), default=default, help=f"{help_} (default: {default})")
-    g.add_argument("--speculative-config", dest="speculative_config", type=json.loads, default=None,
-                   help="JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
+    g.add_argument(
+        "--speculative-config",
+        dest="speculative_config",
+        type=json.loads,
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     kv_docs = _field_docs(KVTransferConfig)
-    g.add_argument("--kv-role", dest="kv_role", choices=["prefill", "decode", "both"], default=None,
-                   help=f"disaggregation: {kv_docs['kv_role']} (default: off, a colocated engine)")
-    g.add_argument("--kv-transfer-config", dest="kv_transfer_config", type=json.loads, default=None,
-                   help="JSON with " + "; ".join(f"{k}: {v}" for k, v in kv_docs.items() if k != "kv_role"))
+    g.add_argument(
+        "--kv-role",
+        dest="kv_role",
+        choices=["prefill", "decode", "both"],
+        default=None,
+        help=f"disaggregation: {kv_docs['kv_role']} (default: off, a colocated engine)",
+    )
+    g.add_argument(
+        "--kv-transfer-config",
+        dest="kv_transfer_config",
+        type=json.loads,
+        default=None,
+        help="JSON with " + "; ".join(f"{k}: {v}" for k, v in kv_docs.items() if k != "kv_role"),
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -74,5 +102,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     kvt = getattr(args, "kv_transfer_config", None)
     role = getattr(args, "kv_role", None)
     if kvt is not None or role is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig.from_dict({**(kvt or {}), **({"kv_role": role} if role else {})})
+        kwargs["kv_transfer_config"] = KVTransferConfig.from_dict(
+            {**(kvt or {}), **({"kv_role": role} if role else {})}
+        )
     return EngineConfig.from_kwargs(**kwargs)

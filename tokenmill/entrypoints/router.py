@@ -13,6 +13,7 @@ to the next one (which can pull the same held K/V). Only when no decode worker a
 503, in OpenAI's error format. A decode worker whose pull fails recomputes the prompt itself (the client sees
 nothing but the latency).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,9 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request  # NOTE: module level: FastAPI resolves the handlers' string annotations here
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -78,9 +80,16 @@ def _error(status: int, message: str, kind: str = "service_unavailable") -> dict
 
 
 class Router:
-    def __init__(self, prefill: list[str], decode: list[str], min_prefill_tokens: int = 256,
-                 cooldown_s: float = 5.0, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        min_prefill_tokens: int = 256,
+        cooldown_s: float = 5.0,
+        timeout_s: float = 600.0,
+    ) -> None:
         import httpx
+
         if not decode:
             raise ValueError("the router needs at least one --decode worker")
         self.prefill = Pool([Worker(u.rstrip("/")) for u in prefill])
@@ -131,7 +140,9 @@ class Router:
             return r.json().get("kv_transfer_params")
         return None
 
-    async def handle(self, body: dict[str, Any], path: str) -> tuple[int, dict[str, Any] | None, AsyncIterator[bytes] | None]:
+    async def handle(
+        self, body: dict[str, Any], path: str
+    ) -> tuple[int, dict[str, Any] | None, AsyncIterator[bytes] | None]:
         """(status, JSON body, None) or (200, None, SSE byte stream) for a completion or chat request."""
         self.stats.num_requests += 1
         chat = path.endswith("chat/completions")
@@ -228,8 +239,14 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/health")
     async def health():
         up = [w.url for w in router.decode.workers if w.is_up]
-        return JSONResponse({"status": "ok" if up else "degraded", "decode_up": up,
-                             "prefill_up": [w.url for w in router.prefill.workers if w.is_up]}, 200 if up else 503)
+        return JSONResponse(
+            {
+                "status": "ok" if up else "degraded",
+                "decode_up": up,
+                "prefill_up": [w.url for w in router.prefill.workers if w.is_up],
+            },
+            200 if up else 503,
+        )
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
@@ -246,17 +263,24 @@ def build_app(router: Router) -> FastAPI:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", nargs="*", default=[], metavar="URL", help="prefill workers (tokenmill serve --kv-role prefill)")
+    p.add_argument(
+        "--prefill", nargs="*", default=[], metavar="URL", help="prefill workers (tokenmill serve --kv-role prefill)"
+    )
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode workers (--kv-role decode)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--min-prefill-tokens", type=int, default=256,
-                   help="prompts whose uncached part is shorter are prefilled where they decode (default: 256)")
+    p.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=256,
+        help="prompts whose uncached part is shorter are prefilled where they decode (default: 256)",
+    )
     p.add_argument("--cooldown", type=float, default=5.0, help="seconds a failed worker is skipped (default: 5)")
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+
     router = Router(args.prefill, args.decode, args.min_prefill_tokens, args.cooldown)
     logging.getLogger("tokenmill").setLevel(logging.INFO)
     uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning")

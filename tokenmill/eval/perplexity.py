@@ -8,6 +8,7 @@
 
 Every window predicts L - 1 tokens, so this equals the reference's exp(mean of window means).
 """
+
 from __future__ import annotations
 
 import math
@@ -57,17 +58,18 @@ def window_nll(model: nn.Module, window: torch.Tensor, chunk: int = 512) -> floa
     """Sum of NLL of tokens 1..T-1 of window [T] (logits computed `chunk` rows at a time)."""
     t = window.numel()
     with torch.no_grad():
-        h = model(window, torch.arange(t))                                       # [T, hidden]
+        h = model(window, torch.arange(t))  # [T, hidden]
         total = 0.0
         for s in range(0, t - 1, chunk):
             e = min(s + chunk, t - 1)
-            logits = model.compute_logits(h[s:e])                                # [n, vocab] float32
-            total += float(F.cross_entropy(logits, window[s + 1:e + 1], reduction="sum"))
+            logits = model.compute_logits(h[s:e])  # [n, vocab] float32
+            total += float(F.cross_entropy(logits, window[s + 1 : e + 1], reduction="sum"))
     return total
 
 
-def evaluate_perplexity(model: nn.Module, ids: torch.Tensor, seqlen: int = 2048, max_windows: int | None = None,
-                        progress: bool = True) -> PerplexityResult:
+def evaluate_perplexity(
+    model: nn.Module, ids: torch.Tensor, seqlen: int = 2048, max_windows: int | None = None, progress: bool = True
+) -> PerplexityResult:
     windows = make_windows(ids, seqlen)
     total = windows.shape[0]
     n = total if max_windows is None else min(max_windows, total)
@@ -76,5 +78,12 @@ def evaluate_perplexity(model: nn.Module, ids: torch.Tensor, seqlen: int = 2048,
     for i in tqdm(range(n), desc="perplexity", disable=not progress, unit="window"):
         nll += window_nll(model, windows[i])
     mean = nll / (n * (seqlen - 1))
-    return PerplexityResult(perplexity=math.exp(mean), mean_nll=mean, num_windows=n, total_windows=total,
-                            seqlen=seqlen, num_tokens=ids.numel(), seconds=time.perf_counter() - t0)
+    return PerplexityResult(
+        perplexity=math.exp(mean),
+        mean_nll=mean,
+        num_windows=n,
+        total_windows=total,
+        seqlen=seqlen,
+        num_tokens=ids.numel(),
+        seconds=time.perf_counter() - t0,
+    )

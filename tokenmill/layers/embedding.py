@@ -6,6 +6,7 @@ which it holds.
 The dense table's logits go through a `UnquantizedLinearMethod` of its own (layers/linear.py): on CPU
 in bf16 the same kernels, and the same batch-invariant AMX path, as every other dense linear.
 """
+
 from __future__ import annotations
 
 import torch

@@ -23,6 +23,7 @@ bfloat16, or not laid out as the kernel expects. The kernels round exactly where
 does (float32 math, results cast to the tensor's dtype) so outputs agree to the last bit or
 within one rounding of a differently ordered float32 sum.
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,8 +64,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * xf.to(dtype)
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     s = residual + x
     return rms_norm_ref(s, weight, eps), s
 
@@ -92,8 +94,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rms_norm(residual + x), residual + x); neither input is modified."""
     ext = _fast(x, residual, weight)
     if ext is None or x.shape != residual.shape:
@@ -103,14 +106,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return out, s
 
 
-def rope_inplace(qk: torch.Tensor, num_heads: int, head_dim: int, cos_sin: torch.Tensor,
-                 positions: torch.Tensor) -> bool:
+def rope_inplace(
+    qk: torch.Tensor, num_heads: int, head_dim: int, cos_sin: torch.Tensor, positions: torch.Tensor
+) -> bool:
     """Rotate the first num_heads * head_dim elements of every row of qk [N, row] in place (rows
     may be strided, elements within a row contiguous). Returns False, touching nothing, when
     the kernel cannot serve the call; the caller then uses `rope_ref`."""
-    if (qk.dim() != 2 or qk.stride(1) != 1 or qk.device.type != "cpu" or qk.dtype not in _DTYPES
-            or positions.dtype != torch.int64 or not positions.is_contiguous() or cos_sin.dtype != torch.float32
-            or head_dim % 2 or num_heads * head_dim > qk.shape[1] or positions.numel() != qk.shape[0]):
+    if (
+        qk.dim() != 2
+        or qk.stride(1) != 1
+        or qk.device.type != "cpu"
+        or qk.dtype not in _DTYPES
+        or positions.dtype != torch.int64
+        or not positions.is_contiguous()
+        or cos_sin.dtype != torch.float32
+        or head_dim % 2
+        or num_heads * head_dim > qk.shape[1]
+        or positions.numel() != qk.shape[0]
+    ):
         return False
     ext = _ext()
     if ext is None:
@@ -134,8 +147,7 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor | None:
     and the VNNI kernel (1 to 8 rows) read, or None where neither can run (no C++ kernels or AVX512-BF16,
     N % 64 or K % 2)."""
     n, k = weight.shape
-    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or n % 64 or k % 2
-            or not native.has_avx512_bf16()):
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or n % 64 or k % 2 or not native.has_avx512_bf16():
         return None
     return weight.detach().reshape(n // 64, 64, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
@@ -144,9 +156,12 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor | None:
 def onednn_available() -> bool:
     """oneDNN can prepack and run bf16 linears on this CPU. Its bf16 path needs AVX-512 (BW/VL/DQ) or
     AVX-NE-CONVERT: on an AVX2-only CPU `_reorder_linear_weight` raises, so ask oneDNN first."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:
@@ -163,8 +178,13 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise.default(x.contiguous(), packed, bias, "none", [None], "")
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, vnni: torch.Tensor | None, packed: torch.Tensor | None,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+def dense_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    vnni: torch.Tensor | None,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T + bias on CPU by the dense linear's kernel rule (csrc/linear.h), which the
     C++ layer loop shares:
 
@@ -178,8 +198,13 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, vnni: torch.Tensor | Non
     Float32 accumulation, one rounding (like F.linear; sums in another order). Without the C++ kernels
     (or with autograd recording) oneDNN / F.linear serve every call."""
     ext = _ext()
-    if (ext is not None and x.device.type == "cpu" and x.dim() == 2 and x.dtype in _DTYPES
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+    if (
+        ext is not None
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype in _DTYPES
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
         return ext.dense_linear(x, weight, vnni, packed, bias)
     if packed is not None and x.dtype == torch.bfloat16:
         return onednn_linear(x, packed, bias)

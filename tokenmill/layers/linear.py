@@ -17,6 +17,7 @@ three duties:
 Packed layers (qkv_proj, gate_up_proj) record the sizes of their logical parts in `output_sizes` so
 loaders can write each checkpoint tensor into its rows and quantizers can split them back out.
 """
+
 from __future__ import annotations
 
 import enum
@@ -64,11 +65,11 @@ class LinearKernel:
 class LinearMethod(Protocol):
     """How a Linear computes y = x W^T + b (see the module docstring)."""
 
-    def process_weights_after_loading(self, layer: "Linear") -> None: ...
+    def process_weights_after_loading(self, layer: Linear) -> None: ...
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor: ...
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor: ...
 
-    def kernel(self, layer: "Linear") -> LinearKernel | None: ...
+    def kernel(self, layer: Linear) -> LinearKernel | None: ...
 
 
 class UnquantizedLinearMethod:
@@ -83,7 +84,7 @@ class UnquantizedLinearMethod:
         self.vnni: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
 
-    def process_weights_after_loading(self, layer: "Linear") -> None:
+    def process_weights_after_loading(self, layer: Linear) -> None:
         w = layer.weight
         self.vnni = self.packed = None
         if w is None or w.device.type != "cpu" or w.dtype != torch.bfloat16:
@@ -91,17 +92,21 @@ class UnquantizedLinearMethod:
         self.vnni = fused_ops.pack_vnni(w)
         self.packed = fused_ops.pack_onednn(w)
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             return F.linear(x, layer.weight, layer.bias)
         x2 = x.reshape(-1, x.shape[-1])
         y = fused_ops.dense_linear(x2, layer.weight, self.vnni, self.packed, layer.bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
-    def kernel(self, layer: "Linear") -> LinearKernel | None:
+    def kernel(self, layer: Linear) -> LinearKernel | None:
         w = layer.weight
-        if w is None or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) \
-                or not fused_ops.is_available():
+        if (
+            w is None
+            or w.device.type != "cpu"
+            or w.dtype not in (torch.float32, torch.bfloat16)
+            or not fused_ops.is_available()
+        ):
             return None
         return LinearKernel(KernelKind.DENSE, w, self.vnni, self.packed, layer.bias, 0, layer.out_features, ANY_ROWS)
 
@@ -112,8 +117,14 @@ class Linear(nn.Module):
     output_sizes: for a packed layer, the row counts of its parts in order, e.g. [q, k, v].
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 output_sizes: list[int] | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        output_sizes: list[int] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -141,7 +152,9 @@ class Linear(nn.Module):
             raise ValueError(f"checkpoint has a {name} for a layer built without one")
         target = param.data if shard_id is None else param.data[self.shard_rows(shard_id)]
         if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+            raise ValueError(
+                f"shape mismatch for {name}: checkpoint {tuple(loaded.shape)}, expected {tuple(target.shape)}"
+            )
         target.copy_(loaded.to(target.dtype))
 
     def process_weights_after_loading(self) -> None:

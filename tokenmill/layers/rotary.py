@@ -3,11 +3,13 @@
 Scaling types from HF configs: default, linear (positions divided by factor) and llama3
 (frequency-dependent interpolation).
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,8 +43,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.max_position = max_position
@@ -80,8 +81,9 @@ class RotaryEmbedding(nn.Module):
         cos, sin = (c[1], c[2]) if c is not None and c[0] is positions else self._cos_sin(positions)
         return fused_ops.rope_ref(q, cos, sin), fused_ops.rope_ref(k, cos, sin)
 
-    def rotate_packed(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int,
-                      num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rotate_packed(
+        self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [..., (Hq + 2 Hkv) * D] (a packed projection's output, not used elsewhere) ->
         q [..., Hq, D], k [..., Hkv, D] rotated, v [..., Hkv, D]. Rotates q and k in place in one
         kernel call when it can (layers/fused_ops.py), else out of place."""
@@ -90,7 +92,8 @@ class RotaryEmbedding(nn.Module):
         lead = qkv.shape[:-1]
         flat = qkv.reshape(-1, qkv.shape[-1])
         if flat.data_ptr() == qkv.data_ptr() and fused_ops.rope_inplace(
-                flat, num_heads + num_kv_heads, d, self.cos_sin, positions.reshape(-1)):
+            flat, num_heads + num_kv_heads, d, self.cos_sin, positions.reshape(-1)
+        ):
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             return q.view(*lead, num_heads, d), k.view(*lead, num_kv_heads, d), v.view(*lead, num_kv_heads, d)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

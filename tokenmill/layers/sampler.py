@@ -11,6 +11,7 @@ distributions get identical treatment):
      argmax(p_i / E_i), E_i ~ Exp(1), which samples i with probability p_i. Rows with a seed
      draw E from their own generator, so their samples do not depend on the rest of the batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 
 from tokenmill import native
 from tokenmill.outputs import Logprob
+
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> int64 [N], the same indices as logits.argmax(-1) (first maximum; NaN counts
@@ -46,20 +48,20 @@ def masks_from_bytes(data: bytes, num_words: int, vocab_size: int) -> torch.Tens
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor        # [N] float32; 0 for greedy rows
-    top_k: torch.Tensor | None       # [N] int64; 0 = off (None if no row uses it)
-    top_p: torch.Tensor | None       # [N] float32 (None if no row uses it)
-    min_p: torch.Tensor | None       # [N] float32 (None if no row uses it)
-    presence_penalty: torch.Tensor | None   # [N]
+    temperature: torch.Tensor  # [N] float32; 0 for greedy rows
+    top_k: torch.Tensor | None  # [N] int64; 0 = off (None if no row uses it)
+    top_p: torch.Tensor | None  # [N] float32 (None if no row uses it)
+    min_p: torch.Tensor | None  # [N] float32 (None if no row uses it)
+    presence_penalty: torch.Tensor | None  # [N]
     frequency_penalty: torch.Tensor | None  # [N]
     repetition_penalty: torch.Tensor | None  # [N]
-    output_counts: torch.Tensor | None      # [N, V] float32 counts of output tokens
-    prompt_mask: torch.Tensor | None        # [N, V] bool, token occurs in the prompt
-    min_tokens_mask: torch.Tensor | None    # [N, V] bool, True = banned this step
+    output_counts: torch.Tensor | None  # [N, V] float32 counts of output tokens
+    prompt_mask: torch.Tensor | None  # [N, V] bool, token occurs in the prompt
+    min_tokens_mask: torch.Tensor | None  # [N, V] bool, True = banned this step
     generators: list[torch.Generator | None]
     all_greedy: bool
     max_num_logprobs: int | None
-    allowed: torch.Tensor | None = None     # [N, V] bool, False = banned by the row's grammar (None: no grammar)
+    allowed: torch.Tensor | None = None  # [N, V] bool, False = banned by the row's grammar (None: no grammar)
     allowed_per_position: list[torch.Tensor | None] | None = None
     """Per request, [1 + k, V] bool: its grammar's allowed tokens at the next position and after each of its
     k drafts (paths, for a tree); what the verifier's rows get (spec_decode.rejection_sampler.expand_rows)."""
@@ -77,7 +79,9 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
         logits = logits - meta.presence_penalty[:, None] * (meta.output_counts > 0).float()
     if meta.min_tokens_mask is not None:
         logits = logits.masked_fill(meta.min_tokens_mask, float("-inf"))
-    if meta.allowed is not None:  # structured outputs: before logprobs, temperature, top-k/p (docs/structured_outputs.md)
+    if (
+        meta.allowed is not None
+    ):  # structured outputs: before logprobs, temperature, top-k/p (docs/structured_outputs.md)
         logits = logits.masked_fill(~meta.allowed, float("-inf"))
     return logits
 
@@ -113,8 +117,12 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     return apply_temperature_and_masks(apply_penalties(logits, meta), meta)
 
 
-def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
-                      device: torch.device, global_gen: torch.Generator | None = None) -> torch.Tensor:
+def exponential_noise(
+    shape: tuple[int, int],
+    generators: list[torch.Generator | None],
+    device: torch.device,
+    global_gen: torch.Generator | None = None,
+) -> torch.Tensor:
     """[N, V] Exp(1) noise; seeded rows draw from their own generator."""
     q = torch.empty(shape, device=device)
     q.exponential_(generator=global_gen)
@@ -124,8 +132,9 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
     return q
 
 
-def sample_from_logits(logits: torch.Tensor, meta: SamplingMetadata,
-                       global_gen: torch.Generator | None = None) -> torch.Tensor:
+def sample_from_logits(
+    logits: torch.Tensor, meta: SamplingMetadata, global_gen: torch.Generator | None = None
+) -> torch.Tensor:
     """logits [N, V] already processed -> token ids [N]."""
     greedy = argmax_rows(logits)
     if meta.all_greedy:
@@ -138,7 +147,7 @@ def sample_from_logits(logits: torch.Tensor, meta: SamplingMetadata,
 
 @dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor            # [N]
+    token_ids: torch.Tensor  # [N]
     logprobs: list[dict[int, Logprob]] | None  # per row, if any row asked
 
 
@@ -147,8 +156,7 @@ class Sampler:
         self.global_gen = torch.Generator(device=device)
         self.global_gen.manual_seed(global_seed)
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
-                 num_logprobs: list[int | None]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, num_logprobs: list[int | None]) -> SamplerOutput:
         logits = apply_penalties(logits.float(), meta)
         raw_logprobs = logits.log_softmax(-1) if any(n is not None for n in num_logprobs) else None
         if meta.all_greedy:

@@ -10,6 +10,7 @@ A family builds its own body (models/llama.py's LlamaModel, models/gemma3.py's G
 
 Checkpoint names follow HF's `model.<body>` / `lm_head` layout, so the body is stored as `self.model`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -33,8 +34,11 @@ class CausalLM(nn.Module):
 
     # checkpoint suffix -> (packed module here, part index)
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
 
     lm_head: Linear | None
@@ -103,8 +107,9 @@ class CausalLM(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
             p = params[name]
             if tuple(p.shape) != tuple(tensor.shape):
-                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
-                                 f"expected {tuple(p.shape)}")
+                raise ValueError(
+                    f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, expected {tuple(p.shape)}"
+                )
             p.data.copy_(tensor.to(p.dtype))
             loaded.add(name)
         return loaded

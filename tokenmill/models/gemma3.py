@@ -18,6 +18,7 @@ attention layer reads its group's block table and, in a sliding group, the first
 The C++ decode loop (csrc/decode_stack.cpp) runs the Llama layout only: `decoder_layout()` is None and this
 family runs the module path (declared, like Qwen3's).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,16 @@ class Gemma3Attention(Qwen3Attention):
 
     qk_norm_cls = GemmaRMSNorm
 
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding, sliding_window: int | None,
-                 kv_group: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None,
+        kv_group: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__(cfg, layer_idx, rotary, backend, dtype)
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.sliding_window = sliding_window
@@ -59,8 +68,16 @@ class Gemma3MLP(LlamaMLP):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding, sliding_window: int | None,
-                 kv_group: int, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None,
+        kv_group: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, dtype)
@@ -79,16 +96,21 @@ class Gemma3Model(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens: nn.Module = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_scale = cfg.hidden_size ** 0.5
+        self.embed_scale = cfg.hidden_size**0.5
         windows = cfg.layer_windows()
-        self.rotary_global = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                             cfg.rope_scaling)
-        self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
-                                            cfg.rope_local_theta or 10000.0, None)
+        self.rotary_global = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.rotary_local = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta or 10000.0, None
+        )
         group_of = {layer: g for g, grp in enumerate(plan_kv_groups(windows)) for layer in grp.layers}
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, i, self.rotary_global if w is None else self.rotary_local, w, group_of[i],
-                               backend, dtype) for i, w in enumerate(windows))
+            Gemma3DecoderLayer(
+                cfg, i, self.rotary_global if w is None else self.rotary_local, w, group_of[i], backend, dtype
+            )
+            for i, w in enumerate(windows)
+        )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -104,8 +126,9 @@ class Gemma3ForCausalLM(CausalLM):
     """The Gemma 3 body (Gemma3Model); loading, logits and weight processing are CausalLM's (HF names, packed
     q/k/v and gate/up, tied head)."""
 
-    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32,
-                 backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32, backend: AttentionBackend | None = None
+    ) -> None:
         super().__init__(cfg, Gemma3Model(cfg, dtype, backend or TorchPagedAttention()), dtype)
 
     def decoder_layout(self) -> DecoderLayout | None:

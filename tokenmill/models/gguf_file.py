@@ -12,6 +12,7 @@ Layout (little-endian; https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
     tensor: name | n_dims u32 | dims u64 x n_dims (innermost first) | ggml type u32 | offset u64
     padding to general.alignment (32), then the tensor data (offsets are relative to it)
 """
+
 from __future__ import annotations
 
 import struct
@@ -23,8 +24,16 @@ import numpy as np
 
 # GGUF value types -> (struct format, numpy dtype) for the fixed-size ones.
 _SCALARS: dict[int, tuple[str, Any]] = {
-    0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16), 4: ("<I", np.uint32),
-    5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_), 10: ("<Q", np.uint64), 11: ("<q", np.int64),
+    0: ("<B", np.uint8),
+    1: ("<b", np.int8),
+    2: ("<H", np.uint16),
+    3: ("<h", np.int16),
+    4: ("<I", np.uint32),
+    5: ("<i", np.int32),
+    6: ("<f", np.float32),
+    7: ("<?", np.bool_),
+    10: ("<Q", np.uint64),
+    11: ("<q", np.int64),
     12: ("<d", np.float64),
 }
 _STRING, _ARRAY = 8, 9
@@ -44,6 +53,7 @@ class GGUFTensor:
 class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         import gguf
+
         self.path = Path(path)
         self._buf = np.memmap(self.path, dtype=np.uint8, mode="r")
         self._mv = memoryview(self._buf)
@@ -76,7 +86,7 @@ class GGUFFile:
             lo = start + offset
             if lo + nbytes > len(self._buf):
                 raise ValueError(f"tensor {name!r} runs past the end of the file (truncated)")
-            raw = self._buf[lo:lo + nbytes]
+            raw = self._buf[lo : lo + nbytes]
             if qtype == gguf.GGMLQuantizationType.F32:
                 data = raw.view(np.float32).reshape(shape)
             elif qtype == gguf.GGMLQuantizationType.F16:
@@ -89,7 +99,7 @@ class GGUFFile:
     def _take(self, n: int) -> memoryview:
         if self._off + n > len(self._mv):
             raise ValueError("the header runs past the end of the file (truncated)")
-        out = self._mv[self._off:self._off + n]
+        out = self._mv[self._off : self._off + n]
         self._off += n
         return out
 

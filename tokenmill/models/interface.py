@@ -4,10 +4,11 @@ can run them without looking inside the modules.
 A model whose layers follow the pre-norm Llama layout returns a `DecoderLayout` from
 `decoder_layout()`; a model with another layout returns None and runs the module path only.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -18,8 +19,8 @@ from tokenmill.layers.linear import Linear
 class DecoderLayerParts:
     """One layer, as LlamaDecoderLayer.forward uses it:
 
-        x, res = input_norm(h [+ res]);  q, k, v = rope(qkv(x));  h = o(attention(q, k, v))
-        x, res = post_norm(h + res);     h = down(silu(gate) * up),  gate | up = gate_up(x)"""
+    x, res = input_norm(h [+ res]);  q, k, v = rope(qkv(x));  h = o(attention(q, k, v))
+    x, res = post_norm(h + res);     h = down(silu(gate) * up),  gate | up = gate_up(x)"""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor

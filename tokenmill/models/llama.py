@@ -7,6 +7,7 @@ Inputs are flattened tokens: input_ids [num_tokens], positions [num_tokens]. Out
 forward context (quantization, perplexity) the same forward runs dense causal attention over
 one sequence [T] or a batch [B, T].
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,14 @@ from tokenmill.models.interface import DecoderLayerParts, DecoderLayout
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding,
-                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
@@ -34,9 +41,14 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias,
-                               output_sizes=[self.q_size, self.kv_size, self.kv_size], dtype=dtype)
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = Linear(
+            cfg.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=cfg.attention_bias,
+            output_sizes=[self.q_size, self.kv_size, self.kv_size],
+            dtype=dtype,
+        )
         self.o_proj = Linear(self.q_size, cfg.hidden_size, dtype=dtype)
         self.rotary = rotary
         self.backend = backend
@@ -48,8 +60,9 @@ class LlamaAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [..., Hq, D], k / v [..., Hkv, D] after RoPE -> the output projection's result."""
-        o = self.backend.forward(q, k, v, self.kv_cache, get_forward_context(self.kv_group), self.scale,
-                                 self.sliding_window)
+        o = self.backend.forward(
+            q, k, v, self.kv_cache, get_forward_context(self.kv_group), self.scale, self.sliding_window
+        )
         return self.o_proj(o.reshape(*q.shape[:-2], self.q_size))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -78,8 +91,14 @@ class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
     """The attention module a family's layer uses (Qwen3: QK-norm, models/qwen3.py)."""
 
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding,
-                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = self.attention_cls(cfg, layer_idx, rotary, backend, dtype)
@@ -91,20 +110,29 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(x)
 
     def parts(self) -> DecoderLayerParts:
-        return DecoderLayerParts(self.input_layernorm.weight, self.post_attention_layernorm.weight,
-                                 self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj,
-                                 self.mlp.down_proj)
+        return DecoderLayerParts(
+            self.input_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            self.self_attn.qkv_proj,
+            self.self_attn.o_proj,
+            self.mlp.gate_up_proj,
+            self.mlp.down_proj,
+        )
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend,
-                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+    ) -> None:
         super().__init__()
         self.embed_tokens: nn.Module = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         """A VocabEmbedding, or quant/head.py's QuantizedEmbedding: both serve rows and tied logits."""
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(layer_cls(cfg, i, rotary, backend, dtype)
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, i, rotary, backend, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = rotary  # shared by every layer
 
@@ -121,12 +149,21 @@ class LlamaForCausalLM(CausalLM):
 
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
-    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32,
-                 backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, dtype: torch.dtype = torch.float32, backend: AttentionBackend | None = None
+    ) -> None:
         super().__init__(cfg, LlamaModel(cfg, dtype, backend or TorchPagedAttention(), self.layer_cls), dtype)
 
     def decoder_layout(self) -> DecoderLayout:
         a0 = self.model.layers[0].self_attn
-        return DecoderLayout(self.model.embed_tokens, [layer.parts() for layer in self.model.layers],
-                             self.model.norm.weight, self.model.norm.eps, a0.num_heads, a0.num_kv_heads,
-                             a0.head_dim, a0.scale, self.model.rotary.cos_sin)
+        return DecoderLayout(
+            self.model.embed_tokens,
+            [layer.parts() for layer in self.model.layers],
+            self.model.norm.weight,
+            self.model.norm.eps,
+            a0.num_heads,
+            a0.num_kv_heads,
+            a0.head_dim,
+            a0.scale,
+            self.model.rotary.cos_sin,
+        )

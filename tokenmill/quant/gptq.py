@@ -20,6 +20,7 @@ error-updated weights), or once up front on the original weights with `static_gr
 group. This follows the reference code (IST-DASLab/gptq, AutoGPTQ) line by line, including
 that a group starting inside a block is fitted on the weights as of the block's start.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.quant.grid import (GroupParams, QuantizedWeight, check_group_size, fit_minmax_gptq,
-                                  quantize_codes)
+from tokenmill.quant.grid import GroupParams, QuantizedWeight, check_group_size, fit_minmax_gptq, quantize_codes
 
 
 class HessianAccumulator:
@@ -55,9 +55,18 @@ class GPTQResult:
     """Sum over rows and columns of (w - q)^2 / U[j, j]^2: GPTQ's own estimate of the added error."""
 
 
-def gptq_quantize_weight(W: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 128, sym: bool = True,
-                         act_order: bool = False, static_groups: bool = False, block_size: int = 128,
-                         damp_percent: float = 0.01, min_zero: int = 0) -> GPTQResult:
+def gptq_quantize_weight(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    bits: int,
+    group_size: int = 128,
+    sym: bool = True,
+    act_order: bool = False,
+    static_groups: bool = False,
+    block_size: int = 128,
+    damp_percent: float = 0.01,
+    min_zero: int = 0,
+) -> GPTQResult:
     """W [out, in] (any float dtype), H [in, in] -> the GPTQ quantization of W."""
     out, cols = W.shape
     check_group_size(cols, group_size)
@@ -70,7 +79,7 @@ def gptq_quantize_weight(W: torch.Tensor, H: torch.Tensor, bits: int, group_size
 
     static: list[GroupParams] = []
     if static_groups and group_size != -1:
-        static = [fit_minmax_gptq(W[:, i:i + gs], bits, sym, min_zero) for i in range(0, cols, gs)]
+        static = [fit_minmax_gptq(W[:, i : i + gs], bits, sym, min_zero) for i in range(0, cols, gs)]
 
     perm = torch.arange(cols)
     if act_order:
@@ -86,12 +95,14 @@ def gptq_quantize_weight(W: torch.Tensor, H: torch.Tensor, bits: int, group_size
         L = torch.linalg.cholesky(H)
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
     except torch.linalg.LinAlgError as e:
-        raise ValueError(f"GPTQ: the dampened Hessian is not positive definite (damp_percent={damp_percent}); "
-                         "raise damp_percent or use more calibration data") from e
+        raise ValueError(
+            f"GPTQ: the dampened Hessian is not positive definite (damp_percent={damp_percent}); "
+            "raise damp_percent or use more calibration data"
+        ) from e
 
-    Q = torch.zeros_like(W)                        # integer codes, permuted column order
+    Q = torch.zeros_like(W)  # integer codes, permuted column order
     losses = torch.zeros(out, dtype=torch.float32)
-    group_params: list[GroupParams] = []          # in order of discovery (non-static)
+    group_params: list[GroupParams] = []  # in order of discovery (non-static)
     params = fit_minmax_gptq(W, bits, sym, min_zero) if group_size == -1 else None
 
     for i1 in range(0, cols, block_size):
@@ -108,13 +119,13 @@ def gptq_quantize_weight(W: torch.Tensor, H: torch.Tensor, bits: int, group_size
                     params = static[int(perm[i1 + i]) // gs]
                 elif (i1 + i) % gs == 0:
                     # NOTE: fitted on W (as of this block's start), exactly as the reference code does.
-                    params = fit_minmax_gptq(W[:, i1 + i:i1 + i + gs], bits, sym, min_zero)
+                    params = fit_minmax_gptq(W[:, i1 + i : i1 + i + gs], bits, sym, min_zero)
                     group_params.append(params)
             assert params is not None
             q = quantize_codes(w[:, None], params, bits).flatten()
             deq = (q - params.zero) * params.scale
             Q[:, i1 + i] = q
-            losses += (w - deq) ** 2 / d ** 2
+            losses += (w - deq) ** 2 / d**2
             err = (w - deq) / d
             W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
             Err1[:, i] = err
@@ -133,7 +144,13 @@ def gptq_quantize_weight(W: torch.Tensor, H: torch.Tensor, bits: int, group_size
         g_idx = (torch.arange(cols) // gs)[invperm].to(torch.int32)
         scales = torch.stack([p.scale for p in group_params], 1)
         zeros = torch.stack([p.zero for p in group_params], 1)
-    qw = QuantizedWeight(codes=Q.to(torch.uint8), scales=scales.to(torch.float16).contiguous(),
-                         zeros=zeros.to(torch.uint8).contiguous(), g_idx=g_idx, bits=bits,
-                         group_size=group_size, sym=sym)
+    qw = QuantizedWeight(
+        codes=Q.to(torch.uint8),
+        scales=scales.to(torch.float16).contiguous(),
+        zeros=zeros.to(torch.uint8).contiguous(),
+        g_idx=g_idx,
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+    )
     return GPTQResult(weight=qw, loss=float(losses.sum()) / 2)

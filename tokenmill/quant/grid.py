@@ -15,6 +15,7 @@ Two ways to fit a group's (scale, zero), both from the papers' reference code:
     symmetric uses zero = (maxq + 1) / 2 and scale = 2 max|x| / maxq.
   * `fit_minmax_awq`: AWQ's pseudo-quantizer. Range is [min, max] of the group, scale clamped at 1e-5.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,10 +25,10 @@ import torch
 
 @dataclass
 class QuantizedWeight:
-    codes: torch.Tensor    # [out, in] uint8
-    scales: torch.Tensor   # [out, num_groups] float16
-    zeros: torch.Tensor    # [out, num_groups] uint8
-    g_idx: torch.Tensor    # [in] int32
+    codes: torch.Tensor  # [out, in] uint8
+    scales: torch.Tensor  # [out, num_groups] float16
+    zeros: torch.Tensor  # [out, num_groups] uint8
+    g_idx: torch.Tensor  # [in] int32
     bits: int
     group_size: int
     """Columns per group; -1 means one group per output row (per channel)."""
@@ -59,10 +60,11 @@ class QuantizedWeight:
         z = self.zeros.float()[:, g]
         return ((self.codes.float() - z) * s).to(dtype)
 
-    def rows(self, sl: slice) -> "QuantizedWeight":
+    def rows(self, sl: slice) -> QuantizedWeight:
         """The quantized rows of one part of a packed layer (shares g_idx)."""
-        return QuantizedWeight(self.codes[sl], self.scales[sl], self.zeros[sl], self.g_idx, self.bits,
-                               self.group_size, self.sym)
+        return QuantizedWeight(
+            self.codes[sl], self.scales[sl], self.zeros[sl], self.g_idx, self.bits, self.group_size, self.sym
+        )
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -72,10 +74,19 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         if (p.bits, p.group_size, p.sym) != (first.bits, first.group_size, first.sym):
             raise ValueError("parts of a packed layer must share bits, group size and symmetry")
         if not torch.equal(p.g_idx, first.g_idx):
-            raise ValueError("parts of a packed layer have different g_idx (act-order per part); "
-                             "this engine packs q/k/v and gate/up and needs them to share one")
-    return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                           torch.cat([p.zeros for p in parts]), first.g_idx, first.bits, first.group_size, first.sym)
+            raise ValueError(
+                "parts of a packed layer have different g_idx (act-order per part); "
+                "this engine packs q/k/v and gate/up and needs them to share one"
+            )
+    return QuantizedWeight(
+        torch.cat([p.codes for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        torch.cat([p.zeros for p in parts]),
+        first.g_idx,
+        first.bits,
+        first.group_size,
+        first.sym,
+    )
 
 
 def check_group_size(in_features: int, group_size: int, what: str = "layer") -> None:
@@ -93,7 +104,7 @@ def check_group_size(in_features: int, group_size: int, what: str = "layer") -> 
 @dataclass
 class GroupParams:
     scale: torch.Tensor  # [rows] float32 (already rounded through fp16)
-    zero: torch.Tensor   # [rows] float32 holding integers
+    zero: torch.Tensor  # [rows] float32 holding integers
 
 
 def _fp16_round(scale: torch.Tensor) -> torch.Tensor:
@@ -107,7 +118,7 @@ def fit_minmax_gptq(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0) ->
 
     min_zero=1 keeps asymmetric zero points >= 1: GPTQ's v1 format stores zero - 1, which cannot
     hold -1 (only a group whose values are all >= 0 would need zero 0)."""
-    maxq = 2 ** bits - 1
+    maxq = 2**bits - 1
     w = w.float()
     xmin = w.min(dim=1).values.clamp(max=0)
     xmax = w.max(dim=1).values.clamp(min=0)
@@ -128,7 +139,7 @@ def fit_minmax_gptq(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0) ->
 def fit_minmax_awq(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0) -> GroupParams:
     """AWQ's `pseudo_quantize_tensor` parameters on w [rows, cols] (the range is the group's own
     [min, max]). The symmetric variant is returned in unsigned form (zero = 2**(bits-1))."""
-    maxq = 2 ** bits - 1
+    maxq = 2**bits - 1
     w = w.float()
     if sym:
         max_abs = w.abs().amax(dim=1).clamp(min=1e-5)
@@ -144,7 +155,7 @@ def fit_minmax_awq(w: torch.Tensor, bits: int, sym: bool, min_zero: int = 0) -> 
 
 def quantize_codes(w: torch.Tensor, p: GroupParams, bits: int) -> torch.Tensor:
     """w [rows, cols] -> integer codes (float tensor) on the grid of p (one param per row)."""
-    maxq = 2 ** bits - 1
+    maxq = 2**bits - 1
     return torch.clamp(torch.round(w.float() / p.scale[:, None]) + p.zero[:, None], 0, maxq)
 
 
@@ -156,8 +167,9 @@ def fake_quantize(w: torch.Tensor, p: GroupParams, bits: int) -> torch.Tensor:
 FITTERS = {"gptq": fit_minmax_gptq, "awq": fit_minmax_awq}
 
 
-def quantize_groupwise(w: torch.Tensor, bits: int, group_size: int, sym: bool, fit: str = "gptq",
-                       min_zero: int = 0) -> QuantizedWeight:
+def quantize_groupwise(
+    w: torch.Tensor, bits: int, group_size: int, sym: bool, fit: str = "gptq", min_zero: int = 0
+) -> QuantizedWeight:
     """Round-to-nearest of w [out, in] with contiguous groups (RTN; also AWQ's last step)."""
     out, cols = w.shape
     check_group_size(cols, group_size)
@@ -166,6 +178,12 @@ def quantize_groupwise(w: torch.Tensor, bits: int, group_size: int, sym: bool, f
     wg = w.float().reshape(out, ng, gs).transpose(0, 1).reshape(ng * out, gs)  # group-major rows
     p = FITTERS[fit](wg, bits, sym, min_zero)
     codes = quantize_codes(wg, p, bits).reshape(ng, out, gs).transpose(0, 1).reshape(out, cols)
-    return QuantizedWeight(codes=codes.to(torch.uint8), scales=p.scale.reshape(ng, out).t().to(torch.float16).contiguous(),
-                           zeros=p.zero.reshape(ng, out).t().to(torch.uint8).contiguous(),
-                           g_idx=(torch.arange(cols) // gs).to(torch.int32), bits=bits, group_size=group_size, sym=sym)
+    return QuantizedWeight(
+        codes=codes.to(torch.uint8),
+        scales=p.scale.reshape(ng, out).t().to(torch.float16).contiguous(),
+        zeros=p.zero.reshape(ng, out).t().to(torch.uint8).contiguous(),
+        g_idx=(torch.arange(cols) // gs).to(torch.int32),
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+    )

@@ -19,6 +19,7 @@ final hidden states, saved as lm_head.qweight/qzeros/scales/g_idx with "lm_head"
 load_model's default, "checkpoint") that head wins over load-time RTN, while none / int8 / int4
 still mean an fp16 / RTN head made from the checkpoint's fp16 embedding table.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -32,10 +32,10 @@ Int8 buffers:
     scales   [N, G]                      w = qweight * scale + offset,  offset = (128 - zero) * scale
     offsets  [N, G] | None               None for a symmetric grid (zero = 128)
 """
+
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -74,13 +74,14 @@ DEFAULT_PLAN = KernelPlan()
 
 # ------------------------------------------------------------------------------------ int4
 
+
 def tinygemm_unpack(packed: torch.Tensor, n: int, k: int, block_n: int | None = None) -> torch.Tensor:
     """Inverse of `_convert_weight_to_int4pack_for_cpu` (torch 2.13 layout): [N, K/2] u8 -> [N, K] codes.
     torch packs blocks of block_n outputs, which depends on the CPU it runs on (64 with AVX-512, 32 with AVX2:
     `tinygemm_block_n()` finds it)."""
     block_n = block_n or tinygemm_block_n() or 64
     blocks = packed.reshape(n // block_n, k, block_n // 2)
-    both = torch.cat([blocks & 15, blocks >> 4], dim=-1)                     # [N/block_n, K, block_n]
+    both = torch.cat([blocks & 15, blocks >> 4], dim=-1)  # [N/block_n, K, block_n]
     return both.permute(0, 2, 1).reshape(n, k)
 
 
@@ -160,7 +161,7 @@ class Int4WeightOnlyMethod:
         """[N, K] weight in the permuted column order (matches x[..., col_perm])."""
         n, k = layer.out_features, layer.in_features
         codes = self.codes(layer)
-        sz = self.scales_and_zeros(layer).to(dtype)                            # [G, N, 2]
+        sz = self.scales_and_zeros(layer).to(dtype)  # [G, N, 2]
         g = sz.shape[0]
         w = (codes.reshape(n, g, k // g).to(dtype) - 8) * sz[:, :, 0].t()[..., None] + sz[:, :, 1].t()[..., None]
         return w.reshape(n, k)
@@ -201,7 +202,12 @@ class Int4WeightOnlyMethod:
         """Our k64 kernel or tinygemm on bf16 activations, for as many rows as the plan keeps on the kernel;
         None for act-order columns, a bias or the plain layout (those run the module path)."""
         sz = layer.scales_and_zeros
-        if layer.bias is not None or layer.col_perm is not None or sz.dtype != torch.bfloat16 or sz.device.type != "cpu":
+        if (
+            layer.bias is not None
+            or layer.col_perm is not None
+            or sz.dtype != torch.bfloat16
+            or sz.device.type != "cpu"
+        ):
             return None
         if self.layout == "k64" and cpu_int4.available():
             kind = KernelKind.INT4_K64
@@ -209,8 +215,9 @@ class Int4WeightOnlyMethod:
             kind = KernelKind.INT4_TINYGEMM
         else:
             return None
-        return LinearKernel(kind, layer.qweight, sz, None, None, self.group_size, layer.out_features,
-                            self.max_kernel_rows)
+        return LinearKernel(
+            kind, layer.qweight, sz, None, None, self.group_size, layer.out_features, self.max_kernel_rows
+        )
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return _weight_only_apply(self, layer, x, lambda x2: self.path(x2.shape[0], x2))
@@ -253,13 +260,26 @@ class Int8WeightOnlyMethod:
         """Our per-channel int8 GEMV on bf16 activations, up to the rows where `apply` calls it (8, or fewer
         by the plan); None for groups, act-order columns, a bias, or shapes the GEMV does not take."""
         scales, offsets = layer.scales, layer.offsets
-        if (layer.bias is not None or layer.col_perm is not None or scales.shape[-1] != 1
-                or scales.dtype != torch.bfloat16 or (offsets is not None and offsets.dtype != torch.bfloat16)
-                or layer.in_features % 64 or not cpu_int4.available()):
+        if (
+            layer.bias is not None
+            or layer.col_perm is not None
+            or scales.shape[-1] != 1
+            or scales.dtype != torch.bfloat16
+            or (offsets is not None and offsets.dtype != torch.bfloat16)
+            or layer.in_features % 64
+            or not cpu_int4.available()
+        ):
             return None
-        return LinearKernel(KernelKind.INT8, layer.qweight, scales.reshape(-1).contiguous(),
-                            None if offsets is None else offsets.reshape(-1).contiguous(), None, 0,
-                            layer.out_features, min(cpu_int4.INT8_MAX_ROWS, self.max_kernel_rows))
+        return LinearKernel(
+            KernelKind.INT8,
+            layer.qweight,
+            scales.reshape(-1).contiguous(),
+            None if offsets is None else offsets.reshape(-1).contiguous(),
+            None,
+            0,
+            layer.out_features,
+            min(cpu_int4.INT8_MAX_ROWS, self.max_kernel_rows),
+        )
 
     @staticmethod
     def run_kernel(layer, x2: torch.Tensor) -> torch.Tensor:
@@ -276,14 +296,15 @@ class Int8WeightOnlyMethod:
         return _weight_only_apply(self, layer, x, lambda x2: self.path(layer, x2))
 
 
-def _weight_only_apply(method: Int4WeightOnlyMethod | Int8WeightOnlyMethod, layer, x: torch.Tensor,
-                       path: Callable[[torch.Tensor], str]) -> torch.Tensor:
+def _weight_only_apply(
+    method: Int4WeightOnlyMethod | Int8WeightOnlyMethod, layer, x: torch.Tensor, path: Callable[[torch.Tensor], str]
+) -> torch.Tensor:
     """`layer(x)` for a weight-only method: act-order columns gathered first (the packed codes hold the permuted
     column order), then `method.run_kernel` where `path(x2)` says "kernel", else dequantize-then-matmul; the bias
     added last on both paths. `path` is the one part that differs: each method decides from the rows and dtype
     of the gathered [M, K] activations x2 by its own rule."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])                                         # [M, K]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if layer.col_perm is not None:
         x2 = x2[:, layer.col_perm]
     if path(x2) == "kernel":
@@ -295,16 +316,22 @@ def _weight_only_apply(method: Int4WeightOnlyMethod | Int8WeightOnlyMethod, laye
     return y.reshape(*lead, layer.out_features)
 
 
-def install_quantized(layer: Linear, qw: QuantizedWeight, dtype: torch.dtype | None = None, int4_layout: str | None = None,
-                      plan: KernelPlan = DEFAULT_PLAN) -> None:
+def install_quantized(
+    layer: Linear,
+    qw: QuantizedWeight,
+    dtype: torch.dtype | None = None,
+    int4_layout: str | None = None,
+    plan: KernelPlan = DEFAULT_PLAN,
+) -> None:
     """Replace `layer.weight` [N, K] by the packed buffers of `qw` and set its quant method.
 
     dtype: of scales / zeros / bias (defaults to the layer's current weight dtype).
     int4_layout: None picks the fastest layout this CPU serves ("k64", else "tinygemm", else "plain");
     a name forces that layout (benchmarks), a ValueError where the shape or CPU cannot take it."""
     if (qw.out_features, qw.in_features) != (layer.out_features, layer.in_features):
-        raise ValueError(f"quantized weight {tuple(qw.codes.shape)} does not fit layer "
-                         f"[{layer.out_features}, {layer.in_features}]")
+        raise ValueError(
+            f"quantized weight {tuple(qw.codes.shape)} does not fit layer [{layer.out_features}, {layer.in_features}]"
+        )
     old = layer.weight  # None when a quantized weight is installed already
     device = old.device if old is not None else torch.device("cpu")
     if dtype is None:
@@ -319,14 +346,14 @@ def install_quantized(layer: Linear, qw: QuantizedWeight, dtype: torch.dtype | N
     ng = qw.scales.shape[1]
     gs = k // ng
     # Per-column affine: w = code * s + o; groups contiguous after the permutation.
-    s = qw.scales.float()                                                        # [N, G]
+    s = qw.scales.float()  # [N, G]
     z = qw.zeros.float()
     assert torch.equal(g_idx, torch.arange(k) // gs)
     layer.register_buffer("col_perm", None if perm is None else perm.to(device), persistent=False)
     if layer.bias is not None:
         layer.bias.data = layer.bias.data.to(dtype)
     if qw.bits <= 4:
-        sz = torch.stack([s.t(), ((8 - z) * s).t()], dim=-1)                     # [G, N, 2]
+        sz = torch.stack([s.t(), ((8 - z) * s).t()], dim=-1)  # [G, N, 2]
         k64_ok = device.type == "cpu" and cpu_int4.layout_ok(k, gs) and cpu_int4.available()
         tinygemm_ok = device.type == "cpu" and n % 64 == 0 and gs in _INT4_KERNEL_GROUPS and tinygemm_layout_ok()
         if int4_layout is not None and not {"k64": k64_ok, "tinygemm": tinygemm_ok, "plain": True}.get(int4_layout):
@@ -334,7 +361,7 @@ def install_quantized(layer: Linear, qw: QuantizedWeight, dtype: torch.dtype | N
         if int4_layout == "k64" or (int4_layout is None and k64_ok):
             layout = "k64"
             packed = cpu_int4.pack(codes)
-            sz = sz.transpose(0, 1)                                              # [N, G, 2]
+            sz = sz.transpose(0, 1)  # [N, G, 2]
         elif int4_layout == "tinygemm" or (int4_layout is None and tinygemm_ok):
             layout = "tinygemm"
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
@@ -346,8 +373,9 @@ def install_quantized(layer: Linear, qw: QuantizedWeight, dtype: torch.dtype | N
         layer.quant_method = Int4WeightOnlyMethod(gs, layout, plan)
     elif qw.bits <= 8:
         offsets = None if bool((qw.zeros == 128).all()) else ((128 - z) * s).to(dtype)
-        layer.register_buffer("qweight", (codes.to(torch.int16) - 128).to(torch.int8).contiguous().to(device),
-                              persistent=False)
+        layer.register_buffer(
+            "qweight", (codes.to(torch.int16) - 128).to(torch.int8).contiguous().to(device), persistent=False
+        )
         layer.register_buffer("scales", s.to(dtype).to(device), persistent=False)
         layer.register_buffer("offsets", None if offsets is None else offsets.to(device), persistent=False)
         layer.quant_method = Int8WeightOnlyMethod(qw.group_size if qw.group_size > 0 else k, plan)
@@ -376,15 +404,15 @@ def dequantize_rows(layer, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     r = rows.numel()
     if isinstance(method, Int4WeightOnlyMethod):
         if method.is_tinygemm:  # see the layout in the module docstring
-            bn = tinygemm_block_n() or 64          # outputs per block: 64 on AVX-512 CPUs, 32 on AVX2
+            bn = tinygemm_block_n() or 64  # outputs per block: 64 on AVX-512 CPUs, 32 on AVX2
             j = rows % bn
-            byte = layer.qweight.view(n // bn, k, bn // 2)[rows // bn, :, j % (bn // 2)]    # [R, K]
+            byte = layer.qweight.view(n // bn, k, bn // 2)[rows // bn, :, j % (bn // 2)]  # [R, K]
             codes = (byte >> (4 * (j // (bn // 2))).to(torch.uint8)[:, None]) & 15
         elif method.layout == "k64":
             codes = cpu_int4.unpack(layer.qweight[rows])
         else:
             codes = _plain_unpack(layer.qweight[rows])
-        sz = method.scales_and_zeros(layer)[:, rows].float()                            # [G, R, 2]
+        sz = method.scales_and_zeros(layer)[:, rows].float()  # [G, R, 2]
         g = sz.shape[0]
         w = (codes.view(r, g, k // g).float() - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
     elif isinstance(method, Int8WeightOnlyMethod):

@@ -13,11 +13,13 @@ embeddings it has no Linear to go to, so `load_quantized_weights` decodes it and
 `load_model` decides (quantize_lm_head) whether it becomes the model's embedding + head
 (quant/head.py). The fp16 model.embed_tokens.weight beside it loads as usual.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -77,8 +79,13 @@ def shape_problem(spec: CheckpointQuantSpec, tensors: dict[str, torch.Tensor], o
     return awq_shape_problem(tensors, out, cols)
 
 
-def load_quantized_weights(net: LlamaForCausalLM, cfg, tensors: Iterable[tuple[str, torch.Tensor]], path: Path,
-                           file_of: Callable[[str], Path | None] | None = None) -> QuantizedWeight | None:
+def load_quantized_weights(
+    net: LlamaForCausalLM,
+    cfg,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    path: Path,
+    file_of: Callable[[str], Path | None] | None = None,
+) -> QuantizedWeight | None:
     """Fill `net` from a quantized checkpoint: quantized linears get packed buffers and kernels,
     everything else loads as usual. Returns the quantized LM head of a model with tied embeddings
     (None if the checkpoint has none; an untied lm_head is installed like any other layer).
@@ -105,8 +112,10 @@ def load_quantized_weights(net: LlamaForCausalLM, cfg, tensors: Iterable[tuple[s
     parts: dict[str, dict[int, QuantizedWeight]] = {}
     tied_head: QuantizedWeight | None = None
     if cfg.quantization_config.get("lm_head") and "lm_head" not in quant:
-        raise ModelLoadError(f"{path}/config.json: quantization_config says lm_head is quantized, but the checkpoint "
-                             "has no lm_head.qweight")
+        raise ModelLoadError(
+            f"{path}/config.json: quantization_config says lm_head is quantized, but the checkpoint "
+            "has no lm_head.qweight"
+        )
     for prefix, t in quant.items():
         missing = {"qweight", "qzeros", "scales"} - set(t)
         if missing:
@@ -140,7 +149,9 @@ def load_quantized_weights(net: LlamaForCausalLM, cfg, tensors: Iterable[tuple[s
     for target, by_shard in parts.items():
         mod = modules[target]
         if sorted(by_shard) != list(range(len(mod.output_sizes))):
-            raise ModelLoadError(f"{path}: {target} needs {len(mod.output_sizes)} quantized parts, got {sorted(by_shard)}")
+            raise ModelLoadError(
+                f"{path}: {target} needs {len(mod.output_sizes)} quantized parts, got {sorted(by_shard)}"
+            )
         try:
             install_quantized(mod, concat_rows([by_shard[i] for i in range(len(by_shard))]), dtype)
         except ValueError as e:

@@ -12,6 +12,7 @@ hidden states are the ones sequential GPTQ computes anyway (the last block's out
 already quantized, then the final norm): no extra forward pass. AWQ's block outputs are full
 precision, so for awq one forward pass of the quantized model over the windows computes them.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,8 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tokenmill.layers.linear import Linear
-from tokenmill.quant.calibration import (capture_inputs, chunks, decoder_layers, embed, linears_in_call_order,
-                                         run_layer)
+from tokenmill.quant.calibration import capture_inputs, chunks, decoder_layers, embed, linears_in_call_order, run_layer
 from tokenmill.quant.gptq import HessianAccumulator, gptq_quantize_weight
 from tokenmill.quant.grid import QuantizedWeight, check_group_size
 from tokenmill.quant.kernels import install_quantized
@@ -81,9 +81,11 @@ class QuantConfig:
         if self.resolved_format == "awq" and (self.bits != 4 or self.desc_act):
             raise ValueError("the AWQ GEMM format holds 4-bit weights without act-order; use --format gptq")
         if self.lm_head and self.resolved_format == "awq":
-            raise ValueError("a quantized LM head is saved in the GPTQ layout only: AutoAWQ's GEMM format has no "
-                             "quantized lm_head (AutoAWQ never writes one); add --format gptq to save the "
-                             "AWQ-quantized model with its quantized head in the GPTQ layout")
+            raise ValueError(
+                "a quantized LM head is saved in the GPTQ layout only: AutoAWQ's GEMM format has no "
+                "quantized lm_head (AutoAWQ never writes one); add --format gptq to save the "
+                "AWQ-quantized model with its quantized head in the GPTQ layout"
+            )
         if not 0 <= self.damp_percent < 1:
             raise ValueError(f"damp_percent must be in [0, 1), got {self.damp_percent}")
 
@@ -112,8 +114,12 @@ class QuantizeReport:
 
 def quantizable_linears(model: nn.Module) -> dict[str, Linear]:
     """Every Linear inside the decoder layers (the LM head and embeddings stay unquantized)."""
-    return {f"model.layers.{i}.{n}": m for i, layer in enumerate(decoder_layers(model))
-            for n, m in layer.named_modules() if isinstance(m, Linear)}
+    return {
+        f"model.layers.{i}.{n}": m
+        for i, layer in enumerate(decoder_layers(model))
+        for n, m in layer.named_modules()
+        if isinstance(m, Linear)
+    }
 
 
 def check_model_fits(model: nn.Module, cfg: QuantConfig) -> None:
@@ -123,24 +129,29 @@ def check_model_fits(model: nn.Module, cfg: QuantConfig) -> None:
         check_group_size(model.config.hidden_size, cfg.group_size, "the LM head")
 
 
-def quantize_model(model: nn.Module, cfg: QuantConfig, calib_ids: torch.Tensor | None = None,
-                   progress: bool = True) -> QuantizeReport:
+def quantize_model(
+    model: nn.Module, cfg: QuantConfig, calib_ids: torch.Tensor | None = None, progress: bool = True
+) -> QuantizeReport:
     """Quantize `model` in place. calib_ids [n, T] are needed by GPTQ and AWQ."""
     check_model_fits(model, cfg)
     t0 = time.perf_counter()
     losses: dict[str, float] = {}
     final_h: list[torch.Tensor] = []
     if cfg.method == "rtn":
-        weights = {name: rtn_quantize_weight(lin.weight.data, cfg.bits, cfg.group_size, cfg.sym, cfg.min_zero)
-                   for name, lin in quantizable_linears(model).items()}
+        weights = {
+            name: rtn_quantize_weight(lin.weight.data, cfg.bits, cfg.group_size, cfg.sym, cfg.min_zero)
+            for name, lin in quantizable_linears(model).items()
+        }
     else:
         if calib_ids is None:
             raise ValueError(f"{cfg.method} needs calibration data")
         if cfg.method == "gptq":
-            weights = gptq_quantize_layers(model, cfg, calib_ids, losses, progress,
-                                           final_hidden=final_h if cfg.lm_head else None)
+            weights = gptq_quantize_layers(
+                model, cfg, calib_ids, losses, progress, final_hidden=final_h if cfg.lm_head else None
+            )
         else:
             from tokenmill.quant.awq import awq_quantize_layers
+
             weights = awq_quantize_layers(model, cfg, calib_ids, progress)
     modules = dict(model.named_modules())
     for name, qw in weights.items():
@@ -154,8 +165,9 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib_ids: torch.Tensor |
         weights["lm_head"] = quantize_head(model, cfg, calib_ids, progress, final_h[0] if final_h else None)
         final_h.clear()
         head_seconds = time.perf_counter() - t1
-    return QuantizeReport(weights=weights, seconds=time.perf_counter() - t0, layer_losses=losses,
-                          head_seconds=head_seconds)
+    return QuantizeReport(
+        weights=weights, seconds=time.perf_counter() - t0, layer_losses=losses, head_seconds=head_seconds
+    )
 
 
 def head_weight(model: LlamaForCausalLM) -> torch.Tensor:
@@ -167,15 +179,24 @@ def head_weight(model: LlamaForCausalLM) -> torch.Tensor:
     return w.data
 
 
-def final_hidden_hessian(model: nn.Module, calib_ids: torch.Tensor, batch_size: int = 8,
-                         progress: bool = False, last_block_out: torch.Tensor | None = None) -> HessianAccumulator:
+def final_hidden_hessian(
+    model: nn.Module,
+    calib_ids: torch.Tensor,
+    batch_size: int = 8,
+    progress: bool = False,
+    last_block_out: torch.Tensor | None = None,
+) -> HessianAccumulator:
     """H = 2 XᵀX / n of the LM head's input X: the final norm's outputs of `model` (as it is now,
     e.g. with its decoder layers quantized) on the windows calib_ids [n, T]. last_block_out
     [n, T, hidden]: the last decoder block's outputs on those windows when already computed (then
     only the final norm runs)."""
     acc = HessianAccumulator(model.config.hidden_size)
-    bar = tqdm(total=calib_ids.shape[0], desc="lm_head hessian", disable=not progress or last_block_out is not None,
-               unit="window")
+    bar = tqdm(
+        total=calib_ids.shape[0],
+        desc="lm_head hessian",
+        disable=not progress or last_block_out is not None,
+        unit="window",
+    )
     with torch.no_grad():
         for sl in chunks(calib_ids.shape[0], batch_size):
             if last_block_out is not None:
@@ -183,14 +204,19 @@ def final_hidden_hessian(model: nn.Module, calib_ids: torch.Tensor, batch_size: 
                 continue
             ids = calib_ids[sl]
             pos = torch.arange(ids.shape[1]).expand(ids.shape)
-            acc.add_batch(model.model(ids, pos))                                        # [b, T, hidden]
+            acc.add_batch(model.model(ids, pos))  # [b, T, hidden]
             bar.update(ids.shape[0])
     bar.close()
     return acc
 
 
-def quantize_head(model: LlamaForCausalLM, cfg: QuantConfig, calib_ids: torch.Tensor | None = None,
-                  progress: bool = False, last_block_out: torch.Tensor | None = None) -> QuantizedWeight:
+def quantize_head(
+    model: LlamaForCausalLM,
+    cfg: QuantConfig,
+    calib_ids: torch.Tensor | None = None,
+    progress: bool = False,
+    last_block_out: torch.Tensor | None = None,
+) -> QuantizedWeight:
     """Quantize the LM head (tied: the shared table) of a model whose decoder is already quantized,
     install it (quant/head.py) and return it. GPTQ (for the gptq and awq methods) with H from the
     final hidden states on calib_ids (see final_hidden_hessian); RTN for the rtn method. A tied
@@ -205,31 +231,60 @@ def quantize_head(model: LlamaForCausalLM, cfg: QuantConfig, calib_ids: torch.Te
         if calib_ids is None:
             raise ValueError(f"{cfg.method} with lm_head needs calibration data")
         acc = final_hidden_hessian(model, calib_ids, cfg.batch_size, progress, last_block_out)
-        qw = gptq_quantize_weight(w, acc.H, cfg.bits, cfg.group_size, cfg.sym, cfg.desc_act, cfg.static_groups,
-                                  cfg.block_size, cfg.damp_percent, cfg.min_zero).weight
+        qw = gptq_quantize_weight(
+            w,
+            acc.H,
+            cfg.bits,
+            cfg.group_size,
+            cfg.sym,
+            cfg.desc_act,
+            cfg.static_groups,
+            cfg.block_size,
+            cfg.damp_percent,
+            cfg.min_zero,
+        ).weight
     install_head_weight(model, qw, keep_table=True)
     return qw
 
 
-def gptq_quantize_layers(model: nn.Module, cfg: QuantConfig, calib_ids: torch.Tensor,
-                         losses: dict[str, float] | None = None, progress: bool = True,
-                         final_hidden: list[torch.Tensor] | None = None) -> dict[str, QuantizedWeight]:
+def gptq_quantize_layers(
+    model: nn.Module,
+    cfg: QuantConfig,
+    calib_ids: torch.Tensor,
+    losses: dict[str, float] | None = None,
+    progress: bool = True,
+    final_hidden: list[torch.Tensor] | None = None,
+) -> dict[str, QuantizedWeight]:
     """Sequential GPTQ: block by block, and inside a block linear by linear in call order; each
     linear's Hessian comes from inputs computed with every earlier linear already quantized
     (AutoGPTQ's true_sequential). Leaves fake-quantized (dequantized) weights in the model.
     final_hidden: receives the last block's outputs [n, T, hidden] (every layer quantized)."""
     layers = decoder_layers(model)
-    h = embed(model, calib_ids, cfg.batch_size)                                  # [n, T, hidden]
+    h = embed(model, calib_ids, cfg.batch_size)  # [n, T, hidden]
     hidden = h.shape[-1]
     weights: dict[str, QuantizedWeight] = {}
-    bar = tqdm(total=sum(len(linears_in_call_order(l, hidden)) for l in layers), desc=f"gptq w{cfg.bits}",
-               disable=not progress, unit="linear")
+    bar = tqdm(
+        total=sum(len(linears_in_call_order(l, hidden)) for l in layers),
+        desc=f"gptq w{cfg.bits}",
+        disable=not progress,
+        unit="linear",
+    )
     for i, layer in enumerate(layers):
         for name, lin in linears_in_call_order(layer, hidden):
             acc = HessianAccumulator(lin.in_features)
             capture_inputs(layer, lin, h, acc.add_batch, cfg.batch_size)
-            res = gptq_quantize_weight(lin.weight.data, acc.H, cfg.bits, cfg.group_size, cfg.sym, cfg.desc_act,
-                                       cfg.static_groups, cfg.block_size, cfg.damp_percent, cfg.min_zero)
+            res = gptq_quantize_weight(
+                lin.weight.data,
+                acc.H,
+                cfg.bits,
+                cfg.group_size,
+                cfg.sym,
+                cfg.desc_act,
+                cfg.static_groups,
+                cfg.block_size,
+                cfg.damp_percent,
+                cfg.min_zero,
+            )
             full = f"model.layers.{i}.{name}"
             weights[full] = res.weight
             if losses is not None:

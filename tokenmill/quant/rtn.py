@@ -1,4 +1,5 @@
 """Round-to-nearest: per-group min-max grid, no calibration. The baseline every method is compared to."""
+
 from __future__ import annotations
 
 import torch

@@ -12,6 +12,7 @@ lm_head.qweight / qzeros / scales / g_idx in the GPTQ layout with "lm_head": tru
 spelling; for tied embeddings model.embed_tokens.weight stays in the file in fp16 (other loaders
 look the embedding up there) and tie_word_embeddings is left as it is.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,30 +34,66 @@ SAVE_DTYPE = torch.float16
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 
 
-def quantization_config(fmt: str, bits: int, group_size: int, sym: bool, desc_act: bool = False,
-                        static_groups: bool = False, damp_percent: float = 0.01) -> dict[str, Any]:
+def quantization_config(
+    fmt: str,
+    bits: int,
+    group_size: int,
+    sym: bool,
+    desc_act: bool = False,
+    static_groups: bool = False,
+    damp_percent: float = 0.01,
+) -> dict[str, Any]:
     if fmt == "gptq":
-        return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act,
-                "sym": sym, "static_groups": static_groups, "damp_percent": damp_percent,
-                "true_sequential": True, "checkpoint_format": "gptq", "lm_head": False,
-                "model_name_or_path": None, "model_file_base_name": "model"}
+        return {
+            "quant_method": "gptq",
+            "bits": bits,
+            "group_size": group_size,
+            "desc_act": desc_act,
+            "sym": sym,
+            "static_groups": static_groups,
+            "damp_percent": damp_percent,
+            "true_sequential": True,
+            "checkpoint_format": "gptq",
+            "lm_head": False,
+            "model_name_or_path": None,
+            "model_file_base_name": "model",
+        }
     if fmt == "awq":
-        return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
-                "version": "gemm", "modules_to_not_convert": None}
+        return {
+            "quant_method": "awq",
+            "bits": bits,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        }
     raise ValueError(f"unknown format {fmt!r}")
 
 
-def hf_config_dict(cfg: ModelArchConfig, qconfig: dict[str, Any] | None, dtype: torch.dtype = SAVE_DTYPE) -> dict[str, Any]:
+def hf_config_dict(
+    cfg: ModelArchConfig, qconfig: dict[str, Any] | None, dtype: torch.dtype = SAVE_DTYPE
+) -> dict[str, Any]:
     eos = list(cfg.eos_token_ids)
     d: dict[str, Any] = {
-        "architectures": [cfg.architecture], "model_type": _MODEL_TYPES.get(cfg.architecture, "llama"),
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias, "hidden_act": "silu",
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "architectures": [cfg.architecture],
+        "model_type": _MODEL_TYPES.get(cfg.architecture, "llama"),
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "mlp_bias": cfg.mlp_bias,
+        "hidden_act": "silu",
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if qconfig is not None:
@@ -69,8 +106,9 @@ def _part_names(model: LlamaForCausalLM) -> dict[tuple[str, int], str]:
     return {v: k for k, v in model.packed_modules_mapping.items()}
 
 
-def checkpoint_tensors(model: LlamaForCausalLM, weights: dict[str, QuantizedWeight], fmt: str,
-                       dtype: torch.dtype = SAVE_DTYPE) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(
+    model: LlamaForCausalLM, weights: dict[str, QuantizedWeight], fmt: str, dtype: torch.dtype = SAVE_DTYPE
+) -> dict[str, torch.Tensor]:
     """The model's tensors under checkpoint names, quantized linears in `fmt` layout."""
     from tokenmill.quant.head import QuantizedEmbedding
 
@@ -79,8 +117,10 @@ def checkpoint_tensors(model: LlamaForCausalLM, weights: dict[str, QuantizedWeig
     tables = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedEmbedding)}
     for name, q in tables.items():
         if q.checkpoint_table is None:
-            raise ValueError(f"{name} is a quantized table without its fp16 original; a model whose embedding "
-                             "was quantized at load time cannot be saved")
+            raise ValueError(
+                f"{name} is a quantized table without its fp16 original; a model whose embedding "
+                "was quantized at load time cannot be saved"
+            )
         out[f"{name}.weight"] = q.checkpoint_table.to(dtype).contiguous()
     if model.lm_head is None and "lm_head" in weights:  # tied: the head exists only as weights
         packed = to_gptq_tensors(weights["lm_head"]) if fmt == "gptq" else to_awq_tensors(weights["lm_head"])
@@ -121,11 +161,15 @@ def save_tokenizer(tokenizer, out: Path) -> None:
     hf = HFTokenizer.from_str(tokenizer.hf.to_str())
     if tokenizer.add_bos_token and tokenizer.bos_token_id is not None:
         bos = tokenizer.special_tokens.get("bos_token") or hf.id_to_token(tokenizer.bos_token_id)
-        hf.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                               special_tokens=[(bos, tokenizer.bos_token_id)])
+        hf.post_processor = TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_token_id)]
+        )
     hf.save(str(out / "tokenizer.json"))
-    tc: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-                          "add_bos_token": bool(tokenizer.add_bos_token)}
+    tc: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": bool(tokenizer.add_bos_token),
+    }
     for key in ("bos_token", "eos_token"):
         if tokenizer.special_tokens.get(key):
             tc[key] = tokenizer.special_tokens[key]
@@ -134,9 +178,18 @@ def save_tokenizer(tokenizer, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False))
 
 
-def save_quantized(model: nn.Module, cfg: ModelArchConfig, tokenizer, weights: dict[str, QuantizedWeight],
-                   fmt: str, out_dir: str | Path, sym: bool, desc_act: bool = False, static_groups: bool = False,
-                   damp_percent: float = 0.01) -> Path:
+def save_quantized(
+    model: nn.Module,
+    cfg: ModelArchConfig,
+    tokenizer,
+    weights: dict[str, QuantizedWeight],
+    fmt: str,
+    out_dir: str | Path,
+    sym: bool,
+    desc_act: bool = False,
+    static_groups: bool = False,
+    damp_percent: float = 0.01,
+) -> Path:
     """Write the directory; `weights` are the QuantizedWeights of quantize_model (all share bits/groups)."""
     from safetensors.torch import save_file
 
@@ -147,11 +200,15 @@ def save_quantized(model: nn.Module, cfg: ModelArchConfig, tokenizer, weights: d
     if "lm_head" in weights:
         head = weights["lm_head"]
         if fmt != "gptq":
-            raise ValueError(f"a quantized LM head is saved in the GPTQ layout only, not {fmt!r} "
-                             "(AutoAWQ's format has no quantized lm_head)")
+            raise ValueError(
+                f"a quantized LM head is saved in the GPTQ layout only, not {fmt!r} "
+                "(AutoAWQ's format has no quantized lm_head)"
+            )
         if (head.bits, head.group_size) != (first.bits, first.group_size):
-            raise ValueError(f"the LM head ({head.bits} bits, group {head.group_size}) must share the checkpoint's "
-                             f"bits and group size ({first.bits}, {first.group_size}): quantization_config has one")
+            raise ValueError(
+                f"the LM head ({head.bits} bits, group {head.group_size}) must share the checkpoint's "
+                f"bits and group size ({first.bits}, {first.group_size}): quantization_config has one"
+            )
         qc["lm_head"] = True
     tensors = checkpoint_tensors(model, weights, fmt)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -21,6 +21,7 @@ n = 13, kept the prior's shallow slope, and priced batch-8 verification too low 
 weighted running estimates. Speculation stays off unless the predicted gain is at least 5 %; while off, a γ = 1
 probe re-measures α after 16 steps, then 32, 64, ... (up to 256) while probes keep failing.
 """
+
 from __future__ import annotations
 
 import time
@@ -44,8 +45,7 @@ def predicted_speedup(alpha: float, gamma: int, c: float, verify_cost_ratio: flo
     return expected_tokens(alpha, gamma) / (verify_cost_ratio + gamma * c)
 
 
-def best_gamma(alpha: float, c: float, gamma_max: int, verify_cost_ratio=lambda g: 1.0,
-               min_gain: float = 1.02) -> int:
+def best_gamma(alpha: float, c: float, gamma_max: int, verify_cost_ratio=lambda g: 1.0, min_gain: float = 1.02) -> int:
     """argmax over γ in 1..gamma_max of the predicted speedup; 0 (off) unless it beats min_gain."""
     best, best_s = 0, min_gain
     for g in range(1, gamma_max + 1):
@@ -85,9 +85,17 @@ def fit_linear_cost(samples: list[tuple[int, float]], prior: LinearCost) -> Line
 class AdaptiveGamma:
     """Chooses γ each step. Pinned (adaptive=False) it always answers gamma_max."""
 
-    def __init__(self, gamma_max: int, adaptive: bool = True, alpha_prior: float = 0.6, prior_weight: float = 4.0,
-                 decay: float = 0.97, probe_interval: int = 16, min_gain: float = 1.05,
-                 tree_nodes: int | None = None) -> None:
+    def __init__(
+        self,
+        gamma_max: int,
+        adaptive: bool = True,
+        alpha_prior: float = 0.6,
+        prior_weight: float = 4.0,
+        decay: float = 0.97,
+        probe_interval: int = 16,
+        min_gain: float = 1.05,
+        tree_nodes: int | None = None,
+    ) -> None:
         self.gamma_max = gamma_max
         self.tree_nodes = tree_nodes
         """Token trees: γ is a depth, and a draft of depth γ gets `num_draft_tokens(γ)` nodes, up to this many
@@ -172,8 +180,9 @@ class AdaptiveGamma:
         if not self.adaptive or batch_size == 0:
             self.gamma = self.gamma_max
             return self.gamma
-        g = best_gamma(self.alpha, self.c, self.gamma_max, lambda g: self.verify_cost_ratio(batch_size, g),
-                       self.min_gain)
+        g = best_gamma(
+            self.alpha, self.c, self.gamma_max, lambda g: self.verify_cost_ratio(batch_size, g), self.min_gain
+        )
         if g == 0:
             self._steps_off += 1
             if self._steps_off >= self._interval:  # re-measure α now and then, less often each time

@@ -22,6 +22,7 @@ exact.
 File format (`.npz`): `tokens`, int32, the corpus sequences concatenated, each one ended by -1;
 `max_n`; `min_n`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,7 +42,7 @@ def _hash_windows(tokens: np.ndarray, n: int) -> np.ndarray:
     t = tokens.astype(np.uint64)
     with np.errstate(over="ignore"):
         for j in range(n):
-            h = (h * _MULT + t[j:L - n + 1 + j] + np.uint64(1)) & _MASK
+            h = (h * _MULT + t[j : L - n + 1 + j] + np.uint64(1)) & _MASK
     return h
 
 
@@ -56,8 +57,9 @@ def _hash_one(ctx: list[int]) -> np.uint64:
 class SuffixDatastore:
     """Most frequent continuation of every n-token context (min_n <= n <= max_n) of a token corpus."""
 
-    def __init__(self, tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], min_n: int, max_n: int,
-                 num_tokens: int) -> None:
+    def __init__(
+        self, tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], min_n: int, max_n: int, num_tokens: int
+    ) -> None:
         self.tables = tables
         self.min_n = min_n
         self.max_n = max_n
@@ -65,15 +67,18 @@ class SuffixDatastore:
 
     # --------------------------------------------------------------- building
     @classmethod
-    def build(cls, sequences: list[list[int]], min_n: int = 2, max_n: int = 6) -> "SuffixDatastore":
+    def build(cls, sequences: list[list[int]], min_n: int = 2, max_n: int = 6) -> SuffixDatastore:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        flat = np.concatenate([np.append(np.asarray(s, dtype=np.int64), -1) for s in sequences]) \
-            if sequences else np.zeros(0, dtype=np.int64)
+        flat = (
+            np.concatenate([np.append(np.asarray(s, dtype=np.int64), -1) for s in sequences])
+            if sequences
+            else np.zeros(0, dtype=np.int64)
+        )
         return cls.from_tokens(flat, min_n, max_n)
 
     @classmethod
-    def from_tokens(cls, flat: np.ndarray, min_n: int, max_n: int) -> "SuffixDatastore":
+    def from_tokens(cls, flat: np.ndarray, min_n: int, max_n: int) -> SuffixDatastore:
         """flat: sequences concatenated, each ended by -1 (contexts never cross a -1)."""
         flat = np.asarray(flat, dtype=np.int64)
         sep = flat < 0
@@ -82,7 +87,7 @@ class SuffixDatastore:
             if len(flat) <= n:
                 tables[n] = (np.zeros(0, np.uint64), np.zeros((0, TOP_K), np.int32), np.zeros((0, TOP_K), np.float32))
                 continue
-            h = _hash_windows(np.where(sep, 0, flat), n)[:-1]            # context ending before position i + n
+            h = _hash_windows(np.where(sep, 0, flat), n)[:-1]  # context ending before position i + n
             nxt = flat[n:]
             # a window is valid when neither its n tokens nor the next token is a separator
             bad = np.convolve(sep.astype(np.int64), np.ones(n, dtype=np.int64), "valid")[:-1] > 0
@@ -123,7 +128,7 @@ class SuffixDatastore:
         np.savez_compressed(path, tokens=flat.astype(np.int32), min_n=min_n, max_n=max_n)
 
     @classmethod
-    def load(cls, path: str | Path) -> "SuffixDatastore":
+    def load(cls, path: str | Path) -> SuffixDatastore:
         p = Path(path)
         try:
             with np.load(p) as f:
@@ -157,12 +162,12 @@ class SuffixDatastore:
 
     def draft(self, context: list[int], k: int, min_share: float = 0.0) -> list[int]:
         """Up to k tokens, each the continuation of the context extended by the drafts before it."""
-        ctx = list(context[-self.max_n:])
+        ctx = list(context[-self.max_n :])
         out: list[int] = []
         while len(out) < k:
             tok = self.next_token(ctx, min_share)
             if tok is None:
                 break
             out.append(tok)
-            ctx = (ctx + [tok])[-self.max_n:]
+            ctx = (ctx + [tok])[-self.max_n :]
         return out

@@ -13,6 +13,7 @@ The scheduler stores the drafts on its requests and schedules each as 1 + k toke
 when the budget truncates them). q of sampled drafts (draft-model, EAGLE chains) stays here until that
 verification.
 """
+
 from __future__ import annotations
 
 import time
@@ -34,15 +35,16 @@ if TYPE_CHECKING:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: "SpeculativeConfig", ctx: ProposerContext) -> None:
+    def __init__(self, config: SpeculativeConfig, ctx: ProposerContext) -> None:
         self.config = config
         self.max_model_len = ctx.max_model_len
         self.stats = SpecDecodeStats()
         self.proposer = build_proposer(config, ctx)
         self.rejection_sampler = RejectionSampler(self.stats)
         self.tree_verifier = TreeVerifier(self.stats)
-        self.adaptive = AdaptiveGamma(config.tree_max_depth, config.adaptive,
-                                      tree_nodes=None if config.tree is None else config.tree.max_nodes)
+        self.adaptive = AdaptiveGamma(
+            config.tree_max_depth, config.adaptive, tree_nodes=None if config.tree is None else config.tree.max_nodes
+        )
         if config.adaptive:
             self.adaptive.calibrate(_dense_forward(ctx.target, ctx.device))
         self.draft_probs: dict[str, torch.Tensor] = {}
@@ -54,7 +56,7 @@ class SpeculativeDecoder:
         """Wall seconds in the proposer (benchmarks derive the draft cost c from it)."""
 
     @property
-    def feature_sink(self) -> "FeatureSink | None":
+    def feature_sink(self) -> FeatureSink | None:
         """What the runner hands every step's final hidden states to (the proposer's), or None."""
         return self.proposer.feature_sink
 
@@ -79,18 +81,28 @@ class SpeculativeDecoder:
             self.adaptive.observe_target_step(sum(s.num_new_tokens for s in batch), seconds)
 
     # ---------------------------------------------------------------- verify
-    def verify(self, logits: torch.Tensor, sampling: list[StepTokens], rows: list[SamplingRow],
-               meta: SamplingMetadata, global_gen: torch.Generator | None) -> dict[str, SamplerResult]:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        sampling: list[StepTokens],
+        rows: list[SamplingRow],
+        meta: SamplingMetadata,
+        global_gen: torch.Generator | None,
+    ) -> dict[str, SamplerResult]:
         """Logits [sum(k_i + 1), V] for `sampling`, some of which carry drafts."""
         acc0, judged0 = self.stats.num_accepted_tokens, self.stats.num_evaluated_tokens
-        probs = {s.request_id: self.draft_probs.pop(s.request_id) for s in sampling
-                 if s.num_spec_tokens and s.request_id in self.draft_probs}
+        probs = {
+            s.request_id: self.draft_probs.pop(s.request_id)
+            for s in sampling
+            if s.num_spec_tokens and s.request_id in self.draft_probs
+        }
         if any(s.spec_parents is not None for s in sampling):
             out = self.tree_verifier(logits, sampling, rows, meta, probs, global_gen)
         else:
             out = self.rejection_sampler(logits, sampling, rows, meta, probs, global_gen)
-        self.adaptive.observe_acceptance(self.stats.num_evaluated_tokens - judged0,
-                                         self.stats.num_accepted_tokens - acc0)
+        self.adaptive.observe_acceptance(
+            self.stats.num_evaluated_tokens - judged0, self.stats.num_accepted_tokens - acc0
+        )
         return out
 
     # --------------------------------------------------------------- propose
@@ -130,15 +142,22 @@ class SpeculativeDecoder:
         self.draft_seconds = 0.0
 
     def metrics(self) -> dict[str, float]:
-        return {**self.stats.as_dict(), **self.adaptive.as_dict(), "num_draft_calls": self.num_draft_calls,
-                "num_draft_steps": self.num_draft_steps, "draft_seconds": self.draft_seconds}
+        return {
+            **self.stats.as_dict(),
+            **self.adaptive.as_dict(),
+            "num_draft_calls": self.num_draft_calls,
+            "num_draft_steps": self.num_draft_steps,
+            "draft_seconds": self.draft_seconds,
+        }
 
 
 def _dense_forward(model: torch.nn.Module, device: torch.device):
     """forward(n): one target pass over n tokens outside the paged cache (cost calibration)."""
+
     @torch.inference_mode()
     def forward(n: int) -> None:
         ids = torch.zeros(n, dtype=torch.long, device=device)
         h = model(ids, torch.arange(n, device=device))
         model.compute_logits(h[-1:])
+
     return forward

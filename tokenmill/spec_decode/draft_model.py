@@ -21,18 +21,19 @@ Caveats that cost acceptance, never exactness: a block the target copies on writ
 draft K/V of its source; samples forked from one prompt (n > 1) share a partial last block for
 one step.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.attention.metadata import forward_context
 from tokenmill.config import ModelArchConfig
-from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits
 from tokenmill.core.step_io import StepInput, StepTokens
+from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits
 from tokenmill.spec_decode.proposer import DraftRequest, Proposal
 from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
 
@@ -48,19 +49,29 @@ def truncated_layer_ids(num_layers: int, keep: int) -> list[int]:
     return list(range(keep - 1)) + [num_layers - 1]
 
 
-def build_draft_model(target: torch.nn.Module, target_arch: ModelArchConfig, draft: str, target_model: str,
-                      num_layers: int | None, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, ModelArchConfig]:
+def build_draft_model(
+    target: torch.nn.Module,
+    target_arch: ModelArchConfig,
+    draft: str,
+    target_model: str,
+    num_layers: int | None,
+    dtype: torch.dtype,
+    device: str,
+) -> tuple[torch.nn.Module, ModelArchConfig]:
     """The draft network. Naming the target's own checkpoint shares its weights (no copy); with
     num_layers it keeps only truncated_layer_ids(...) of them."""
     from tokenmill.models.loader import load_model, reset_buffers, resolve_model_path
+
     if resolve_model_path(draft).resolve() == resolve_model_path(target_model).resolve():
         source, arch = target, target_arch
     else:
         loaded = load_model(draft, dtype=dtype, device=device, load_tokenizer=False)
         source, arch = loaded.model, loaded.config
         if arch.vocab_size != target_arch.vocab_size:
-            raise ValueError(f"draft model {draft} has vocab {arch.vocab_size}, the target {target_arch.vocab_size}: "
-                             f"the draft must share the target's tokenizer")
+            raise ValueError(
+                f"draft model {draft} has vocab {arch.vocab_size}, the target {target_arch.vocab_size}: "
+                f"the draft must share the target's tokenizer"
+            )
     layer_ids = truncated_layer_ids(arch.num_hidden_layers, num_layers or arch.num_hidden_layers)
     if source is not target and len(layer_ids) == arch.num_hidden_layers:
         return source, arch
@@ -74,7 +85,7 @@ def build_draft_model(target: torch.nn.Module, target_arch: ModelArchConfig, dra
         src_name = name
         for new, old in rename.items():
             if name.startswith(new):
-                src_name = old + name[len(new):]
+                src_name = old + name[len(new) :]
                 break
         module_path, _, leaf = name.rpartition(".")
         setattr(net.get_submodule(module_path), leaf, src_params[src_name])
@@ -94,12 +105,21 @@ def take_rows(meta: SamplingMetadata, idx: list[int]) -> SamplingMetadata:
         return None if x is None else x[t]
 
     return dataclasses.replace(
-        meta, temperature=pick(meta.temperature), top_k=pick(meta.top_k), top_p=pick(meta.top_p),
-        min_p=pick(meta.min_p), presence_penalty=pick(meta.presence_penalty),
-        frequency_penalty=pick(meta.frequency_penalty), repetition_penalty=pick(meta.repetition_penalty),
-        output_counts=pick(meta.output_counts), prompt_mask=pick(meta.prompt_mask),
-        min_tokens_mask=pick(meta.min_tokens_mask), generators=[meta.generators[i] for i in idx],
-        allowed=pick(meta.allowed), allowed_per_position=None)
+        meta,
+        temperature=pick(meta.temperature),
+        top_k=pick(meta.top_k),
+        top_p=pick(meta.top_p),
+        min_p=pick(meta.min_p),
+        presence_penalty=pick(meta.presence_penalty),
+        frequency_penalty=pick(meta.frequency_penalty),
+        repetition_penalty=pick(meta.repetition_penalty),
+        output_counts=pick(meta.output_counts),
+        prompt_mask=pick(meta.prompt_mask),
+        min_tokens_mask=pick(meta.min_tokens_mask),
+        generators=[meta.generators[i] for i in idx],
+        allowed=pick(meta.allowed),
+        allowed_per_position=None,
+    )
 
 
 def advance(meta: SamplingMetadata, tokens: torch.Tensor, num_generated: list[int], min_tokens: list[int]) -> None:
@@ -119,13 +139,18 @@ def mirror_block_copies(kv_caches: list[torch.Tensor], step: StepInput) -> None:
     copies = step.block_copies
     if copies:
         from tokenmill.worker.kv_cache_ops import copy_blocks
+
         copy_blocks(kv_caches, copies)
 
 
-def draft_loop(reqs: list[DraftRequest], ks: list[int], meta: SamplingMetadata, logits: torch.Tensor,
-               sample: Callable[[torch.Tensor, SamplingMetadata], tuple[torch.Tensor, torch.Tensor | None]],
-               step: Callable[[list[int], list[int], int, list[int]], torch.Tensor],
-               ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor] | None]:
+def draft_loop(
+    reqs: list[DraftRequest],
+    ks: list[int],
+    meta: SamplingMetadata,
+    logits: torch.Tensor,
+    sample: Callable[[torch.Tensor, SamplingMetadata], tuple[torch.Tensor, torch.Tensor | None]],
+    step: Callable[[list[int], list[int], int, list[int]], torch.Tensor],
+) -> tuple[dict[str, list[int]], dict[str, torch.Tensor] | None]:
     """Autoregressive drafting shared by the proposers: sample draft j + 1 of every request still
     drafting from `logits`, then `step(alive, keep, j, last)` returns the next logits for the
     requests `alive` (indices into reqs) given their last drafts; `keep` are the rows of the
@@ -145,8 +170,12 @@ def draft_loop(reqs: list[DraftRequest], ks: list[int], meta: SamplingMetadata, 
         keep = [row for row, i in enumerate(alive) if ks[i] > j + 1]
         if not keep:
             break
-        advance(meta, tok, [reqs[i].num_output_tokens + j + 1 for i in alive],
-                [reqs[i].sampling_params.min_tokens for i in alive])
+        advance(
+            meta,
+            tok,
+            [reqs[i].num_output_tokens + j + 1 for i in alive],
+            [reqs[i].sampling_params.min_tokens for i in alive],
+        )
         if len(keep) < len(alive):
             meta = take_rows(meta, keep)
             alive = [alive[row] for row in keep]
@@ -155,32 +184,55 @@ def draft_loop(reqs: list[DraftRequest], ks: list[int], meta: SamplingMetadata, 
 
 
 class DraftModelProposer:
-    def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, device: torch.device, gamma_max: int, max_num_seqs: int,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        arch: ModelArchConfig,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+        gamma_max: int,
+        max_num_seqs: int,
+        seed: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.num_mirrored_blocks = num_blocks
         scratch = max_num_seqs * (-(-(gamma_max + 1) // block_size) + 1)
-        spec = KVCacheSpec(num_blocks + scratch, block_size, arch.num_hidden_layers, arch.num_key_value_heads,
-                           arch.head_dim, kv_dtype)
+        spec = KVCacheSpec(
+            num_blocks + scratch, block_size, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, kv_dtype
+        )
         self.runner = ModelRunner(model, arch, spec, device, seed=seed + 1)
         self.feature_sink = None  # drafts from its own layers
         self.num_computed: dict[str, int] = {}
         """request id -> real tokens with draft K/V in mirrored blocks."""
 
     @classmethod
-    def from_context(cls, config: "SpeculativeConfig", ctx: "ProposerContext") -> "DraftModelProposer":
-        model, arch = build_draft_model(ctx.target, ctx.target_arch, config.model, ctx.target_model,
-                                        config.draft_num_layers, ctx.dtype, str(ctx.device))
+    def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
+        model, arch = build_draft_model(
+            ctx.target,
+            ctx.target_arch,
+            config.model,
+            ctx.target_model,
+            config.draft_num_layers,
+            ctx.dtype,
+            str(ctx.device),
+        )
         return cls(model, arch, **cls.pool_args(config, ctx))
 
     @staticmethod
-    def pool_args(config: "SpeculativeConfig", ctx: "ProposerContext") -> dict:
+    def pool_args(config: SpeculativeConfig, ctx: ProposerContext) -> dict:
         """Constructor arguments that size the mirrored pool after the target's."""
         kv = ctx.kv_spec
-        return dict(num_blocks=kv.num_blocks, block_size=kv.block_size,
-                    kv_dtype=kv.dtype if kv.dtype.is_floating_point else ctx.dtype, device=ctx.device,
-                    gamma_max=config.max_draft_tokens, max_num_seqs=ctx.max_num_seqs, seed=ctx.seed)
+        return dict(
+            num_blocks=kv.num_blocks,
+            block_size=kv.block_size,
+            kv_dtype=kv.dtype if kv.dtype.is_floating_point else ctx.dtype,
+            device=ctx.device,
+            gamma_max=config.max_draft_tokens,
+            max_num_seqs=ctx.max_num_seqs,
+            seed=ctx.seed,
+        )
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -207,7 +259,7 @@ class DraftModelProposer:
         for r, k in active:
             real = r.block_ids
             done = min(self.num_computed.get(r.request_id, 0), len(real) * bs, r.num_tokens - 1)
-            num_needed = -(-(r.num_tokens + k - 1) // bs)   # positions up to num_tokens + k - 2
+            num_needed = -(-(r.num_tokens + k - 1) // bs)  # positions up to num_tokens + k - 2
             extra = max(0, num_needed - len(real))
             table = real + list(range(next_scratch, next_scratch + extra))
             next_scratch += extra
@@ -221,8 +273,10 @@ class DraftModelProposer:
         meta = self.runner.sampling_metadata(reqs)  # the target requests' parameters; the draft's own generators
 
         def step(alive: list[int], keep: list[int], j: int, last: list[int]) -> torch.Tensor:
-            return self._forward([StepTokens(reqs[i].request_id, reqs[i].num_tokens + j, [t], tables[i])
-                                  for i, t in zip(alive, last)])
+            return self._forward(
+                [StepTokens(reqs[i].request_id, reqs[i].num_tokens + j, [t], tables[i]) for i, t in zip(alive, last)]
+            )
+
         drafts, probs = draft_loop(reqs, ks, meta, self._forward(catch_up), self._sample, step)
         return Proposal([drafts.get(r.request_id, []) for r in requests], probs)
 

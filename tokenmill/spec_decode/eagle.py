@@ -18,6 +18,7 @@ the head then starts at the first position it has a feature for and reads whatev
 blocks hold before it (the K/V a request with the same prefix wrote, or stale rows): that can cost
 acceptance, never exactness.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -25,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.attention.metadata import forward_context
-from tokenmill.layers.sampler import SamplingMetadata
 from tokenmill.core.step_io import StepTokens
+from tokenmill.layers.sampler import SamplingMetadata
 from tokenmill.spec_decode.draft_model import DraftModelProposer, draft_loop
 from tokenmill.spec_decode.eagle_head import EagleHead, load_eagle_head, target_tables
 from tokenmill.spec_decode.proposer import DraftRequest, Proposal, draft_budget
@@ -48,7 +49,7 @@ class FeatureStore:
         off = 0
         for s in batch:
             n = s.num_new_tokens
-            rows = hidden[off:off + n]
+            rows = hidden[off : off + n]
             off += n
             rid, start = s.request_id, s.start_pos
             held = self.rows.get(rid)
@@ -56,7 +57,7 @@ class FeatureStore:
                 self.rows[rid] = (start, rows.clone())  # first rows, a recompute, or a gap
             else:
                 base, buf = held
-                self.rows[rid] = (base, torch.cat([buf[:start - base], rows]))
+                self.rows[rid] = (base, torch.cat([buf[: start - base], rows]))
 
     def take(self, rid: str, start: int, end: int) -> tuple[int, torch.Tensor] | None:
         """Features of positions max(start, first held) .. end - 1 and the first of them, dropping
@@ -68,8 +69,8 @@ class FeatureStore:
         if end - 1 >= base + len(buf) or end - 1 < base:
             return None
         first = max(start, base)
-        out = buf[first - base:end - base]
-        self.rows[rid] = (end, buf[end - base:])
+        out = buf[first - base : end - base]
+        self.rows[rid] = (end, buf[end - base :])
         return first, out
 
     def forget(self, rid: str) -> None:
@@ -80,8 +81,14 @@ class EagleProposer(DraftModelProposer):
     """The draft model's mirrored paged pool (one layer here) and drafting loop, with the head
     reading target features instead of a second network's own layers."""
 
-    def __init__(self, head: EagleHead, tree: "TreeConfig | None" = None, max_depth: int = 4,
-                 max_model_len: int = 1 << 30, **pool) -> None:
+    def __init__(
+        self,
+        head: EagleHead,
+        tree: TreeConfig | None = None,
+        max_depth: int = 4,
+        max_model_len: int = 1 << 30,
+        **pool,
+    ) -> None:
         super().__init__(head, head.arch, **pool)
         self.head = head
         self.tree = tree
@@ -93,7 +100,7 @@ class EagleProposer(DraftModelProposer):
         # num_computed (inherited): positions whose head K/V came from real target features
 
     @classmethod
-    def from_context(cls, config: "SpeculativeConfig", ctx: "ProposerContext") -> "EagleProposer":
+    def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
         embed, lm = target_tables(ctx.target)
         head = load_eagle_head(config.model, ctx.target_arch, embed, lm, ctx.dtype, ctx.device)
         return cls(head, config.tree, config.tree_max_depth, ctx.max_model_len, **cls.pool_args(config, ctx))
@@ -125,7 +132,7 @@ class EagleProposer(DraftModelProposer):
             real = r.block_ids
             done = min(self.num_computed.get(r.request_id, 0), len(real) * bs, n - 2)
             got = self.store.take(r.request_id, done, n - 1)
-            if got is None:   # no feature for position n - 2 (cannot happen after a target step)
+            if got is None:  # no feature for position n - 2 (cannot happen after a target step)
                 continue
             first, f = got
             # positions up to n + k - 3 (a chain's last input); a tree's k nodes sit at slots up to n + k - 2
@@ -137,7 +144,7 @@ class EagleProposer(DraftModelProposer):
             reqs.append(r)
             ks.append(k)
             tables.append(table)
-            catch_up.append(StepTokens(r.request_id, first, r.all_token_ids[first + 1:n], table))
+            catch_up.append(StepTokens(r.request_id, first, r.all_token_ids[first + 1 : n], table))
             feats.append(f)
             self.num_computed[r.request_id] = n - 1
         if not reqs:
@@ -147,24 +154,35 @@ class EagleProposer(DraftModelProposer):
         if self.tree is not None:
             drafted = self._draft_tree(reqs, ks, tables, [f[-1:] for f in feats], logits, fhat)
             by_id = {r.request_id: d for r, d in zip(reqs, drafted)}
-            return Proposal([by_id.get(r.request_id, ([], []))[0] for r in requests], None,
-                            [by_id.get(r.request_id, ([], []))[1] for r in requests])
+            return Proposal(
+                [by_id.get(r.request_id, ([], []))[0] for r in requests],
+                None,
+                [by_id.get(r.request_id, ([], []))[1] for r in requests],
+            )
         meta = self.runner.sampling_metadata(reqs)
 
         def step(alive: list[int], keep: list[int], j: int, last: list[int]) -> torch.Tensor:
             nonlocal fhat
             if len(keep) < len(fhat):
                 fhat = fhat[torch.tensor(keep, device=fhat.device)]
-            slices = [StepTokens(reqs[i].request_id, reqs[i].num_tokens - 1 + j, [t], tables[i])
-                      for i, t in zip(alive, last)]
+            slices = [
+                StepTokens(reqs[i].request_id, reqs[i].num_tokens - 1 + j, [t], tables[i]) for i, t in zip(alive, last)
+            ]
             out, fhat = self._forward(slices, list(fhat.unsqueeze(1)))
             return out
+
         drafts, probs = draft_loop(reqs, ks, meta, logits, self._sample, step)
         return Proposal([drafts.get(r.request_id, []) for r in requests], probs)
 
-    def _draft_tree(self, reqs: list[DraftRequest], budgets: list[int], tables: list[list[int]],
-                    root_feats: list[torch.Tensor], logits: torch.Tensor,
-                    fhat: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    def _draft_tree(
+        self,
+        reqs: list[DraftRequest],
+        budgets: list[int],
+        tables: list[list[int]],
+        root_feats: list[torch.Tensor],
+        logits: torch.Tensor,
+        fhat: torch.Tensor,
+    ) -> list[tuple[list[int], list[int]]]:
         """A dynamic tree per request (EAGLE-2's expansion, Li et al. 2024, from the paper's description): each
         level keeps the `max_width` nodes of highest cumulative draft log-probability among the children of the
         level before, and one head pass per level over the root and every node kept so far (a token-tree step
@@ -184,12 +202,12 @@ class EagleProposer(DraftModelProposer):
             toks: list[int] = []
             parents: list[int] = []
             scores: list[float] = []
-            node_fhat: list[torch.Tensor] = []   # each kept node's predicted feature (its children's input)
+            node_fhat: list[torch.Tensor] = []  # each kept node's predicted feature (its children's input)
             top = root_lp[i].topk(w)
             level = [(float(v), -1, int(vocab[t])) for v, t in zip(top.values, top.indices)]
             for d in range(depth_cap):
                 level.sort(key=lambda x: -x[0])
-                new = level[:min(w, budgets[i] - len(toks))]
+                new = level[: min(w, budgets[i] - len(toks))]
                 if not new:
                     break
                 first = len(toks)
@@ -200,17 +218,25 @@ class EagleProposer(DraftModelProposer):
                 if d + 1 == depth_cap:
                     break
                 # one head pass: the root (t_{N-1} with the target's f_{N-2}) and every node so far
-                feats_in = [root_feats[i]] + [fhat[i:i + 1] if p < 0 else node_fhat[p] for p in parents]
-                step = StepTokens(r.request_id, r.num_tokens - 2, [r.all_token_ids[-1]] + toks, tables[i],
-                                  len(toks), True, None, list(parents))
+                feats_in = [root_feats[i]] + [fhat[i : i + 1] if p < 0 else node_fhat[p] for p in parents]
+                step = StepTokens(
+                    r.request_id,
+                    r.num_tokens - 2,
+                    [r.all_token_ids[-1]] + toks,
+                    tables[i],
+                    len(toks),
+                    True,
+                    None,
+                    list(parents),
+                )
                 lg, fh = self._forward_tree(step, torch.cat(feats_in))
-                node_fhat = [fh[1 + j:2 + j] for j in range(len(toks))]
+                node_fhat = [fh[1 + j : 2 + j] for j in range(len(toks))]
                 lp = lg.log_softmax(-1)
                 level = []
                 for j in range(first, len(toks)):
                     tv = lp[1 + j].topk(w)
                     level += [(scores[j] + float(v), j, int(vocab[t])) for v, t in zip(tv.values, tv.indices)]
-            keep = sorted(sorted(range(len(toks)), key=lambda j: -scores[j])[:budgets[i]])
+            keep = sorted(sorted(range(len(toks)), key=lambda j: -scores[j])[: budgets[i]])
             index = {j: n for n, j in enumerate(keep)}
             out.append(([toks[j] for j in keep], [index[parents[j]] if parents[j] >= 0 else -1 for j in keep]))
         return out
@@ -239,8 +265,7 @@ class EagleProposer(DraftModelProposer):
         """Draft tokens [N] (vocabulary ids) and q [N, V] over the full vocabulary (None when every
         row is greedy); q is 0 outside the draft vocabulary."""
         vocab = self.head.draft_vocab
-        if meta.all_greedy and meta.output_counts is None and meta.prompt_mask is None \
-                and meta.min_tokens_mask is None:
+        if meta.all_greedy and meta.output_counts is None and meta.prompt_mask is None and meta.min_tokens_mask is None:
             return vocab[sub_logits.argmax(-1)], None
         full = sub_logits.new_full((sub_logits.shape[0], self.head.arch.vocab_size), float("-inf"))
         full[:, vocab] = sub_logits

@@ -23,6 +23,7 @@ Checkpoint directory (written by `tokenmill train-eagle`):
 
 The head's own embedding and LM head are the target's (shared tensors, not stored).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,14 @@ class EagleHead(nn.Module):
     """See the module docstring. `embed` is the target's token embedding table [V, H] (shared);
     `lm_rows` the target's LM-head rows of `draft_vocab` [N, H]."""
 
-    def __init__(self, arch: ModelArchConfig, embed: torch.Tensor, lm_rows: torch.Tensor, draft_vocab: torch.Tensor,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        embed: torch.Tensor,
+        lm_rows: torch.Tensor,
+        draft_vocab: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         if arch.num_hidden_layers != 1:
             raise ValueError("an EAGLE head has exactly one decoder layer")
@@ -66,11 +73,11 @@ class EagleHead(nn.Module):
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
         self.layer = LlamaDecoderLayer(arch, 0, self.rotary, TorchPagedAttention(), dtype)
         self.norm = RMSNorm(h, arch.rms_norm_eps, dtype)
-        self.embed = embed                                       # [V, H], the target's (not a parameter here)
+        self.embed = embed  # [V, H], the target's (not a parameter here)
         self.register_buffer("draft_vocab", draft_vocab.to(torch.long), persistent=False)
         if tuple(lm_rows.shape) != (len(draft_vocab), h):
             raise ValueError(f"lm_rows must be [{len(draft_vocab)}, {h}], got {tuple(lm_rows.shape)}")
-        self.head = Linear(h, len(draft_vocab), dtype=dtype)    # the target's LM-head rows of draft_vocab
+        self.head = Linear(h, len(draft_vocab), dtype=dtype)  # the target's LM-head rows of draft_vocab
         self.head.weight = nn.Parameter(lm_rows.detach().to(dtype).contiguous(), requires_grad=False)
 
     # The runner binds KV caches through these (one layer).
@@ -103,16 +110,24 @@ class EagleHead(nn.Module):
 
     def save(self, directory: str | Path, target_name: str) -> None:
         from safetensors.torch import save_file
+
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         arch = dataclasses.asdict(self.arch)
         arch["eos_token_ids"] = list(arch["eos_token_ids"])
-        cfg = {"format": FORMAT, "version": VERSION, "target": target_name,
-               "target_hidden_size": self.arch.hidden_size, "num_draft_vocab": int(len(self.draft_vocab)),
-               "arch": arch}
+        cfg = {
+            "format": FORMAT,
+            "version": VERSION,
+            "target": target_name,
+            "target_hidden_size": self.arch.hidden_size,
+            "num_draft_vocab": int(len(self.draft_vocab)),
+            "arch": arch,
+        }
         (d / CONFIG_FILE).write_text(json.dumps(cfg, indent=1) + "\n")
-        save_file({k: v.float().cpu() if v.is_floating_point() else v for k, v in self.state_for_save().items()},
-                  str(d / WEIGHTS_FILE))
+        save_file(
+            {k: v.float().cpu() if v.is_floating_point() else v for k, v in self.state_for_save().items()},
+            str(d / WEIGHTS_FILE),
+        )
 
 
 def target_tables(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,17 +157,28 @@ def read_head_config(path: Path, fmt: str, version: int, missing: str) -> dict:
     return cfg
 
 
-def load_eagle_head(directory: str | Path, target_arch: ModelArchConfig, embed: torch.Tensor, lm_weight: torch.Tensor,
-                    dtype: torch.dtype, device: str | torch.device = "cpu") -> EagleHead:
+def load_eagle_head(
+    directory: str | Path,
+    target_arch: ModelArchConfig,
+    embed: torch.Tensor,
+    lm_weight: torch.Tensor,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+) -> EagleHead:
     """Load a head written by EagleHead.save, checking it fits the target; errors name the file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
     d = Path(directory)
     cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
-    cfg = read_head_config(cfg_path, FORMAT, VERSION, "no EAGLE head config here (train one with `tokenmill train-eagle`)")
+    cfg = read_head_config(
+        cfg_path, FORMAT, VERSION, "no EAGLE head config here (train one with `tokenmill train-eagle`)"
+    )
     if cfg.get("target_hidden_size") != target_arch.hidden_size:
-        raise ValueError(f"{cfg_path}: head made for hidden size {cfg.get('target_hidden_size')}, "
-                         f"the target has {target_arch.hidden_size}")
+        raise ValueError(
+            f"{cfg_path}: head made for hidden size {cfg.get('target_hidden_size')}, "
+            f"the target has {target_arch.hidden_size}"
+        )
     a = dict(cfg["arch"])
     a["eos_token_ids"] = tuple(a.get("eos_token_ids") or ())
     arch = ModelArchConfig(**a)
@@ -198,7 +224,7 @@ def unrolled_key_mask(T: int, step: int) -> torch.Tensor:
         j=1   1 . . . | . 1 . .      a = 0: step-1 key 0, its own key at 1
         j=2   1 1 . . | . . 1 .
         j=3   1 1 1 . | . . . 1
-"""
+    """
     j = torch.arange(T)[:, None]
     p = torch.arange(T)[None, :]
     blocks = [p <= j - step + 1]
@@ -207,8 +233,9 @@ def unrolled_key_mask(T: int, step: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def train_forward(head: EagleHead, input_ids: torch.Tensor, features: torch.Tensor,
-                  steps: int = 1) -> torch.Tensor | list[torch.Tensor]:
+def train_forward(
+    head: EagleHead, input_ids: torch.Tensor, features: torch.Tensor, steps: int = 1
+) -> torch.Tensor | list[torch.Tensor]:
     """The head's forward in plain differentiable torch ops, dense causal over [B, T] (positions
     0..T-1). The inference kernels (fused norms, in-place RoPE) bypass autograd, so training uses
     this; tests check it equals `head(...)` outside a forward context.
@@ -229,10 +256,10 @@ def train_forward(head: EagleHead, input_ids: torch.Tensor, features: torch.Tens
     e = F.embedding(input_ids, head.embed.detach()).to(features.dtype)
     lay = head.layer
     cs = head.rotary.cos_sin[:T].to(features.dtype)
-    cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2:]
+    cos, sin = cs[:, None, : d // 2], cs[:, None, d // 2 :]
 
     def rope(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     rep = nh // nkv
@@ -250,11 +277,12 @@ def train_forward(head: EagleHead, input_ids: torch.Tensor, features: torch.Tens
         keys.append(k.repeat_interleave(rep, dim=2).transpose(1, 2))
         values.append(v.repeat_interleave(rep, dim=2).transpose(1, 2))
         if step == 1:
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[0], values[0], is_causal=True, scale=d ** -0.5)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys[0], values[0], is_causal=True, scale=d**-0.5)
         else:
             mask = unrolled_key_mask(T, step).to(q.device)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(keys, dim=2), torch.cat(values, dim=2),
-                                               attn_mask=mask, scale=d ** -0.5)
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask, scale=d**-0.5
+            )
         h = h + F.linear(o.transpose(1, 2).reshape(B, T, nh * d), lay.self_attn.o_proj.weight)
         gu = F.linear(rms(h, lay.post_attention_layernorm.weight), lay.mlp.gate_up_proj.weight)
         g, u = gu.chunk(2, dim=-1)

@@ -25,6 +25,7 @@ Checkpoint directory (written by `tokenmill train-medusa`):
                           "vocab_size": V, "num_heads": K, "num_draft_vocab": N, "accuracy": [[acc of rank r]]}
     model.safetensors    blocks.weight [K, H, H], blocks.bias [K, H], draft_vocab (int64 [N])
 """
+
 from __future__ import annotations
 
 import heapq
@@ -54,8 +55,14 @@ WEIGHTS_FILE = "model.safetensors"
 class MedusaHeads(nn.Module):
     """K residual blocks over the target's feature and the target's LM-head rows of draft_vocab."""
 
-    def __init__(self, hidden_size: int, num_heads: int, lm_rows: torch.Tensor, draft_vocab: torch.Tensor,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        lm_rows: torch.Tensor,
+        draft_vocab: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         if tuple(lm_rows.shape) != (len(draft_vocab), hidden_size):
             raise ValueError(f"lm_rows must be [{len(draft_vocab)}, {hidden_size}], got {tuple(lm_rows.shape)}")
@@ -70,7 +77,7 @@ class MedusaHeads(nn.Module):
         """After `prepare_serving`: the K blocks and the LM-head rows as `Linear` layers with their kernels'
         weight copies (an unpacked bf16 weight costs oneDNN a reorder on every call: ~5x the product)."""
 
-    def prepare_serving(self) -> "MedusaHeads":
+    def prepare_serving(self) -> MedusaHeads:
         """The weights are final: serve them through `Linear` (the same kernels as the target's layers)."""
         H, Vd = self.hidden_size, len(self.draft_vocab)
         dtype = self.weight.dtype
@@ -94,37 +101,61 @@ class MedusaHeads(nn.Module):
         f = features.to(self.weight.dtype)
         if self.serving is not None:
             *blocks, lm = self.serving
-            x = torch.stack([f + F.silu(b(f)) for b in blocks])                          # [K, N, H]
+            x = torch.stack([f + F.silu(b(f)) for b in blocks])  # [K, N, H]
             return lm(x).float()
-        x = f[None] + F.silu(torch.baddbmm(self.bias[:, None, :], f[None].expand(self.num_heads, -1, -1),
-                                           self.weight.transpose(1, 2)))                 # [K, N, H]
+        x = f[None] + F.silu(
+            torch.baddbmm(self.bias[:, None, :], f[None].expand(self.num_heads, -1, -1), self.weight.transpose(1, 2))
+        )  # [K, N, H]
         return (x @ self.lm_rows.t()).float()
 
     def save(self, directory: str | Path, target_name: str, vocab_size: int, accuracy: list[list[float]]) -> None:
         from safetensors.torch import save_file
+
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        cfg = {"format": FORMAT, "version": VERSION, "target": target_name, "target_hidden_size": self.hidden_size,
-               "vocab_size": vocab_size, "num_heads": self.num_heads, "num_draft_vocab": int(len(self.draft_vocab)),
-               "accuracy": accuracy}
+        cfg = {
+            "format": FORMAT,
+            "version": VERSION,
+            "target": target_name,
+            "target_hidden_size": self.hidden_size,
+            "vocab_size": vocab_size,
+            "num_heads": self.num_heads,
+            "num_draft_vocab": int(len(self.draft_vocab)),
+            "accuracy": accuracy,
+        }
         (d / CONFIG_FILE).write_text(json.dumps(cfg, indent=1) + "\n")
-        save_file({"blocks.weight": self.weight.detach().float().cpu().contiguous(),
-                   "blocks.bias": self.bias.detach().float().cpu().contiguous(),
-                   "draft_vocab": self.draft_vocab.cpu().contiguous()}, str(d / WEIGHTS_FILE))
+        save_file(
+            {
+                "blocks.weight": self.weight.detach().float().cpu().contiguous(),
+                "blocks.bias": self.bias.detach().float().cpu().contiguous(),
+                "draft_vocab": self.draft_vocab.cpu().contiguous(),
+            },
+            str(d / WEIGHTS_FILE),
+        )
 
 
-def load_medusa(directory: str | Path, hidden_size: int, vocab_size: int, lm_weight: torch.Tensor,
-                dtype: torch.dtype, device: str | torch.device = "cpu") -> tuple[MedusaHeads, list[list[float]]]:
+def load_medusa(
+    directory: str | Path,
+    hidden_size: int,
+    vocab_size: int,
+    lm_weight: torch.Tensor,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+) -> tuple[MedusaHeads, list[list[float]]]:
     """Heads written by MedusaHeads.save, checked against the target; errors name the file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
     from tokenmill.spec_decode.eagle_head import read_head_config
+
     d = Path(directory)
     cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
     cfg = read_head_config(cfg_path, FORMAT, VERSION, "no Medusa heads here (train them with `tokenmill train-medusa`)")
     if cfg.get("target_hidden_size") != hidden_size or cfg.get("vocab_size") != vocab_size:
-        raise ValueError(f"{cfg_path}: heads made for hidden size {cfg.get('target_hidden_size')} and vocab "
-                         f"{cfg.get('vocab_size')}, the target has {hidden_size} and {vocab_size}")
+        raise ValueError(
+            f"{cfg_path}: heads made for hidden size {cfg.get('target_hidden_size')} and vocab "
+            f"{cfg.get('vocab_size')}, the target has {hidden_size} and {vocab_size}"
+        )
     k = cfg.get("num_heads")
     acc = cfg.get("accuracy")
     if not isinstance(k, int) or k < 1 or not isinstance(acc, list) or len(acc) != k:
@@ -141,8 +172,9 @@ def load_medusa(directory: str | Path, hidden_size: int, vocab_size: int, lm_wei
     shapes = {"blocks.weight": (k, hidden_size, hidden_size), "blocks.bias": (k, hidden_size)}
     for name, shape in shapes.items():
         if name not in t or tuple(t[name].shape) != shape:
-            raise ValueError(f"{w_path}: {name} must have shape {shape}, got "
-                             f"{None if name not in t else tuple(t[name].shape)}")
+            raise ValueError(
+                f"{w_path}: {name} must have shape {shape}, got {None if name not in t else tuple(t[name].shape)}"
+            )
     with torch.device(device):
         heads = MedusaHeads(hidden_size, k, lm_weight[vocab.to(lm_weight.device)], vocab, dtype)
     with torch.no_grad():
@@ -151,8 +183,7 @@ def load_medusa(directory: str | Path, hidden_size: int, vocab_size: int, lm_wei
     return heads.eval().prepare_serving(), acc
 
 
-def static_tree(accuracy: list[list[float]], max_nodes: int, max_width: int,
-                max_depth: int) -> list[tuple[int, ...]]:
+def static_tree(accuracy: list[list[float]], max_nodes: int, max_width: int, max_depth: int) -> list[tuple[int, ...]]:
     """The max_nodes most likely rank paths, best first, parents before children: a path (r_1, .., r_d) is
     worth prod_k accuracy[k][r_k] (head k's rank-r guess right). Returns the paths in listing order.
 
@@ -175,8 +206,16 @@ def static_tree(accuracy: list[list[float]], max_nodes: int, max_width: int,
 class MedusaProposer:
     """Drafts a static tree from the heads' guesses on each request's latest target feature."""
 
-    def __init__(self, heads: MedusaHeads, accuracy: list[list[float]], max_nodes: int, max_width: int,
-                 max_depth: int, max_model_len: int, lookup: "NgramProposer | None" = None) -> None:
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        accuracy: list[list[float]],
+        max_nodes: int,
+        max_width: int,
+        max_depth: int,
+        max_model_len: int,
+        lookup: NgramProposer | None = None,
+    ) -> None:
         self.heads = heads
         self.accuracy = accuracy
         self.paths = static_tree(accuracy, max_nodes, max_width, max_depth)
@@ -190,17 +229,20 @@ class MedusaProposer:
         self.feature_sink = self.write
 
     @classmethod
-    def from_context(cls, config: "SpeculativeConfig", ctx: "ProposerContext") -> "MedusaProposer":
+    def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> MedusaProposer:
         from tokenmill.spec_decode.eagle_head import target_tables
+
         _, lm = target_tables(ctx.target)
-        heads, acc = load_medusa(config.model, ctx.target_arch.hidden_size, ctx.target_arch.vocab_size, lm,
-                                 ctx.dtype, ctx.device)
+        heads, acc = load_medusa(
+            config.model, ctx.target_arch.hidden_size, ctx.target_arch.vocab_size, lm, ctx.dtype, ctx.device
+        )
         tree = config.tree
         nodes = config.num_speculative_tokens if tree is None else tree.max_nodes
         width = 1 if tree is None else tree.max_width
         lookup = None
         if config.datastore:
             from tokenmill.spec_decode.ngram import NgramProposer
+
             lookup = NgramProposer.from_context(config, ctx)
         return cls(heads, acc, nodes, width, config.tree_max_depth, ctx.max_model_len, lookup)
 
@@ -223,8 +265,8 @@ class MedusaProposer:
                 feats.append(held[1])
         top = None
         if rows:
-            logits = self.heads(torch.stack(feats))                                     # [K, n, Vd]
-            top = self.heads.draft_vocab[logits.topk(self.max_width, dim=-1).indices].tolist()   # [K][n][w]
+            logits = self.heads(torch.stack(feats))  # [K, n, Vd]
+            top = self.heads.draft_vocab[logits.topk(self.max_width, dim=-1).indices].tolist()  # [K][n][w]
         if self.lookup is not None:
             return self._hybrid(requests, num_tokens, rows, top)
         if not rows:
@@ -242,6 +284,7 @@ class MedusaProposer:
 
     def _hybrid(self, requests: list[DraftRequest], num_tokens: list[int], rows: list[int], top) -> Proposal:
         from tokenmill.spec_decode.ngram import ngram_tree
+
         lk = self.lookup
         row_of = {i: j for j, i in enumerate(rows)}
         drafts, parents = [], []
@@ -250,10 +293,25 @@ class MedusaProposer:
             guesses = None
             if i in row_of:
                 j = row_of[i]
-                guesses = [[(top[d][j][rank], self.accuracy[d][rank]) for rank in range(len(top[d][j]))]
-                           for d in range(len(top))]
-            toks, par = ngram_tree(r.all_token_ids, num_tokens[i], self.max_width, depth, lk.min_n, lk.max_n,
-                                   lk.datastore, lk.min_share, guesses) if depth > 0 else ([], [])
+                guesses = [
+                    [(top[d][j][rank], self.accuracy[d][rank]) for rank in range(len(top[d][j]))]
+                    for d in range(len(top))
+                ]
+            toks, par = (
+                ngram_tree(
+                    r.all_token_ids,
+                    num_tokens[i],
+                    self.max_width,
+                    depth,
+                    lk.min_n,
+                    lk.max_n,
+                    lk.datastore,
+                    lk.min_share,
+                    guesses,
+                )
+                if depth > 0
+                else ([], [])
+            )
             drafts.append(toks)
             parents.append(par)
         return Proposal(drafts, None, parents)

@@ -9,6 +9,7 @@ continuation that reaches the end keeps copying its own output, LZ77-style, so a
 P = length - start is drafted for the full k tokens. The
 proposer has no probabilities: the rejection sampler treats its drafts as point masses.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -31,13 +32,13 @@ def ngram_propose(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: 
     if k <= 0:
         return []
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = toks[length - n:]
+        suffix = toks[length - n :]
         # Windows starting at 0 .. length - n - 1 (the suffix itself is excluded).
-        windows = np.lib.stride_tricks.sliding_window_view(toks[:length - 1], n)  # [length - n, n]
+        windows = np.lib.stride_tricks.sliding_window_view(toks[: length - 1], n)  # [length - n, n]
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            out = toks[start:start + k].tolist()
+            out = toks[start : start + k].tolist()
             while len(out) < k:  # the copy reached the end: keep copying what it drafted (period length - start)
                 out.append(out[len(out) - (length - start)])
             return out
@@ -63,9 +64,17 @@ def _prompt_children(seq: list[int], starts: list[int], precision: float) -> dic
     return {t: (precision * len(v) / total, v) for t, v in groups.items()}
 
 
-def ngram_tree(tokens: list[int], max_nodes: int, max_width: int, max_depth: int, min_n: int, max_n: int,
-               datastore=None, min_share: float = 0.3,
-               guesses: list[list[tuple[int, float]]] | None = None) -> tuple[list[int], list[int]]:
+def ngram_tree(
+    tokens: list[int],
+    max_nodes: int,
+    max_width: int,
+    max_depth: int,
+    min_n: int,
+    max_n: int,
+    datastore=None,
+    min_share: float = 0.3,
+    guesses: list[list[tuple[int, float]]] | None = None,
+) -> tuple[list[int], list[int]]:
     """A token tree of guesses (tokens, parents; spec_decode/tree.py), grown best first by the product of
     its nodes' scores, a guess of each path's chance to be the target's:
 
@@ -86,26 +95,26 @@ def ngram_tree(tokens: list[int], max_nodes: int, max_width: int, max_depth: int
     nodes: list[int] = []
     parents: list[int] = []
     depth: list[int] = []
-    matches: list[list[int]] = []   # per node: the positions (in base + its path) its children come from
+    matches: list[list[int]] = []  # per node: the positions (in base + its path) its children come from
     paths: list[list[int]] = []
 
     def candidates(path: list[int], starts: list[int] | None) -> list[tuple[float, int, list[int]]]:
         seq = base + path
         cands: dict[int, tuple[float, list[int]]] = {}
-        if starts is None:   # the root: find the occurrences of the longest suffix
+        if starts is None:  # the root: find the occurrences of the longest suffix
             starts = []
             prec = PROMPT_MATCH_PRECISION
             toks = np.asarray(seq, dtype=np.int64)
             for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
-                windows = np.lib.stride_tricks.sliding_window_view(toks[:len(seq) - 1], n)
-                hits = np.flatnonzero((windows == toks[len(seq) - n:]).all(axis=1))
+                windows = np.lib.stride_tricks.sliding_window_view(toks[: len(seq) - 1], n)
+                hits = np.flatnonzero((windows == toks[len(seq) - n :]).all(axis=1))
                 if len(hits):
                     if n == 1:
                         prec = ONE_TOKEN_MATCH_PRECISION
-                    starts = [int(h) + n for h in hits[::-1]][:8]   # the 8 latest occurrences
+                    starts = [int(h) + n for h in hits[::-1]][:8]  # the 8 latest occurrences
                     break
             if prec == ONE_TOKEN_MATCH_PRECISION and datastore is not None and datastore.next_tokens(seq, min_share):
-                starts = []   # as the chain policy: a 1-token match only where the datastore has nothing
+                starts = []  # as the chain policy: a 1-token match only where the datastore has nothing
             cands = _prompt_children(seq, starts, prec)
         elif starts:
             cands = _prompt_children(seq, starts, PROMPT_MATCH_PRECISION)
@@ -121,7 +130,7 @@ def ngram_tree(tokens: list[int], max_nodes: int, max_width: int, max_depth: int
         ranked = sorted(((sc, t, occ) for t, (sc, occ) in cands.items()), key=lambda x: -x[0])
         return ranked[:max_width]
 
-    heap: list[tuple[float, int, int, int, list[int]]] = []   # (-path score, tie, parent, token, starts)
+    heap: list[tuple[float, int, int, int, list[int]]] = []  # (-path score, tie, parent, token, starts)
     tie = 0
     for sc, t, occ in candidates([], None):
         heapq.heappush(heap, (-sc, tie, -1, t, occ))
@@ -152,8 +161,16 @@ class NgramProposer:
     answers (32 held-out ShareGPT prompts, docs/spec_decode.md): one-token prompt matches predict the
     next token 21% of the time, the datastore 46% where no longer prompt match exists."""
 
-    def __init__(self, min_n: int, max_n: int, datastore=None, min_share: float = 0.3,
-                 tree: "TreeConfig | None" = None, max_depth: int = 4, max_model_len: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        min_n: int,
+        max_n: int,
+        datastore=None,
+        min_share: float = 0.3,
+        tree: TreeConfig | None = None,
+        max_depth: int = 4,
+        max_model_len: int = 1 << 30,
+    ) -> None:
         self.feature_sink = None  # drafts from tokens only
         self.tree = tree
         """Draft token trees (ngram_tree) instead of chains."""
@@ -167,13 +184,21 @@ class NgramProposer:
         self.min_share = min_share
 
     @classmethod
-    def from_context(cls, config: "SpeculativeConfig", ctx: "ProposerContext") -> "NgramProposer":
+    def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> NgramProposer:
         store = None
         if config.datastore:
             from tokenmill.spec_decode.datastore import SuffixDatastore
+
             store = SuffixDatastore.load(config.datastore)
-        return cls(config.prompt_lookup_min, config.prompt_lookup_max, store, config.datastore_min_share,
-                   config.tree, config.tree_max_depth, ctx.max_model_len)
+        return cls(
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            store,
+            config.datastore_min_share,
+            config.tree,
+            config.tree_max_depth,
+            ctx.max_model_len,
+        )
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0:
@@ -193,8 +218,20 @@ class NgramProposer:
         drafts, parents = [], []
         for r, k in zip(requests, num_tokens):
             depth = min(k, draft_budget(r, self.max_depth, self.max_model_len))
-            toks, par = ngram_tree(r.all_token_ids, k, self.tree.max_width, depth, self.min_n,
-                                   self.max_n, self.datastore, self.min_share) if depth > 0 else ([], [])
+            toks, par = (
+                ngram_tree(
+                    r.all_token_ids,
+                    k,
+                    self.tree.max_width,
+                    depth,
+                    self.min_n,
+                    self.max_n,
+                    self.datastore,
+                    self.min_share,
+                )
+                if depth > 0
+                else ([], [])
+            )
             drafts.append(toks)
             parents.append(par)
         return Proposal(drafts, None, parents)

@@ -3,6 +3,7 @@
 Proposers live in the runner (spec_decode/decoder.py): they draft from the runner's rows, never from the
 scheduler's requests, so speculation runs wherever the runner runs (another process, tensor-parallel rank 0).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,12 +27,12 @@ class ProposerContext:
 
     target: torch.nn.Module
     """The target model (EAGLE reads its tables; a self-draft shares its weights)."""
-    target_arch: "ModelArchConfig"
+    target_arch: ModelArchConfig
     target_model: str
     """The target's checkpoint as the user named it (a draft naming the same one shares its weights)."""
     dtype: torch.dtype
     device: torch.device
-    kv_spec: "KVCacheSpec"
+    kv_spec: KVCacheSpec
     """The target's KV pool (a draft mirrors its block ids)."""
     max_num_seqs: int
     max_model_len: int
@@ -61,7 +62,7 @@ class DraftRequest:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -98,7 +99,7 @@ class Proposal:
 
 
 class Proposer(Protocol):
-    feature_sink: "FeatureSink | None"
+    feature_sink: FeatureSink | None
     """Given to the target's runner: receives every step's final hidden states (EAGLE), or None."""
 
     def propose(self, requests: list[DraftRequest], num_tokens: list[int]) -> Proposal:
@@ -116,7 +117,7 @@ class Proposer(Protocol):
         computed for them, keep their random streams."""
         ...
 
-    def on_step(self, step: "StepInput") -> None:
+    def on_step(self, step: StepInput) -> None:
         """Called before the target runs a step (a draft cache mirrors its block copies)."""
         ...
 
@@ -129,7 +130,7 @@ _REGISTRY: dict[str, str] = {
 }
 
 
-def build_proposer(config: "SpeculativeConfig", ctx: ProposerContext) -> Proposer:
+def build_proposer(config: SpeculativeConfig, ctx: ProposerContext) -> Proposer:
     try:
         target = _REGISTRY[config.method]
     except KeyError:

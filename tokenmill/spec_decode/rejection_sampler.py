@@ -23,6 +23,7 @@ Row layout of one verification batch (two requests: A with 2 drafts, B with none
     draft rows          [0, 1]                              row_start[i] + j for draft j of request i
     if A accepts 1:     final row = 0 + 1 = 1 (residual at x2), B: final row 3 (plain sample)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -30,15 +31,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from tokenmill.core.step_io import SamplerResult, SamplingRow, StepTokens
-from tokenmill.layers.sampler import (SamplingMetadata, apply_penalties, apply_temperature_and_masks,
-                                      gather_logprobs)
+from tokenmill.layers.sampler import SamplingMetadata, apply_penalties, apply_temperature_and_masks, gather_logprobs
 from tokenmill.spec_decode.stats import SpecDecodeStats
-
 
 # ------------------------------------------------------------------------------ pure functions
 
-def acceptance_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                     draft_token_ids: torch.Tensor) -> torch.Tensor:
+
+def acceptance_probs(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_token_ids: torch.Tensor
+) -> torch.Tensor:
     """min(1, p(x) / q(x)) per draft token.
 
     target_probs: [num_draft, V]; draft_probs: [num_draft, V] or None (point mass);
@@ -52,8 +53,9 @@ def acceptance_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
     return torch.where(q > 0, (p / q.clamp(min=1e-30)).clamp(max=1.0), torch.ones_like(p))
 
 
-def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                          draft_token_ids: torch.Tensor) -> torch.Tensor:
+def residual_distribution(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_token_ids: torch.Tensor
+) -> torch.Tensor:
     """norm(max(p - q, 0)) per draft row; rows whose residual has no mass fall back to p.
 
     [num_draft, V] (+ [num_draft, V] or None, [num_draft]) -> [num_draft, V].
@@ -75,9 +77,15 @@ class RejectionOutput:
     """[N] row of each request's last emitted token (row_start + num_accepted)."""
 
 
-def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                     num_draft_tokens: list[int], is_greedy: torch.Tensor, uniforms: torch.Tensor | None,
-                     noise: torch.Tensor | None) -> RejectionOutput:
+def rejection_sample(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    num_draft_tokens: list[int],
+    is_greedy: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    noise: torch.Tensor | None,
+) -> RejectionOutput:
     """Verify a batch of drafts.
 
     target_logits:   [num_rows, V] processed (penalties, temperature, masks) target logits;
@@ -91,38 +99,38 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     """
     dev = target_logits.device
     n = len(num_draft_tokens)
-    k = torch.tensor(num_draft_tokens, dtype=torch.long, device=dev)              # [N]
-    row_start = torch.cumsum(k + 1, 0) - (k + 1)                                   # [N]
-    draft_start = torch.cumsum(k, 0) - k                                           # [N]
-    req_of_draft = torch.repeat_interleave(torch.arange(n, device=dev), k)         # [num_draft]
+    k = torch.tensor(num_draft_tokens, dtype=torch.long, device=dev)  # [N]
+    row_start = torch.cumsum(k + 1, 0) - (k + 1)  # [N]
+    draft_start = torch.cumsum(k, 0) - k  # [N]
+    req_of_draft = torch.repeat_interleave(torch.arange(n, device=dev), k)  # [num_draft]
     pos_of_draft = torch.arange(len(draft_token_ids), device=dev) - draft_start[req_of_draft]  # j within request
-    draft_rows = row_start[req_of_draft] + pos_of_draft                           # [num_draft]
+    draft_rows = row_start[req_of_draft] + pos_of_draft  # [num_draft]
 
-    argmax = target_logits.argmax(-1)                                              # [num_rows]
+    argmax = target_logits.argmax(-1)  # [num_rows]
     greedy_ok = argmax[draft_rows] == draft_token_ids
     if bool(is_greedy.all()):
         accepted = greedy_ok
         probs = None
     else:
-        probs = target_logits.softmax(-1)                                          # [num_rows, V]
+        probs = target_logits.softmax(-1)  # [num_rows, V]
         p_draft = probs[draft_rows]
         accept_p = acceptance_probs(p_draft, draft_probs, draft_token_ids)
         accepted = torch.where(is_greedy[req_of_draft], greedy_ok, uniforms < accept_p)
 
     # Leading run of acceptances per request.
     max_k = int(k.max()) if n else 0
-    grid = torch.zeros(n, max(max_k, 1), dtype=torch.bool, device=dev)           # [N, max_k]
+    grid = torch.zeros(n, max(max_k, 1), dtype=torch.bool, device=dev)  # [N, max_k]
     grid[req_of_draft, pos_of_draft] = accepted
-    num_accepted = grid.long().cumprod(1).sum(1)                                   # [N]
-    final_rows = row_start + num_accepted                                          # [N]
+    num_accepted = grid.long().cumprod(1).sum(1)  # [N]
+    final_rows = row_start + num_accepted  # [N]
 
-    final = argmax[final_rows]                                                     # greedy answer
+    final = argmax[final_rows]  # greedy answer
     if probs is not None:
-        dist = probs[final_rows]                                                   # [N, V] bonus: p
+        dist = probs[final_rows]  # [N, V] bonus: p
         rejected = num_accepted < k
         if bool(rejected.any()):
             rej_req = rejected.nonzero()[:, 0]
-            d = draft_start[rej_req] + num_accepted[rej_req]                       # the rejected drafts
+            d = draft_start[rej_req] + num_accepted[rej_req]  # the rejected drafts
             q_rej = None if draft_probs is None else draft_probs[d]
             dist[rej_req] = residual_distribution(probs[final_rows[rej_req]], q_rej, draft_token_ids[d])
         sampled = (dist / noise).argmax(-1)
@@ -134,13 +142,14 @@ def rejection_sample(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     out: list[list[int]] = []
     d0 = 0
     for i, ki in enumerate(num_draft_tokens):
-        out.append(drafts[d0:d0 + acc[i]] + [fin[i]])
+        out.append(drafts[d0 : d0 + acc[i]] + [fin[i]])
         d0 += ki
     return RejectionOutput(out, acc, final_rows)
 
 
-def expand_sampling_metadata(meta: SamplingMetadata, drafts: list[list[int]], num_output_tokens: list[int],
-                             min_tokens: list[int]) -> SamplingMetadata:
+def expand_sampling_metadata(
+    meta: SamplingMetadata, drafts: list[list[int]], num_output_tokens: list[int], min_tokens: list[int]
+) -> SamplingMetadata:
     """Per-request metadata -> per-row metadata for k_i + 1 rows each.
 
     Row j of request i sees drafts[i][:j] as already generated: they count for frequency,
@@ -149,8 +158,9 @@ def expand_sampling_metadata(meta: SamplingMetadata, drafts: list[list[int]], nu
     return expand_rows(meta, [[d[:j] for j in range(len(d) + 1)] for d in drafts], num_output_tokens, min_tokens)
 
 
-def expand_rows(meta: SamplingMetadata, prefixes: list[list[list[int]]], num_output_tokens: list[int],
-                min_tokens: list[int]) -> SamplingMetadata:
+def expand_rows(
+    meta: SamplingMetadata, prefixes: list[list[list[int]]], num_output_tokens: list[int], min_tokens: list[int]
+) -> SamplingMetadata:
     """Per-request metadata -> per-row metadata: request i owns len(prefixes[i]) rows, and row j sees the
     tokens prefixes[i][j] as already generated (a chain's row j: its first j drafts; a tree node's row: its
     path, spec_decode/tree.py)."""
@@ -187,14 +197,31 @@ def expand_rows(meta: SamplingMetadata, prefixes: list[list[list[int]]], num_out
                 assert a.shape[0] == len(rows), f"{a.shape[0]} grammar rows for {len(rows)} positions"
                 parts.append(a)
         allowed = torch.cat(parts)
-    return replace(meta, allowed=allowed, allowed_per_position=None, temperature=rep(meta.temperature), top_k=rep(meta.top_k), top_p=rep(meta.top_p),
-                   min_p=rep(meta.min_p), presence_penalty=rep(meta.presence_penalty),
-                   frequency_penalty=rep(meta.frequency_penalty), repetition_penalty=rep(meta.repetition_penalty),
-                   output_counts=counts, prompt_mask=rep(meta.prompt_mask), min_tokens_mask=ban, generators=gens)
+    return replace(
+        meta,
+        allowed=allowed,
+        allowed_per_position=None,
+        temperature=rep(meta.temperature),
+        top_k=rep(meta.top_k),
+        top_p=rep(meta.top_p),
+        min_p=rep(meta.min_p),
+        presence_penalty=rep(meta.presence_penalty),
+        frequency_penalty=rep(meta.frequency_penalty),
+        repetition_penalty=rep(meta.repetition_penalty),
+        output_counts=counts,
+        prompt_mask=rep(meta.prompt_mask),
+        min_tokens_mask=ban,
+        generators=gens,
+    )
 
 
-def draw_randomness(num_draft_tokens: list[int], generators: list[torch.Generator | None], vocab_size: int,
-                    device: torch.device, global_gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_randomness(
+    num_draft_tokens: list[int],
+    generators: list[torch.Generator | None],
+    vocab_size: int,
+    device: torch.device,
+    global_gen: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Acceptance uniforms [num_draft] and sampling noise [N, V]. A seeded request draws its k
     uniforms and then its noise row from its own generator, so its outcome does not depend on
     the rest of the batch (as in the plain sampler)."""
@@ -205,13 +232,14 @@ def draw_randomness(num_draft_tokens: list[int], generators: list[torch.Generato
     for i, (ki, g) in enumerate(zip(num_draft_tokens, generators)):
         if g is not None:
             if ki:
-                uniforms[d0:d0 + ki] = torch.rand(ki, generator=g, device=device)
+                uniforms[d0 : d0 + ki] = torch.rand(ki, generator=g, device=device)
             noise[i].exponential_(generator=g)
         d0 += ki
     return uniforms, noise
 
 
 # ------------------------------------------------------------------------------------- module
+
 
 class RejectionSampler:
     """Verifies a step's drafts: applies each request's sampling parameters to every row, runs
@@ -220,20 +248,27 @@ class RejectionSampler:
     def __init__(self, stats: SpecDecodeStats) -> None:
         self.stats = stats
 
-    def __call__(self, logits: torch.Tensor, sampling: list[StepTokens], reqs: list[SamplingRow],
-                 meta: SamplingMetadata, draft_probs: dict[str, torch.Tensor],
-                 global_gen: torch.Generator | None) -> dict[str, SamplerResult]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        sampling: list[StepTokens],
+        reqs: list[SamplingRow],
+        meta: SamplingMetadata,
+        draft_probs: dict[str, torch.Tensor],
+        global_gen: torch.Generator | None,
+    ) -> dict[str, SamplerResult]:
         """logits: [sum(k_i + 1), V] raw target logits, rows ordered as `sampling`; reqs[i]: the runner's row
         of sampling[i]."""
         ks = [s.num_spec_tokens if s.is_sampling else 0 for s in sampling]
-        drafts = [s.token_ids[len(s.token_ids) - k:] if k else [] for s, k in zip(sampling, ks)]
-        emeta = expand_sampling_metadata(meta, drafts, [r.num_output_tokens for r in reqs],
-                                         [r.sampling_params.min_tokens for r in reqs])
+        drafts = [s.token_ids[len(s.token_ids) - k :] if k else [] for s, k in zip(sampling, ks)]
+        emeta = expand_sampling_metadata(
+            meta, drafts, [r.num_output_tokens for r in reqs], [r.sampling_params.min_tokens for r in reqs]
+        )
         dev = logits.device
         logits = apply_penalties(logits.float(), emeta)
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
         processed = apply_temperature_and_masks(logits, emeta)
-        is_greedy = meta.temperature == 0                                           # [N]
+        is_greedy = meta.temperature == 0  # [N]
         flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=dev)
         q = None
         if not meta.all_greedy and any(ks):
@@ -253,9 +288,13 @@ class RejectionSampler:
                 toks.extend(toks_i)
                 row0 += k + 1
             per_row_n = [r.sampling_params.logprobs for r, t in zip(reqs, res.output_token_ids) for _ in t]
-            flat_lps = gather_logprobs(raw_logprobs[torch.tensor(rows_, device=dev)],
-                                       torch.tensor(toks, device=dev), per_row_n) \
-                if any(x is not None for x in per_row_n) else [None] * len(toks)
+            flat_lps = (
+                gather_logprobs(
+                    raw_logprobs[torch.tensor(rows_, device=dev)], torch.tensor(toks, device=dev), per_row_n
+                )
+                if any(x is not None for x in per_row_n)
+                else [None] * len(toks)
+            )
             lps = flat_lps
         out: dict[str, SamplerResult] = {}
         t0 = 0
@@ -263,7 +302,7 @@ class RejectionSampler:
             self.stats.observe(k, a)
             lp = None
             if lps is not None and r.sampling_params.logprobs is not None:
-                lp = lps[t0:t0 + len(toks_i)]
+                lp = lps[t0 : t0 + len(toks_i)]
             t0 += len(toks_i)
             out[r.request_id] = SamplerResult(toks_i, lp)
         return out

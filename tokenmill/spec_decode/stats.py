@@ -1,4 +1,5 @@
 """Cumulative speculative-decoding counters, named as vLLM names them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,10 +59,12 @@ class SpecDecodeStats:
 
     def as_dict(self) -> dict[str, float]:
         d: dict[str, float] = {
-            "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "mean_acceptance_length": self.mean_acceptance_length,
-            "draft_acceptance_rate": self.draft_acceptance_rate, "alpha": self.alpha,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "alpha": self.alpha,
         }
         d["mean_draft_size"] = self.mean_draft_size
         for i, n in enumerate(self.num_accepted_tokens_per_pos):

@@ -29,6 +29,7 @@ Worked example (greedy), a tree of 4 nodes below the root R:
     3     4      2             at node 2 the argmax is 5, no child has it: stop
     -> accepted nodes [0, 2], emitted tokens [7, 3, 5] (two drafts accepted and the target's next token)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -117,7 +118,7 @@ class TokenTree:
         return max(self.depths(), default=0)
 
     @classmethod
-    def chain(cls, tokens: list[int], sampled: bool = True) -> "TokenTree":
+    def chain(cls, tokens: list[int], sampled: bool = True) -> TokenTree:
         """A chain of drafts: the special case of a tree."""
         return cls(list(tokens), list(range(-1, len(tokens) - 1)), [sampled] * len(tokens))
 
@@ -130,8 +131,13 @@ class TreeVerdict:
     """Emitted tokens: the accepted nodes' tokens, then one token of the target's (residual or bonus)."""
 
 
-def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                greedy: bool, generator: torch.Generator | None = None) -> TreeVerdict:
+def verify_tree(
+    tree: TokenTree,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    greedy: bool,
+    generator: torch.Generator | None = None,
+) -> TreeVerdict:
     """One request's tree. target_probs [1 + size, V]; draft_probs [1 + size, V] (row of a node's parent:
     the q its sampled children were drawn from), None when no node is sampled (or greedy)."""
     if target_probs.shape[0] != tree.size + 1:
@@ -140,7 +146,7 @@ def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.
         return greedy_tree_walk(tree, target_probs.argmax(-1).tolist())
     kids = tree.children()
     accepted: list[int] = []
-    row = 0   # 0: the root; 1 + u: node u
+    row = 0  # 0: the root; 1 + u: node u
     if draft_probs is None and any(tree.sampled):
         raise ValueError("sampled nodes need draft_probs")
     dev = target_probs.device
@@ -162,7 +168,7 @@ def verify_tree(tree: TokenTree, target_probs: torch.Tensor, draft_probs: torch.
                 break
             rest = (r - s).clamp_min(0)
             total = float(rest.sum())
-            if total > 0:   # (0 only when r <= s everywhere, i.e. r == s: then x was accepted surely)
+            if total > 0:  # (0 only when r <= s everywhere, i.e. r == s: then x was accepted surely)
                 r = rest / total
         if not moved:
             final = int(torch.multinomial(r.to(torch.float32), 1, generator=generator))
@@ -196,18 +202,25 @@ class TreeVerifier:
     def __init__(self, stats: SpecDecodeStats) -> None:
         self.stats = stats
 
-    def __call__(self, logits: torch.Tensor, sampling: list[StepTokens], reqs: list[SamplingRow],
-                 meta: SamplingMetadata, draft_probs: dict[str, torch.Tensor],
-                 global_gen: torch.Generator | None) -> dict[str, SamplerResult]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        sampling: list[StepTokens],
+        reqs: list[SamplingRow],
+        meta: SamplingMetadata,
+        draft_probs: dict[str, torch.Tensor],
+        global_gen: torch.Generator | None,
+    ) -> dict[str, SamplerResult]:
         trees: list[TokenTree] = []
         for s in sampling:
             k = s.num_spec_tokens if s.is_sampling else 0
-            toks = s.token_ids[len(s.token_ids) - k:] if k else []
+            toks = s.token_ids[len(s.token_ids) - k :] if k else []
             parents = list(s.spec_parents[:k]) if s.spec_parents is not None else list(range(-1, k - 1))
             trees.append(TokenTree(toks, parents, [s.request_id in draft_probs] * k))
         prefixes = [[[]] + [t.path(i) for i in range(t.size)] for t in trees]
-        emeta = expand_rows(meta, prefixes, [r.num_output_tokens for r in reqs],
-                            [r.sampling_params.min_tokens for r in reqs])
+        emeta = expand_rows(
+            meta, prefixes, [r.num_output_tokens for r in reqs], [r.sampling_params.min_tokens for r in reqs]
+        )
         logits = apply_penalties(logits.float(), emeta)
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
         processed = apply_temperature_and_masks(logits, emeta)
@@ -218,17 +231,19 @@ class TreeVerifier:
         for i, (s, r, tree) in enumerate(zip(sampling, reqs, trees)):
             n = tree.size + 1
             if r.sampling_params.is_greedy:
-                v = greedy_tree_walk(tree, argmax[row0:row0 + n])
+                v = greedy_tree_walk(tree, argmax[row0 : row0 + n])
             else:
                 q = draft_probs.get(s.request_id)
                 gen = meta.generators[i] if meta.generators[i] is not None else global_gen
-                v = verify_tree(tree, probs[row0:row0 + n], None if q is None else q.to(probs.device), False, gen)
+                v = verify_tree(tree, probs[row0 : row0 + n], None if q is None else q.to(probs.device), False, gen)
             lp = None
             if raw_logprobs is not None and r.sampling_params.logprobs is not None:
-                rows = [row0] + [row0 + 1 + a for a in v.accepted]        # the row each emitted token came from
-                lp = gather_logprobs(raw_logprobs[torch.tensor(rows, device=logits.device)],
-                                     torch.tensor(v.token_ids, device=logits.device),
-                                     [r.sampling_params.logprobs] * len(rows))
+                rows = [row0] + [row0 + 1 + a for a in v.accepted]  # the row each emitted token came from
+                lp = gather_logprobs(
+                    raw_logprobs[torch.tensor(rows, device=logits.device)],
+                    torch.tensor(v.token_ids, device=logits.device),
+                    [r.sampling_params.logprobs] * len(rows),
+                )
             self.stats.observe(tree.size, len(v.accepted), tree.max_depth())
             out[s.request_id] = SamplerResult(v.token_ids, lp, v.accepted if tree.size else None)
             row0 += n

@@ -5,11 +5,13 @@ t // 32 (llguidance's layout):
 
     vocabulary of 40 tokens, allowed {0, 2, 33}:  words = [0b101, 0b10]  (2 words: ceil(40 / 32))
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -72,7 +74,7 @@ class GrammarMatcher:
     def error(self) -> str | None:
         return self._m.get_error() if self._m.is_error() else None
 
-    def copy(self) -> "GrammarMatcher":
+    def copy(self) -> GrammarMatcher:
         m = GrammarMatcher(self._m.deep_copy(), self.num_words)
         m.num_consumed = self.num_consumed
         return m
@@ -81,7 +83,7 @@ class GrammarMatcher:
 class GrammarCompiler:
     """Turns StructuredOutputs into matchers for one tokenizer and vocabulary (built once per engine)."""
 
-    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         try:
             import llguidance
         except ImportError as e:  # NOTE: a declared dependency; a clear message if an install lost it
@@ -89,8 +91,9 @@ class GrammarCompiler:
         self._llg = llguidance
         self.vocab_size = vocab_size
         self.num_words = num_mask_words(vocab_size)
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.hf.to_str(), n_vocab=vocab_size,
-                                                eos_token=list(eos_token_ids))
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer.hf.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        )
         self._cache: dict[str, CompiledGrammar] = {}
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
@@ -119,6 +122,7 @@ class GrammarCompiler:
                 grammar = M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
             else:
                 from llguidance.gbnf_to_lark import any_to_lark  # GBNF (llama.cpp's) or Lark, either way
+
                 grammar = M.grammar_from_lark(any_to_lark(spec.grammar))
         except InvalidRequest:
             raise
@@ -135,7 +139,7 @@ class GrammarCompiler:
     def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         m = self._llg.LLMatcher(self.tokenizer, compiled.grammar, log_level=0)
         if m.is_error():
-            raise InvalidRequest(f"structured_outputs.{compiled.kind}: {m.get_error()}",
-                                 f"structured_outputs.{compiled.kind}")
+            raise InvalidRequest(
+                f"structured_outputs.{compiled.kind}: {m.get_error()}", f"structured_outputs.{compiled.kind}"
+            )
         return GrammarMatcher(m, self.num_words)
-

@@ -14,12 +14,13 @@ Drafts are walked, not consumed: try_consume(path) then rollback, so a rejected 
 draft the grammar bans gets a row too (all allowed; never used: the token before it is banned at its
 parent's row, so the verifier rejects it there).
 """
+
 from __future__ import annotations
 
 import dataclasses
-
 import logging
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,7 +36,7 @@ logger = logging.getLogger("tokenmill.structured")
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         self._tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, eos_token_ids
         self._compiler: GrammarCompiler | None = None
         self.matchers: dict[str, GrammarMatcher] = {}
@@ -62,7 +63,7 @@ class StructuredOutputManager:
         for rid in request_ids:
             self.matchers.pop(rid, None)
 
-    def constrain(self, sched: "SchedulerOutput") -> "SchedulerOutput":
+    def constrain(self, sched: SchedulerOutput) -> SchedulerOutput:
         """The step with its allowed-token masks (StepInput.token_masks); matchers of finished requests dropped."""
         self.forget(sched.finished_ids)
         masks = self.step_masks(sched)
@@ -70,7 +71,7 @@ class StructuredOutputManager:
             sched.step = dataclasses.replace(sched.step, token_masks=masks)
         return sched
 
-    def step_masks(self, sched: "SchedulerOutput") -> dict[str, bytes]:
+    def step_masks(self, sched: SchedulerOutput) -> dict[str, bytes]:
         if not self.matchers:
             return {}
         out: dict[str, bytes] = {}
@@ -98,7 +99,7 @@ class StructuredOutputManager:
             out[s.request_id] = rows.tobytes()
         return out
 
-    def consume(self, reqs: Iterable["Request"]) -> list[str]:
+    def consume(self, reqs: Iterable[Request]) -> list[str]:
         """Feed each constrained request the tokens it kept; the ids whose grammar is now complete."""
         done = []
         for req in reqs:
@@ -110,13 +111,14 @@ class StructuredOutputManager:
                 done.append(req.request_id)
         return done
 
-    def _catch_up(self, req: "Request", m: GrammarMatcher) -> None:
-        new = req.output_token_ids[m.num_consumed:]
+    def _catch_up(self, req: Request, m: GrammarMatcher) -> None:
+        new = req.output_token_ids[m.num_consumed :]
         if not new:
             return
         if not m.consume(new):
             # NOTE: a token outside the mask; the sample stays as it is and is no longer constrained
             self.num_rejected_tokens += 1
-            logger.error("%s: token(s) %s break its grammar (%s); its constraint is dropped", req.request_id,
-                         new, m.error)
+            logger.error(
+                "%s: token(s) %s break its grammar (%s); its constraint is dropped", req.request_id, new, m.error
+            )
             self.matchers.pop(req.request_id, None)

@@ -16,6 +16,7 @@ Self-distillation in three stages, each a function so a benchmark or test can ru
 
     tokenmill train-eagle --model smollm2-135m --out ../shared/eagle-smollm2-135m
 """
+
 from __future__ import annotations
 
 import json
@@ -46,13 +47,23 @@ def sharegpt_rows(path: str | Path, seed: int = 0) -> list[dict]:
 
 
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}], True),
-                            add_special_tokens=False)
+    return tokenizer.encode(
+        tokenizer.apply_chat_template([{"role": "user", "content": text}], True), add_special_tokens=False
+    )
 
 
-def generate_corpus(llm, sharegpt: str | Path, num_prompts: int, max_tokens: int, skip_rows: int = 1000,
-                    max_prompt_tokens: int = 384, batch: int = 64, log=print) -> Corpus:
+def generate_corpus(
+    llm,
+    sharegpt: str | Path,
+    num_prompts: int,
+    max_tokens: int,
+    skip_rows: int = 1000,
+    max_prompt_tokens: int = 384,
+    batch: int = 64,
+    log=print,
+) -> Corpus:
     from tokenmill import SamplingParams
+
     tok = llm.tokenizer
     prompts: list[list[int]] = []
     for r in sharegpt_rows(sharegpt)[skip_rows:]:
@@ -67,7 +78,7 @@ def generate_corpus(llm, sharegpt: str | Path, num_prompts: int, max_tokens: int
     t0 = time.perf_counter()
     for w in range(0, len(prompts), batch):
         ids = []
-        for j, p in enumerate(prompts[w:w + batch]):
+        for j, p in enumerate(prompts[w : w + batch]):
             rid = f"eagle-corpus-{w + j}"
             eng.add_request(rid, p, params)
             ids.append(rid)
@@ -77,13 +88,14 @@ def generate_corpus(llm, sharegpt: str | Path, num_prompts: int, max_tokens: int
                 if o.finished:
                     done[o.request_id] = list(o.outputs[0].token_ids)
         seqs.extend(prompts[w + j] + done[rid] for j, rid in enumerate(ids))
-        n_out = sum(len(s) for s in seqs) - sum(len(p) for p in prompts[:len(seqs)])
+        n_out = sum(len(s) for s in seqs) - sum(len(p) for p in prompts[: len(seqs)])
         log(f"corpus: {len(seqs)}/{len(prompts)} prompts, {n_out} answer tokens, {time.perf_counter() - t0:.0f} s")
     return Corpus(seqs, [len(p) for p in prompts])
 
 
-def corpus_from_datastore(path: str | Path, tokenizer, sharegpt: str | Path, skip_rows: int = 1000,
-                          max_prompt_tokens: int = 384) -> Corpus:
+def corpus_from_datastore(
+    path: str | Path, tokenizer, sharegpt: str | Path, skip_rows: int = 1000, max_prompt_tokens: int = 384
+) -> Corpus:
     """The corpus a build-datastore run answered: its answers (the file's sequences, in order) after the prompts
     generate_corpus chose for them (same rows, same filter)."""
     with np.load(path) as f:
@@ -142,15 +154,27 @@ def init_head_from_target(target, draft_vocab: torch.Tensor, seed: int = 0) -> E
         head.norm.weight.copy_(target.model.norm.weight.float())
         h = arch.hidden_size
         g = torch.Generator().manual_seed(seed)
-        head.fc.weight.copy_(torch.cat([torch.randn(h, h, generator=g) * (0.2 / math.sqrt(h)),
-                                        torch.eye(h)], dim=1))
+        head.fc.weight.copy_(torch.cat([torch.randn(h, h, generator=g) * (0.2 / math.sqrt(h)), torch.eye(h)], dim=1))
     return head
 
 
-def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Tensor], argmaxes: list[torch.Tensor],
-               epochs: int = 3, lr: float = 1e-3, tokens_per_batch: int = 4096, max_len: int = 512,
-               ce_weight: float = 0.1, noise: float = 0.1, seed: int = 0, loss_start: list[int] | None = None,
-               bf16: bool = False, steps: int = 1, log=print) -> dict[str, float]:
+def train_head(
+    head: EagleHead,
+    sequences: list[list[int]],
+    feats: list[torch.Tensor],
+    argmaxes: list[torch.Tensor],
+    epochs: int = 3,
+    lr: float = 1e-3,
+    tokens_per_batch: int = 4096,
+    max_len: int = 512,
+    ce_weight: float = 0.1,
+    noise: float = 0.1,
+    seed: int = 0,
+    loss_start: list[int] | None = None,
+    bf16: bool = False,
+    steps: int = 1,
+    log=print,
+) -> dict[str, float]:
     """Train in place (parameters of fc, layer and norm). Returns the last epoch's mean losses and
     the draft-vocab top-1 accuracy on the target's argmax (teacher-forced, one step ahead).
     loss_start[s]: the first feature index of sequence s that is scored (the head only drafts
@@ -203,10 +227,10 @@ def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Te
             mask = torch.zeros(B, T, dtype=torch.bool)
             for j, (si, a, b) in enumerate(batch):
                 n = b - a - 1
-                ids[j, :n] = torch.tensor(sequences[si][a + 1:b])
-                fin[j, :n] = feats[si][a:b - 1].float()
-                fout[j, :n] = feats[si][a + 1:b].float()
-                labels[j, :n] = index_of[argmaxes[si][a + 1:b].long()]
+                ids[j, :n] = torch.tensor(sequences[si][a + 1 : b])
+                fin[j, :n] = feats[si][a : b - 1].float()
+                fout[j, :n] = feats[si][a + 1 : b].float()
+                labels[j, :n] = index_of[argmaxes[si][a + 1 : b].long()]
                 first = 0 if loss_start is None else max(0, loss_start[si] - a)
                 mask[j, first:n] = True
             fin = fin + torch.randn(fin.shape, generator=gen) * (noise * feat_rms)
@@ -222,7 +246,7 @@ def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Te
             step_acc = []
             for k, pred in enumerate(preds):  # step k + 1 drafts from position j - k: scored if that one is
                 mk = torch.zeros_like(mask)
-                mk[:, k:] = mask[:, :T - k]
+                mk[:, k:] = mask[:, : T - k]
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     picked = pred[mk]
                     logits = F.linear(picked, head_w).float()
@@ -231,8 +255,9 @@ def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Te
                 ce = ce + F.cross_entropy(logits, lab, ignore_index=-100)
                 with torch.no_grad():
                     valid = lab >= 0
-                    step_acc.append((logits.argmax(-1)[valid] == lab[valid]).float().mean().item()
-                                    if valid.any() else 0.0)
+                    step_acc.append(
+                        (logits.argmax(-1)[valid] == lab[valid]).float().mean().item() if valid.any() else 0.0
+                    )
             loss = l1 + ce_weight * ce
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -240,16 +265,21 @@ def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Te
             opt.step()
             step += 1
             acc = step_acc[0]
-            sums["l1"] += l1.item(); sums["ce"] += ce.item(); sums["acc"] += acc; sums["n"] += 1
+            sums["l1"] += l1.item()
+            sums["ce"] += ce.item()
+            sums["acc"] += acc
+            sums["n"] += 1
             for k, a in enumerate(step_acc):
                 sums[f"acc{k + 1}"] += a
             if (bi + 1) % 20 == 0 or bi + 1 == len(batches):
                 n = sums["n"]
-                log(f"epoch {ep + 1}/{epochs} batch {bi + 1}/{len(batches)}: smooth-l1 {sums['l1'] / n:.4f} "
+                log(
+                    f"epoch {ep + 1}/{epochs} batch {bi + 1}/{len(batches)}: smooth-l1 {sums['l1'] / n:.4f} "
                     f"ce {sums['ce'] / n:.3f} top-1 {sums['acc'] / n:.3f}"
                     + ("".join(f"/{sums[f'acc{k}'] / n:.3f}" for k in range(2, steps + 1)))
                     + f" lr {lr_now:.2e} "
-                    f"{time.perf_counter() - t0:.0f} s")
+                    f"{time.perf_counter() - t0:.0f} s"
+                )
         n = max(1.0, sums["n"])
         stats = {"smooth_l1": sums["l1"] / n, "ce": sums["ce"] / n, "top1": sums["acc"] / n}
         if steps > 1:
@@ -260,9 +290,15 @@ def train_head(head: EagleHead, sequences: list[list[int]], feats: list[torch.Te
 
 
 @torch.no_grad()
-def chain_acceptance(head: EagleHead, sequences: list[list[int]], feats: list[torch.Tensor],
-                     argmaxes: list[torch.Tensor], loss_start: list[int], depth: int = 5,
-                     max_len: int = 512) -> dict[str, float]:
+def chain_acceptance(
+    head: EagleHead,
+    sequences: list[list[int]],
+    feats: list[torch.Tensor],
+    argmaxes: list[torch.Tensor],
+    loss_start: list[int],
+    depth: int = 5,
+    max_len: int = 512,
+) -> dict[str, float]:
     """Greedy chain acceptance of `head` on a corpus, as drafting at serving time sees it: from every
     answer position a, the head drafts `depth` tokens from the target's features up to a and its own
     after (`train_forward(..., depth)`), and the target's argmax accepts the longest matching prefix.
@@ -276,38 +312,53 @@ def chain_acceptance(head: EagleHead, sequences: list[list[int]], feats: list[to
         for a0 in range(0, len(s) - 1, max_len):
             b = min(a0 + max_len + 1, len(s))
             n = b - a0 - 1
-            ids = torch.tensor(s[a0 + 1:b])[None]
-            outs = train_forward(head, ids, feats[si][a0:b - 1].float()[None], depth)
-            labels = argmaxes[si][a0 + 1:b].long()
+            ids = torch.tensor(s[a0 + 1 : b])[None]
+            outs = train_forward(head, ids, feats[si][a0 : b - 1].float()[None], depth)
+            labels = argmaxes[si][a0 + 1 : b].long()
             # ok[k, a]: the (k+1)-th draft from start a (position a + k) is the target's argmax there
             ok = torch.zeros(depth, n, dtype=torch.bool)
             for k, o in enumerate(outs):
                 hit = vocab[F.linear(o[0].float(), head_w).argmax(-1)] == labels
-                ok[k, :n - k] = hit[k:]
-            run = torch.cumprod(ok.int(), dim=0)          # drafts 1..k all accepted
+                ok[k, : n - k] = hit[k:]
+            run = torch.cumprod(ok.int(), dim=0)  # drafts 1..k all accepted
             first = max(0, loss_start[si] - a0)
             starts = torch.arange(n)
             keep = (starts >= first) & (starts + depth <= n)  # whole chain inside the window
             accepted += torch.bincount(run[:, keep].sum(0), minlength=depth + 1).float()
     total = accepted.sum().item()
     out = {"accepted": float((accepted * torch.arange(depth + 1)).sum() / max(total, 1.0)), "starts": total}
-    reach = accepted.flip(0).cumsum(0).flip(0)               # reach[k]: starts with >= k accepted
+    reach = accepted.flip(0).cumsum(0).flip(0)  # reach[k]: starts with >= k accepted
     for k in range(1, depth + 1):
         out[f"alpha{k}"] = float(reach[k] / max(reach[k - 1].item(), 1.0))
     return out
 
 
-def main(model: str, out: str, sharegpt: str, num_prompts: int = 3300, max_tokens: int = 192,
-         draft_vocab_size: int = 8192, epochs: int = 8, lr: float = 2e-3, threads: int | None = None,
-         cache: str | None = None, init: str | None = None, answers_only: bool = True,
-         bf16: bool = True, datastore: str | None = None, unroll: int = 1, eval_prompts: int = 0,
-         eval_depth: int = 5) -> dict[str, float]:
+def main(
+    model: str,
+    out: str,
+    sharegpt: str,
+    num_prompts: int = 3300,
+    max_tokens: int = 192,
+    draft_vocab_size: int = 8192,
+    epochs: int = 8,
+    lr: float = 2e-3,
+    threads: int | None = None,
+    cache: str | None = None,
+    init: str | None = None,
+    answers_only: bool = True,
+    bf16: bool = True,
+    datastore: str | None = None,
+    unroll: int = 1,
+    eval_prompts: int = 0,
+    eval_depth: int = 5,
+) -> dict[str, float]:
     """The whole recipe; `cache` keeps the corpus and features between runs (a .pt file); `init`
     continues training a head saved before (its draft vocabulary is kept); `unroll` trains on the
     head's own drafts that deep; `eval_prompts` > 0 measures greedy chain acceptance (`chain_acceptance`)
     before and after training on that many held-out prompts: the benchmark's rows, never trained on."""
     from tokenmill import LLM
     from tokenmill.spec_decode.eagle_head import load_eagle_head
+
     if threads:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -318,8 +369,11 @@ def main(model: str, out: str, sharegpt: str, num_prompts: int = 3300, max_token
         seqs, feats, argmaxes, plens = data["sequences"], data["features"], data["argmaxes"], data["prompt_lens"]
         print(f"loaded corpus and features from {cache}")
     else:
-        corpus = corpus_from_datastore(datastore, llm.tokenizer, sharegpt) if datastore else \
-            generate_corpus(llm, sharegpt, num_prompts, max_tokens)
+        corpus = (
+            corpus_from_datastore(datastore, llm.tokenizer, sharegpt)
+            if datastore
+            else generate_corpus(llm, sharegpt, num_prompts, max_tokens)
+        )
         seqs, plens = corpus.sequences, corpus.prompt_lens
         feats, argmaxes = extract_features(target, seqs)
         if cache:
@@ -344,16 +398,21 @@ def main(model: str, out: str, sharegpt: str, num_prompts: int = 3300, max_token
         before = chain_acceptance(head, *held, depth=eval_depth)
         print(f"held-out chain acceptance before training: {json.dumps(before)}")
     starts = [p - 1 for p in plens] if answers_only else None
-    stats = train_head(head, seqs, feats, argmaxes, epochs=epochs, lr=lr, ce_weight=0.2, loss_start=starts, bf16=bf16,
-                       steps=unroll)
+    stats = train_head(
+        head, seqs, feats, argmaxes, epochs=epochs, lr=lr, ce_weight=0.2, loss_start=starts, bf16=bf16, steps=unroll
+    )
     head.save(out, model)
     if held is not None:
         after = chain_acceptance(head, *held, depth=eval_depth)
         print(f"held-out chain acceptance after training: {json.dumps(after)}")
         stats.update({f"heldout_before_{k}": v for k, v in before.items()})
         stats.update({f"heldout_after_{k}": v for k, v in after.items()})
-    stats.update(coverage=coverage, data_seconds=t_data, total_seconds=time.perf_counter() - t0,
-                 tokens=float(sum(len(s) for s in seqs)))
+    stats.update(
+        coverage=coverage,
+        data_seconds=t_data,
+        total_seconds=time.perf_counter() - t0,
+        tokens=float(sum(len(s) for s in seqs)),
+    )
     (Path(out) / "train_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
     print(json.dumps(stats))
     return stats
@@ -381,20 +440,45 @@ def add_arguments(p) -> None:
     p.add_argument("--all-positions", action="store_true", help="score prompt positions too (default: answers only)")
     p.add_argument("--fp32", action="store_true", help="train in float32 (default: bf16 autocast)")
     p.add_argument("--cache", default=None, help="a .pt file keeping corpus and features between runs")
-    p.add_argument("--unroll", type=int, default=1,
-                   help="also train on the head's own drafts this many steps deep (EAGLE-3's training-time test)")
-    p.add_argument("--eval-prompts", type=int, default=0,
-                   help="held-out prompts (the benchmark's rows) on which greedy chain acceptance is measured "
-                        "before and after training")
-    p.add_argument("--datastore", default=None,
-                   help="reuse the answers of a `tokenmill build-datastore` file instead of generating a corpus")
+    p.add_argument(
+        "--unroll",
+        type=int,
+        default=1,
+        help="also train on the head's own drafts this many steps deep (EAGLE-3's training-time test)",
+    )
+    p.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=0,
+        help="held-out prompts (the benchmark's rows) on which greedy chain acceptance is measured "
+        "before and after training",
+    )
+    p.add_argument(
+        "--datastore",
+        default=None,
+        help="reuse the answers of a `tokenmill build-datastore` file instead of generating a corpus",
+    )
 
 
 def run(args) -> int:
     if not Path(args.sharegpt).is_file():
         raise ValueError(f"{args.sharegpt}: ShareGPT file not found (pass --sharegpt)")
-    main(args.model, args.out, args.sharegpt, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-         draft_vocab_size=args.draft_vocab, epochs=args.epochs, lr=args.lr, threads=args.threads, cache=args.cache,
-         init=args.init, answers_only=not args.all_positions, bf16=not args.fp32, datastore=args.datastore,
-         unroll=args.unroll, eval_prompts=args.eval_prompts)
+    main(
+        args.model,
+        args.out,
+        args.sharegpt,
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        draft_vocab_size=args.draft_vocab,
+        epochs=args.epochs,
+        lr=args.lr,
+        threads=args.threads,
+        cache=args.cache,
+        init=args.init,
+        answers_only=not args.all_positions,
+        bf16=not args.fp32,
+        datastore=args.datastore,
+        unroll=args.unroll,
+        eval_prompts=args.eval_prompts,
+    )
     return 0

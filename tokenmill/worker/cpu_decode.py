@@ -25,6 +25,7 @@ AVX512-BF16 CPUs): the backend's `tiled_plan` for the chunks, per token for the 
 Without that, a step mixing one prompt chunk with 30 decodes ran all 30 layers on the module path (measured on
 an AVX-512 host: 30 decodes 39-43 ms in the loop, 45.6 ms on the module path, 119 ms with 80 prompt tokens).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,8 @@ import torch
 from tokenmill import native
 from tokenmill.attention import cpu_kernels
 from tokenmill.attention.backend import tiled_plan
-from tokenmill.attention.plan import AttentionKind
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.plan import AttentionKind
 from tokenmill.layers.linear import LinearKernel
 from tokenmill.models.interface import DecoderLayout
 
@@ -67,20 +68,26 @@ class CpuDecodeLoop:
         self.max_tokens_served = max(self.max_tokens_served, n)
         h = self.embed(input_ids)
         if meta.plan is AttentionKind.PER_TOKEN:
-            return self.stack.forward(h, positions, meta.slot_mapping, meta.token_block_tables, meta.token_seq_lens,
-                                      meta.token_key_mask, None)
+            return self.stack.forward(
+                h, positions, meta.slot_mapping, meta.token_block_tables, meta.token_seq_lens, meta.token_key_mask, None
+            )
         plan = tiled_plan(meta)
         assert plan is not None, "serves() admitted a step without per-token metadata or long prompt chunks"
         self.tiled_steps_served += 1
-        tiled = torch.classes.tokenmill.TiledPrompts(plan.block_tables.contiguous(), plan.seq_lens.contiguous(),
-                                                    plan.q_start.contiguous(), plan.q_len.contiguous(),
-                                                    None if plan.short is None else plan.short.index)
+        tiled = torch.classes.tokenmill.TiledPrompts(
+            plan.block_tables.contiguous(),
+            plan.seq_lens.contiguous(),
+            plan.q_start.contiguous(),
+            plan.q_len.contiguous(),
+            None if plan.short is None else plan.short.index,
+        )
         if plan.short is None:
             empty = torch.empty(0, 1, dtype=torch.long)
             return self.stack.forward(h, positions, meta.slot_mapping, empty, empty[:, 0], None, tiled)
         short = plan.short.tables
-        return self.stack.forward(h, positions, meta.slot_mapping, short.block_tables, short.seq_lens.contiguous(),
-                                  short.key_mask, tiled)
+        return self.stack.forward(
+            h, positions, meta.slot_mapping, short.block_tables, short.seq_lens.contiguous(), short.key_mask, tiled
+        )
 
 
 def build(layout: DecoderLayout | None, kv_caches: list[torch.Tensor]) -> CpuDecodeLoop | None:
@@ -88,8 +95,11 @@ def build(layout: DecoderLayout | None, kv_caches: list[torch.Tensor]) -> CpuDec
     if layout is None or not native.available() or len(layout.layers) != len(kv_caches):
         return None
     dtype = layout.final_norm.dtype
-    if dtype not in (torch.float32, torch.bfloat16) or layout.final_norm.device.type != "cpu" \
-            or layout.cos_sin.dtype != torch.float32:
+    if (
+        dtype not in (torch.float32, torch.bfloat16)
+        or layout.final_norm.device.type != "cpu"
+        or layout.cos_sin.dtype != torch.float32
+    ):
         return None
     if any(c.dtype != dtype or c.shape[-1] != layout.head_dim for c in kv_caches):  # int8 KV: module path
         return None
@@ -99,8 +109,15 @@ def build(layout: DecoderLayout | None, kv_caches: list[torch.Tensor]) -> CpuDec
         if any(k is None for k in ks):
             return None
         kernels.append(ks)
-    stack = torch.classes.tokenmill.DecodeStack(layout.num_heads, layout.num_kv_heads, layout.head_dim,
-                                                layout.eps, layout.scale, layout.cos_sin, layout.final_norm)
+    stack = torch.classes.tokenmill.DecodeStack(
+        layout.num_heads,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.eps,
+        layout.scale,
+        layout.cos_sin,
+        layout.final_norm,
+    )
     for parts, ks, cache in zip(layout.layers, kernels, kv_caches):
         stack.add_layer(parts.input_norm, parts.post_norm, cache[0], cache[1])
         for k in ks:

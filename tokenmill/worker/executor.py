@@ -13,6 +13,7 @@ Each builds its runner with `build_runner`, the one place a target runner (and i
 layout and size are decided. Only plain step data (core/step_io.py) crosses: speculation lives in the runner,
 so it works in every executor.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,15 @@ def plan_kv_cache(arch: ModelArchConfig, config: EngineConfig, max_model_len: in
     tp = mc.tensor_parallel_size
     kv_dtype = torch.int8 if cc.kv_cache_dtype == "int8" else mc.torch_dtype
     groups = plan_kv_groups(arch.layer_windows())
-    spec = KVCacheSpec(0, cc.block_size, len(groups[0].layers), arch.num_key_value_heads // tp, arch.head_dim,
-                       kv_dtype, tuple(groups) if len(groups) > 1 else ())
+    spec = KVCacheSpec(
+        0,
+        cc.block_size,
+        len(groups[0].layers),
+        arch.num_key_value_heads // tp,
+        arch.head_dim,
+        kv_dtype,
+        tuple(groups) if len(groups) > 1 else (),
+    )
     if cc.num_gpu_blocks_override is not None:
         num_blocks = cc.num_gpu_blocks_override
     else:
@@ -80,19 +88,31 @@ class RunnerOptions:
     speculative: SpeculativeConfig | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, kv_spec: KVCacheSpec, max_model_len: int) -> "RunnerOptions":
+    def from_config(cls, config: EngineConfig, kv_spec: KVCacheSpec, max_model_len: int) -> RunnerOptions:
         return cls(config.model, kv_spec, config.scheduler.max_num_seqs, max_model_len, config.speculative)
 
 
-def load_target(mc: ModelConfig, load_tokenizer: bool = True) -> "LoadedModel":
+def load_target(mc: ModelConfig, load_tokenizer: bool = True) -> LoadedModel:
     """The target model as every process of an engine loads it (same dtype and LM head)."""
     from tokenmill.models.loader import load_model
-    return load_model(mc.model, dtype=mc.torch_dtype, device=mc.device, quantize_lm_head=mc.quantize_lm_head,
-                      load_tokenizer=load_tokenizer)
+
+    return load_model(
+        mc.model,
+        dtype=mc.torch_dtype,
+        device=mc.device,
+        quantize_lm_head=mc.quantize_lm_head,
+        load_tokenizer=load_tokenizer,
+    )
 
 
-def build_runner(model: torch.nn.Module, arch: ModelArchConfig, opts: RunnerOptions,
-                 use_decode_loop: bool = True, with_speculator: bool = True, samples: bool = True) -> ModelRunner:
+def build_runner(
+    model: torch.nn.Module,
+    arch: ModelArchConfig,
+    opts: RunnerOptions,
+    use_decode_loop: bool = True,
+    with_speculator: bool = True,
+    samples: bool = True,
+) -> ModelRunner:
     """The target's runner, with its speculator when opts.speculative is set (and `with_speculator`: a
     tensor-parallel rank > 0 follows rank 0's drafts and never proposes). use_decode_loop: False for a
     tensor-parallel shard (its layers all-reduce, which the C++ loop does not); samples: False for a
@@ -103,12 +123,22 @@ def build_runner(model: torch.nn.Module, arch: ModelArchConfig, opts: RunnerOpti
     if opts.speculative is not None and with_speculator:  # lazy import: engines without speculation never load it
         from tokenmill.spec_decode.decoder import SpeculativeDecoder
         from tokenmill.spec_decode.proposer import ProposerContext
-        ctx = ProposerContext(model, arch, mc.model, mc.torch_dtype, device, opts.kv_spec, opts.max_num_seqs,
-                              opts.max_model_len, mc.seed)
+
+        ctx = ProposerContext(
+            model, arch, mc.model, mc.torch_dtype, device, opts.kv_spec, opts.max_num_seqs, opts.max_model_len, mc.seed
+        )
         speculator = SpeculativeDecoder(opts.speculative, ctx)
-    return ModelRunner(model, arch, opts.kv_spec, device, seed=mc.seed, speculator=speculator,
-                       use_decode_loop=use_decode_loop, prompts_per_token=mc.attends_prompts_per_token,
-                       samples=samples)
+    return ModelRunner(
+        model,
+        arch,
+        opts.kv_spec,
+        device,
+        seed=mc.seed,
+        speculator=speculator,
+        use_decode_loop=use_decode_loop,
+        prompts_per_token=mc.attends_prompts_per_token,
+        samples=samples,
+    )
 
 
 class Executor(Protocol):
@@ -151,15 +181,20 @@ class UniProcExecutor:
         pass
 
 
-def build_executor(config: EngineConfig, loaded: "LoadedModel", opts: RunnerOptions) -> Executor:
+def build_executor(config: EngineConfig, loaded: LoadedModel, opts: RunnerOptions) -> Executor:
     """The executor config.model asks for: tensor-parallel ranks, a runner process, or the runner in-process."""
     mc = config.model
     if mc.tensor_parallel_size > 1:
         from tokenmill.worker.tp_executor import TPExecutor
-        return TPExecutor(loaded.model, opts, torch.get_num_threads(),
-                          max_num_tokens=None if mc.tensor_parallel_gloo_only
-                          else config.scheduler.max_num_batched_tokens)
+
+        return TPExecutor(
+            loaded.model,
+            opts,
+            torch.get_num_threads(),
+            max_num_tokens=None if mc.tensor_parallel_gloo_only else config.scheduler.max_num_batched_tokens,
+        )
     if mc.distributed_executor_backend == "mp":
         from tokenmill.worker.process import MultiprocExecutor
+
         return MultiprocExecutor(opts, num_threads=torch.get_num_threads())
     return UniProcExecutor(loaded.model, loaded.config, opts)

@@ -1,5 +1,6 @@
 """Runner-side operations on shared KV blocks: copy-on-write copies and sampling the forked
 samples of a prompt from their leader's logits row."""
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,9 @@ def copy_blocks(kv_caches: list[torch.Tensor], copies: list[BlockCopy]) -> None:
         cache[:, dst] = cache[:, src]
 
 
-def add_forked_samples(forked: list[StepTokens], logits_indices: torch.Tensor,
-                       sampling: list[StepTokens]) -> tuple[torch.Tensor, list[StepTokens]]:
+def add_forked_samples(
+    forked: list[StepTokens], logits_indices: torch.Tensor, sampling: list[StepTokens]
+) -> tuple[torch.Tensor, list[StepTokens]]:
     """Append one logits row per forked sample: its leader's row (the hidden state of the prompt's
     last token), so the sampler draws the fork's first token with the fork's own parameters.
 
@@ -39,8 +41,7 @@ def add_forked_samples(forked: list[StepTokens], logits_indices: torch.Tensor,
     return idx, sampling + list(forked)
 
 
-def compact_accepted_path(kv_caches: list[torch.Tensor], block_ids: list[int], base: int,
-                          accepted: list[int]) -> None:
+def compact_accepted_path(kv_caches: list[torch.Tensor], block_ids: list[int], base: int, accepted: list[int]) -> None:
     """After a token tree was verified: move the accepted nodes' K/V (every layer) into consecutive slots.
     A tree step writes node i's K/V at the request's position base + i (listing order, spec_decode/tree.py);
     the accepted path [a_0, a_1, ...] must end at positions base, base + 1, ... . Nodes are listed parents
@@ -55,6 +56,6 @@ def compact_accepted_path(kv_caches: list[torch.Tensor], block_ids: list[int], b
 
     moves = [(slot(base + a), slot(base + j)) for j, a in enumerate(accepted) if a != j]
     for cache in kv_caches:
-        flat = cache.view(2, -1, *cache.shape[3:])    # [2, num_slots, Hkv, D]
-        for src, dst in moves:                        # in order: a move may read an earlier one's source
+        flat = cache.view(2, -1, *cache.shape[3:])  # [2, num_slots, Hkv, D]
+        for src, dst in moves:  # in order: a move may read an earlier one's source
             flat[:, dst] = flat[:, src]

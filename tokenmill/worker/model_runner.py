@@ -16,13 +16,14 @@ The runner never sees a scheduler `Request`: it keeps a `RequestState` row per r
 `NewRequestData` the scheduler sends once and advanced by each step's `ScheduledChunk` deltas
 (core/step_io.py), so it can run in another process (tests/worker/test_runner_process.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
-
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,8 +31,15 @@ from tokenmill.attention.kv_quant import cache_head_dim
 from tokenmill.attention.metadata import AttentionMetadata, forward_context, tree_depths, tree_key_masks
 from tokenmill.attention.plan import AttentionKind, plan_attention
 from tokenmill.config import KVCacheGroup, ModelArchConfig
-from tokenmill.core.step_io import (NewRequestData, SamplerResult, SamplingRow, ScheduledChunk, StepInput,
-                                    StepOutput, StepTokens)
+from tokenmill.core.step_io import (
+    NewRequestData,
+    SamplerResult,
+    SamplingRow,
+    ScheduledChunk,
+    StepInput,
+    StepOutput,
+    StepTokens,
+)
 from tokenmill.layers.sampler import Sampler, SamplingMetadata, masks_from_bytes
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import cpu_decode
@@ -82,14 +90,21 @@ class RequestState:
     """Outputs the request may have in all (NewRequestData.max_tokens)."""
 
     @classmethod
-    def new(cls, d: NewRequestData) -> "RequestState":
-        return cls(d.request_id, list(d.prompt_token_ids), list(d.prompt_token_ids) + list(d.output_token_ids),
-                   d.sampling_params, d.eos_token_id, list(d.block_ids), [list(t) for t in d.group_block_ids],
-                   d.max_tokens)
+    def new(cls, d: NewRequestData) -> RequestState:
+        return cls(
+            d.request_id,
+            list(d.prompt_token_ids),
+            list(d.prompt_token_ids) + list(d.output_token_ids),
+            d.sampling_params,
+            d.eos_token_id,
+            list(d.block_ids),
+            [list(t) for t in d.group_block_ids],
+            d.max_tokens,
+        )
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -109,9 +124,18 @@ class RequestState:
         k = len(c.spec_token_ids)
         real_end = end - k
         assert real_end <= len(self.token_ids), f"{self.request_id}: chunk past the tokens the runner was sent"
-        toks = self.token_ids[c.start_pos:real_end] + list(c.spec_token_ids)
-        return StepTokens(self.request_id, c.start_pos, toks, self.block_ids, k, c.is_sampling, c.fork_of,
-                          c.spec_parents, self.group_block_ids)
+        toks = self.token_ids[c.start_pos : real_end] + list(c.spec_token_ids)
+        return StepTokens(
+            self.request_id,
+            c.start_pos,
+            toks,
+            self.block_ids,
+            k,
+            c.is_sampling,
+            c.fork_of,
+            c.spec_parents,
+            self.group_block_ids,
+        )
 
 
 @dataclass
@@ -120,8 +144,8 @@ class StepInputs:
 
     meta: AttentionMetadata
     """KV-cache group 0's (every layer's, for a one-group model)."""
-    input_ids: torch.Tensor       # [num_tokens]
-    positions: torch.Tensor       # [num_tokens]
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
     logits_indices: torch.Tensor  # rows of the hidden states whose logits are sampled
     sampling: list[StepTokens]
     """The requests that sample, in logits order (a request with k drafts owns 1 + k rows)."""
@@ -134,8 +158,9 @@ FeatureSink = Callable[[list[StepTokens], torch.Tensor], None]
 After a verification step it gets only the tokens that stay (`kept_rows`)."""
 
 
-def kept_rows(batch: list[StepTokens], hidden: torch.Tensor,
-              results: dict[str, SamplerResult]) -> tuple[list[StepTokens], torch.Tensor]:
+def kept_rows(
+    batch: list[StepTokens], hidden: torch.Tensor, results: dict[str, SamplerResult]
+) -> tuple[list[StepTokens], torch.Tensor]:
     """A verification step as the feature sink sees it: each request's real tokens and accepted drafts, in
     position order, with their hidden rows; rejected drafts (and a tree's other branches) dropped.
 
@@ -153,8 +178,17 @@ def kept_rows(batch: list[StepTokens], hidden: torch.Tensor,
         else:
             real = n - k
             acc = res.accepted_nodes if res.accepted_nodes is not None else list(range(len(res.token_ids) - 1))
-            out.append(StepTokens(s.request_id, s.start_pos, s.token_ids[:real] + [s.token_ids[real + a] for a in acc],
-                                  s.block_ids, 0, s.is_sampling, s.fork_of))
+            out.append(
+                StepTokens(
+                    s.request_id,
+                    s.start_pos,
+                    s.token_ids[:real] + [s.token_ids[real + a] for a in acc],
+                    s.block_ids,
+                    0,
+                    s.is_sampling,
+                    s.fork_of,
+                )
+            )
             idx.extend(range(off, off + real))
             idx.extend(off + real + a for a in acc)
         off += n
@@ -162,9 +196,18 @@ def kept_rows(batch: list[StepTokens], hidden: torch.Tensor,
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, kv_spec: KVCacheSpec,
-                 device: torch.device, seed: int = 0, speculator: "SpeculativeDecoder | None" = None,
-                 use_decode_loop: bool = True, prompts_per_token: bool = False, samples: bool = True) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        arch: ModelArchConfig,
+        kv_spec: KVCacheSpec,
+        device: torch.device,
+        seed: int = 0,
+        speculator: SpeculativeDecoder | None = None,
+        use_decode_loop: bool = True,
+        prompts_per_token: bool = False,
+        samples: bool = True,
+    ) -> None:
         """speculator: speculative decoding (spec_decode/decoder.py): it verifies steps with drafts, gets every
         step's final hidden states when its proposer drafts from the target's features, and proposes drafts for
         the rows that sampled; use_decode_loop: False keeps every step on the module path (a tensor-parallel
@@ -180,9 +223,18 @@ class ModelRunner:
         self.vocab_size = arch.vocab_size
         # [layers per block] x [2, num_blocks, block_size, num_kv_heads, head_dim]: the pool's storage. With
         # several KV-cache groups, layer i of every group lives in tensor i (a block serves one group).
-        self.kv_tensors = [torch.zeros(2, kv_spec.num_blocks, kv_spec.block_size, kv_spec.num_kv_heads,
-                                       kv_spec.cache_head_dim, dtype=kv_spec.dtype, device=device)
-                           for _ in range(kv_spec.num_layers)]
+        self.kv_tensors = [
+            torch.zeros(
+                2,
+                kv_spec.num_blocks,
+                kv_spec.block_size,
+                kv_spec.num_kv_heads,
+                kv_spec.cache_head_dim,
+                dtype=kv_spec.dtype,
+                device=device,
+            )
+            for _ in range(kv_spec.num_layers)
+        ]
         self.groups = list(kv_spec.groups) or [KVCacheGroup(tuple(range(kv_spec.num_layers)))]
         layer_tensor = {layer: i for grp in self.groups for i, layer in enumerate(grp.layers)}
         self.kv_caches = [self.kv_tensors[layer_tensor[i]] for i in range(len(layer_tensor))]
@@ -190,8 +242,11 @@ class ModelRunner:
         for attn, cache in zip(model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache
         # Steps of a few tokens per request on CPU: the C++ layer loop (worker/cpu_decode.py), or None.
-        self.decode_loop = cpu_decode.build(model.decoder_layout(), self.kv_caches) \
-            if device.type == "cpu" and use_decode_loop else None
+        self.decode_loop = (
+            cpu_decode.build(model.decoder_layout(), self.kv_caches)
+            if device.type == "cpu" and use_decode_loop
+            else None
+        )
         self.sampler = Sampler(seed, device=str(device))
         self.generators: dict[str, torch.Generator] = {}
         self.requests: dict[str, RequestState] = {}
@@ -248,8 +303,14 @@ class ModelRunner:
         drafts = self.speculator.propose(self.draft_requests(sampling, results))
         return StepOutput(results, drafts, self.speculator.metrics())
 
-    def sample(self, step: StepInput, batch: list[StepTokens], sampling: list[StepTokens], hidden: torch.Tensor,
-               logits_indices: torch.Tensor) -> dict[str, SamplerResult]:
+    def sample(
+        self,
+        step: StepInput,
+        batch: list[StepTokens],
+        sampling: list[StepTokens],
+        hidden: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> dict[str, SamplerResult]:
         """The step's tokens: sampled from the logits at `logits_indices`, or, for requests with drafts, the
         speculator's verdict (whose accepted tree paths are then moved into consecutive slots)."""
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
@@ -263,8 +324,12 @@ class ModelRunner:
         if not verify:
             out = self.sampler(logits, smeta, [r.sampling_params.logprobs for r in rows])
             toks = out.token_ids.tolist()
-            return {r.request_id: SamplerResult([toks[i]], None if out.logprobs is None or out.logprobs[i] is None
-                                                else [out.logprobs[i]]) for i, r in enumerate(rows)}
+            return {
+                r.request_id: SamplerResult(
+                    [toks[i]], None if out.logprobs is None or out.logprobs[i] is None else [out.logprobs[i]]
+                )
+                for i, r in enumerate(rows)
+            }
         assert self.speculator is not None
         results = self.speculator.verify(logits, sampling, rows, smeta, self.sampler.global_gen)
         for s in sampling:  # a verified tree: its accepted path's K/V into consecutive slots
@@ -272,33 +337,47 @@ class ModelRunner:
             if s.tree_parents is not None and res is not None and res.accepted_nodes:
                 self.num_paths_compacted += res.accepted_nodes != list(range(len(res.accepted_nodes)))
                 for table in s.tables():  # each group's layers sit at its own blocks in every tensor
-                    compact_accepted_path(self.kv_tensors, table,
-                                          s.start_pos + s.num_new_tokens - s.num_spec_tokens, res.accepted_nodes)
+                    compact_accepted_path(
+                        self.kv_tensors, table, s.start_pos + s.num_new_tokens - s.num_spec_tokens, res.accepted_nodes
+                    )
         if self.feature_sink is not None:
             self.feature_sink(*kept_rows(batch, hidden, results))
         return results
 
-    def draft_requests(self, sampling: list[StepTokens], results: dict[str, SamplerResult]) -> "list[DraftRequest]":
+    def draft_requests(self, sampling: list[StepTokens], results: dict[str, SamplerResult]) -> list[DraftRequest]:
         """The rows that sampled this step as the proposer sees them: their tokens with the sampled ones."""
         from tokenmill.spec_decode.proposer import DraftRequest
+
         out = []
         for s in sampling:
             res = results.get(s.request_id)
             if res is None:
                 continue
             row = self.requests[s.request_id]
-            out.append(DraftRequest(row.request_id, row.prompt_token_ids, row.token_ids + res.token_ids,
-                                    row.block_ids, row.sampling_params, row.eos_token_id, row.max_tokens))
+            out.append(
+                DraftRequest(
+                    row.request_id,
+                    row.prompt_token_ids,
+                    row.token_ids + res.token_ids,
+                    row.block_ids,
+                    row.sampling_params,
+                    row.eos_token_id,
+                    row.max_tokens,
+                )
+            )
         return out
 
-    def with_grammar_masks(self, meta: SamplingMetadata, rows: Sequence[SamplingRow], masks: dict[str, bytes],
-                           per_position: bool) -> SamplingMetadata:
+    def with_grammar_masks(
+        self, meta: SamplingMetadata, rows: Sequence[SamplingRow], masks: dict[str, bytes], per_position: bool
+    ) -> SamplingMetadata:
         """Structured outputs: each row's allowed tokens (StepInput.token_masks) on the metadata; with drafts,
         one mask per verified position (the verifier expands them with its rows)."""
         V = self.vocab_size
         words = (V + 31) // 32
-        unpacked = [masks_from_bytes(masks[r.request_id], words, V).to(self.device) if r.request_id in masks
-                    else None for r in rows]
+        unpacked = [
+            masks_from_bytes(masks[r.request_id], words, V).to(self.device) if r.request_id in masks else None
+            for r in rows
+        ]
         if per_position:
             return dataclasses.replace(meta, allowed_per_position=unpacked)
         allowed = torch.ones(len(rows), V, dtype=torch.bool, device=self.device)
@@ -315,7 +394,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampling: list[StepTokens] = []
-        key_lens: list[int] = []      # per token: its slot index in its request + 1 (the keys it may see)
+        key_lens: list[int] = []  # per token: its slot index in its request + 1 (the keys it may see)
         key_masks: list[int] | None = None
         for s in batch:
             n, start = s.num_new_tokens, s.start_pos
@@ -348,10 +427,10 @@ class ModelRunner:
         dev = self.device
         max_dec = max(seq_lens[:num_decodes], default=0)
         counts = [s.num_new_tokens for s in batch]
-        kinds = [plan_attention(counts, not self.prompts_per_token, grp.sliding_window is not None)
-                 for grp in self.groups]
-        token_lens = torch.tensor(key_lens, dtype=torch.long, device=dev) \
-            if AttentionKind.PER_TOKEN in kinds else None
+        kinds = [
+            plan_attention(counts, not self.prompts_per_token, grp.sliding_window is not None) for grp in self.groups
+        ]
+        token_lens = torch.tensor(key_lens, dtype=torch.long, device=dev) if AttentionKind.PER_TOKEN in kinds else None
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.long, device=dev)
         qsl_t = torch.tensor(qsl, dtype=torch.long, device=dev)
         key_mask_t = None if key_masks is None else torch.tensor(key_masks, dtype=torch.long, device=dev)
@@ -369,18 +448,37 @@ class ModelRunner:
                 nb = -(-max_dec // self.block_size)
                 ar = torch.arange(nb * self.block_size)
                 decode_mask = (ar[None, :] < torch.tensor(seq_lens[:num_decodes])[:, None])[:, None, None, :].to(dev)
-            metas.append(AttentionMetadata(
-                num_decodes=num_decodes, num_prefills=len(batch) - num_decodes, slot_mapping=slot_mapping,
-                block_tables=block_tables, seq_lens=seq_lens_t, query_start_loc=qsl_t,
-                seq_lens_cpu=seq_lens, query_start_loc_cpu=qsl, max_decode_seq_len=max_dec, decode_mask=decode_mask,
-                token_block_tables=token_tables, token_seq_lens=token_lens if per_token else None,
-                token_key_mask=key_mask_t, key_start=key_start, plan=kind))
-        return StepInputs(metas[0], torch.tensor(input_ids, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev),
-                          torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling, metas[1:])
+            metas.append(
+                AttentionMetadata(
+                    num_decodes=num_decodes,
+                    num_prefills=len(batch) - num_decodes,
+                    slot_mapping=slot_mapping,
+                    block_tables=block_tables,
+                    seq_lens=seq_lens_t,
+                    query_start_loc=qsl_t,
+                    seq_lens_cpu=seq_lens,
+                    query_start_loc_cpu=qsl,
+                    max_decode_seq_len=max_dec,
+                    decode_mask=decode_mask,
+                    token_block_tables=token_tables,
+                    token_seq_lens=token_lens if per_token else None,
+                    token_key_mask=key_mask_t,
+                    key_start=key_start,
+                    plan=kind,
+                )
+            )
+        return StepInputs(
+            metas[0],
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            sampling,
+            metas[1:],
+        )
 
-    def _table_tensors(self, batch: list[StepTokens], tables: list[list[int]], num_decodes: int,
-                       per_token: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _table_tensors(
+        self, batch: list[StepTokens], tables: list[list[int]], num_decodes: int, per_token: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One KV-cache group's slot_mapping [num_tokens], block tables [num_reqs, max_blocks] (padded with
         block 0) and, for a PER_TOKEN plan, per-token tables [num_tokens, max_blocks]."""
         bs = self.block_size
@@ -399,8 +497,9 @@ class ModelRunner:
             if num_decodes == len(batch):  # one token each: the tables as they are
                 token_tables = block_tables.to(dev)
             else:
-                req_of_token = torch.repeat_interleave(torch.arange(len(batch)),
-                                                       torch.tensor([s.num_new_tokens for s in batch]))
+                req_of_token = torch.repeat_interleave(
+                    torch.arange(len(batch)), torch.tensor([s.num_new_tokens for s in batch])
+                )
                 token_tables = block_tables.index_select(0, req_of_token).to(dev)
         return torch.tensor(slots, dtype=torch.long, device=dev), block_tables.to(dev), token_tables
 
@@ -441,7 +540,9 @@ class ModelRunner:
             if r.num_output_tokens < p.min_tokens:
                 if ban is None:
                     ban = torch.zeros(n, V, dtype=torch.bool, device=dev)
-                ids = list(p.stop_token_ids) + ([r.eos_token_id] if r.eos_token_id is not None and not p.ignore_eos else [])
+                ids = list(p.stop_token_ids) + (
+                    [r.eos_token_id] if r.eos_token_id is not None and not p.ignore_eos else []
+                )
                 if ids:
                     ban[i, torch.tensor(ids, device=dev)] = True
         gens: list[torch.Generator | None] = []
@@ -457,5 +558,18 @@ class ModelRunner:
                 self.generators[r.request_id] = g
             gens.append(g)
         nlp = [p.logprobs for p in params if p.logprobs is not None]
-        return SamplingMetadata(temps, top_k, top_p, min_p, pres, freq, rep, counts, prompt_mask, ban, gens,
-                                all_greedy, max(nlp) if nlp else None)
+        return SamplingMetadata(
+            temps,
+            top_k,
+            top_p,
+            min_p,
+            pres,
+            freq,
+            rep,
+            counts,
+            prompt_mask,
+            ban,
+            gens,
+            all_greedy,
+            max(nlp) if nlp else None,
+        )

@@ -10,14 +10,16 @@ its runner with build_runner, speculator included, so nothing but step data cros
 starting or during a step, is seen at once (the parent waits on its pipe and its process sentinel together): the
 engine fails with the exit code and the start of what the child wrote to stderr.
 """
+
 from __future__ import annotations
 
 import os
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing as mp
@@ -28,9 +30,11 @@ if TYPE_CHECKING:
     from tokenmill.worker.executor import RunnerOptions
     from tokenmill.worker.model_runner import KVCacheSpec
 
-MAIN_GUARD_HINT = ("Worker processes are spawned: they import the main module again. If your script creates the "
-                   "engine at import time (LLM(...) at the top level), put that code under "
-                   "`if __name__ == \"__main__\":`.")
+MAIN_GUARD_HINT = (
+    "Worker processes are spawned: they import the main module again. If your script creates the "
+    "engine at import time (LLM(...) at the top level), put that code under "
+    '`if __name__ == "__main__":`.'
+)
 
 
 class WorkerDiedError(RuntimeError):
@@ -99,11 +103,13 @@ class SpawnedWorker:
         self.log.close()
 
 
-def watch(workers: list[SpawnedWorker], ready: Callable[[float], bool], when: str, timeout_s: float,
-          poll_s: float = 0.25) -> None:
+def watch(
+    workers: list[SpawnedWorker], ready: Callable[[float], bool], when: str, timeout_s: float, poll_s: float = 0.25
+) -> None:
     """Wait until ready(poll_s) is true, raising WorkerDiedError as soon as a worker exits first; TimeoutError
     after timeout_s."""
     import time
+
     deadline = time.monotonic() + timeout_s
     while not ready(poll_s):
         for w in workers:
@@ -113,8 +119,9 @@ def watch(workers: list[SpawnedWorker], ready: Callable[[float], bool], when: st
             raise TimeoutError(f"workers did not get ready {when} within {timeout_s:.0f} s")
 
 
-def _serve(opts: "RunnerOptions", num_threads: int, conn) -> None:
+def _serve(opts: RunnerOptions, num_threads: int, conn) -> None:
     from tokenmill.worker.executor import build_runner, load_target
+
     try:
         torch.set_num_threads(num_threads)
         loaded = load_target(opts.model, load_tokenizer=False)
@@ -140,7 +147,7 @@ class RunnerProcessError(RuntimeError):
 class MultiprocExecutor:
     """The Executor of a ModelRunner that lives in a spawned child process."""
 
-    def __init__(self, opts: "RunnerOptions", num_threads: int = 1, timeout_s: float = 300.0) -> None:
+    def __init__(self, opts: RunnerOptions, num_threads: int = 1, timeout_s: float = 300.0) -> None:
         self.opts = opts
         self._conn, child = mp.get_context("spawn").Pipe()
         self.worker = SpawnedWorker("runner process", _serve, (opts, num_threads, child))
@@ -176,7 +183,7 @@ class MultiprocExecutor:
         self.steps += 1
         return payload
 
-    def kv_cache_spec(self) -> "KVCacheSpec":
+    def kv_cache_spec(self) -> KVCacheSpec:
         return self.opts.kv_spec
 
     def local_kv_caches(self) -> list[torch.Tensor] | None:
@@ -191,7 +198,7 @@ class MultiprocExecutor:
         self.worker.close()
         self._conn.close()
 
-    def __enter__(self) -> "MultiprocExecutor":
+    def __enter__(self) -> MultiprocExecutor:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,11 +1,12 @@
 """The runner of a model split over N processes on this host (distributed/tensor_parallel.py shards it).
 
-    rank 0 (engine)                              ranks 1 .. N-1 (spawned here)
-    TPExecutor.execute(StepInput) -- broadcast -->  the same StepInput
-    ModelRunner.execute on shard 0                  ModelRunner.execute on their shards
-      ... all-reduces and the logits gather inside the forward keep them in step ...
-    results of rank 0                                results dropped (identical)
+rank 0 (engine)                              ranks 1 .. N-1 (spawned here)
+TPExecutor.execute(StepInput) -- broadcast -->  the same StepInput
+ModelRunner.execute on shard 0                  ModelRunner.execute on their shards
+  ... all-reduces and the logits gather inside the forward keep them in step ...
+results of rank 0                                results dropped (identical)
 """
+
 from __future__ import annotations
 
 import pickle
@@ -19,8 +20,14 @@ import torch
 from torch import nn
 
 from tokenmill.core.step_io import StepInput, StepOutput
-from tokenmill.distributed.tensor_parallel import (SharedMemoryAllReduce, TPGroup, build_shard, free_port, make_group,
-                                                  shard_model)
+from tokenmill.distributed.tensor_parallel import (
+    SharedMemoryAllReduce,
+    TPGroup,
+    build_shard,
+    free_port,
+    make_group,
+    shard_model,
+)
 from tokenmill.worker.executor import RunnerOptions
 from tokenmill.worker.model_runner import KVCacheSpec
 from tokenmill.worker.process import SpawnedWorker, WorkerDiedError, watch
@@ -60,13 +67,15 @@ def _ready_key(rank: int) -> str:
 
 def _rank_main(spec: RankSpec, shm_data: torch.Tensor | None, shm_flags: torch.Tensor | None) -> None:
     from tokenmill.worker.executor import build_runner
+
     try:
         torch.set_num_threads(spec.num_threads)
         shm = SharedMemoryAllReduce(shm_data, shm_flags, spec.rank) if shm_data is not None else None
         group = make_group(spec.port, spec.rank, spec.size, spec.timeout_s, shm=shm)
         loaded = build_shard(spec.opts.model.model, spec.opts.model.torch_dtype, group)
-        runner = build_runner(loaded.model, loaded.config, spec.opts, use_decode_loop=False, with_speculator=False,
-                              samples=False)
+        runner = build_runner(
+            loaded.model, loaded.config, spec.opts, use_decode_loop=False, with_speculator=False, samples=False
+        )
         group.store.set(_ready_key(spec.rank), "1")
     except Exception:  # noqa: BLE001 - rank 0 sees this rank exit; the traceback goes to this rank's stderr
         traceback.print_exc()
@@ -88,10 +97,17 @@ class TPExecutor:
     shared-memory all-reduce's wait (check_peers) or in gloo's collective (its peer's socket closes), each as a
     WorkerDiedError."""
 
-    def __init__(self, model: nn.Module, opts: RunnerOptions, num_threads: int = 1, timeout_s: float = 300.0,
-                 max_num_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        opts: RunnerOptions,
+        num_threads: int = 1,
+        timeout_s: float = 300.0,
+        max_num_tokens: int | None = None,
+    ) -> None:
         """max_num_tokens: the most tokens a step computes; sizes the shared-memory all-reduce (None: gloo only)."""
         from tokenmill.worker.executor import build_runner
+
         size = opts.model.tensor_parallel_size
         self.size = size
         self.opts = opts
@@ -99,8 +115,14 @@ class TPExecutor:
         shm_data = shm_flags = None
         if max_num_tokens is not None:
             shm_data, shm_flags = SharedMemoryAllReduce.create(size, max_num_tokens * model.config.hidden_size)
-        self.workers = [SpawnedWorker(f"tensor-parallel rank {r}", _rank_main, (RankSpec(
-            opts, port, r, size, num_threads, timeout_s), shm_data, shm_flags)) for r in range(1, size)]
+        self.workers = [
+            SpawnedWorker(
+                f"tensor-parallel rank {r}",
+                _rank_main,
+                (RankSpec(opts, port, r, size, num_threads, timeout_s), shm_data, shm_flags),
+            )
+            for r in range(1, size)
+        ]
         shm = SharedMemoryAllReduce(shm_data, shm_flags, 0, self._check_workers) if shm_data is not None else None
         self._closed = False
         try:
@@ -119,6 +141,7 @@ class TPExecutor:
                 return True
             time.sleep(poll_s)
             return False
+
         try:
             watch(self.workers, ready, "while starting", timeout_s)
         except BaseException:

@@ -1,4 +1,5 @@
 """`tokenmill serve`: the OpenAI-compatible server. Flags follow vLLM's spelling."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,31 +12,58 @@ API_KEY_ENV = "TOKENMILL_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="Model to serve (same as --model), as in `tokenmill serve smollm2-135m`")
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="Model to serve (same as --model), as in `tokenmill serve smollm2-135m`",
+    )
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="Address to bind; 0.0.0.0 for every interface "
-                   "(default: 127.0.0.1)")
+    g.add_argument(
+        "--host", default="127.0.0.1", help="Address to bind; 0.0.0.0 for every interface (default: 127.0.0.1)"
+    )
     g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000)")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="Model name(s) the API answers to; the first is the default (default: --model)")
-    g.add_argument("--api-key", default=None,
-                   help=f"Require 'Authorization: Bearer <key>' on /v1/*, /tokenize, /detokenize and /debug/* "
-                        f"(default: ${API_KEY_ENV} if set, else no auth)")
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="Model name(s) the API answers to; the first is the default (default: --model)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"Require 'Authorization: Bearer <key>' on /v1/*, /tokenize, /detokenize and /debug/* "
+        f"(default: ${API_KEY_ENV} if set, else no auth)",
+    )
     g.add_argument("--disable-log-stats", action="store_true", help="Do not log the periodic stats line")
-    g.add_argument("--log-stats-interval", type=float, default=10.0,
-                   help="Seconds between stats lines (default: 10)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="uvicorn's log level (default: info)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="On SIGTERM, seconds to let in-flight requests finish before aborting them (default: 30)")
-    g.add_argument("--header-timeout", type=float, default=30.0,
-                   help="Close a connection whose request headers have not all arrived this many seconds after "
-                        "it opened or its previous response ended (default: 30)")
-    g.add_argument("--body-timeout", type=float, default=60.0,
-                   help="Close a connection whose request body has not all arrived this many seconds after its "
-                        "headers (default: 60)")
+    g.add_argument("--log-stats-interval", type=float, default=10.0, help="Seconds between stats lines (default: 10)")
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (default: info)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="On SIGTERM, seconds to let in-flight requests finish before aborting them (default: 30)",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=30.0,
+        help="Close a connection whose request headers have not all arrived this many seconds after "
+        "it opened or its previous response ended (default: 30)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="Close a connection whose request body has not all arrived this many seconds after its "
+        "headers (default: 60)",
+    )
     add_engine_args(parser, defaults=SERVE_DEFAULTS)
 
 
@@ -61,14 +89,26 @@ def run(args: argparse.Namespace) -> int:
     names = args.served_model_name or [config.model.model]
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     engine = AsyncEngine(config)
-    settings = ServerSettings(served_model_names=names, model_root=config.model.model, api_key=api_key,
-                              log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval)
+    settings = ServerSettings(
+        served_model_names=names,
+        model_root=config.model.model,
+        api_key=api_key,
+        log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
+    )
     logging.getLogger("tokenmill").setLevel(logging.INFO)
-    return serve(engine, settings, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                 shutdown_timeout_s=args.shutdown_timeout, header_timeout_s=args.header_timeout,
-                 body_timeout_s=args.body_timeout)
+    return serve(
+        engine,
+        settings,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        shutdown_timeout_s=args.shutdown_timeout,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+    )
 
 
 def _default_model() -> str:
     from tokenmill.config import DEFAULT_MODEL_ALIAS
+
     return DEFAULT_MODEL_ALIAS

@@ -16,6 +16,7 @@ With --api-key the page and its stream are protected like the API: a Bearer head
 `/dashboard?api_key=<key>` sets (a browser cannot send a header on navigation or EventSource). The cookie holds
 an HMAC of the key, not the key.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,9 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from importlib import resources
-from typing import Any, AsyncIterator
+from typing import Any
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.stats import EngineSnapshot
@@ -61,8 +63,7 @@ def block_ranges(block_ids: list[int]) -> list[list[int]]:
 class DashboardFeed:
     """Samples the engine for the open dashboards and hands each of them every update (JSON text)."""
 
-    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics, model_name: str,
-                 interval_s: float = 0.5) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: EngineMetrics, model_name: str, interval_s: float = 0.5) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
@@ -131,48 +132,91 @@ class DashboardFeed:
                 rates["prefix_hit_rate_recent"] = (hits - h0) / (queries - q0)
         self._prev = (now, gen, prompt, queries, hits)
         spec = st.spec_decode or {}
-        per_pos = sorted((int(k.removeprefix("num_accepted_tokens_per_pos_")), v) for k, v in spec.items()
-                         if k.startswith("num_accepted_tokens_per_pos_"))
+        per_pos = sorted(
+            (int(k.removeprefix("num_accepted_tokens_per_pos_")), v)
+            for k, v in spec.items()
+            if k.startswith("num_accepted_tokens_per_pos_")
+        )
         num_drafts = spec.get("num_drafts", 0.0)
         m = self.metrics
         return {
             "model": self.model_name,
             "time": time.time(),
             "counters": {
-                "generation_tokens": st.num_generation_tokens, "prompt_tokens": st.num_prompt_tokens,
-                "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
-                "preemptions": st.num_preemptions, "engine_steps": st.num_steps,
+                "generation_tokens": st.num_generation_tokens,
+                "prompt_tokens": st.num_prompt_tokens,
+                "prefix_cache_queries": st.prefix_cache_queries,
+                "prefix_cache_hits": st.prefix_cache_hits,
+                "preemptions": st.num_preemptions,
+                "engine_steps": st.num_steps,
                 "requests_finished": m.num_finished,
             },
             "gauges": {
-                "running": st.num_running, "waiting": st.num_waiting,
+                "running": st.num_running,
+                "waiting": st.num_waiting,
                 "preempted": sum(r.status == "PREEMPTED" for r in snap.requests),
-                "kv_cache_usage": st.kv_cache_usage, "blocks_total": st.num_blocks_total,
-                "blocks_free": st.num_blocks_free, "blocks_cached_free": st.num_blocks_cached_free,
-                "blocks_used": st.num_blocks_used, "blocks_shared": st.num_blocks_shared,
-                "block_size": st.block_size, "kv_cache_dtype": st.kv_cache_dtype,
+                "kv_cache_usage": st.kv_cache_usage,
+                "blocks_total": st.num_blocks_total,
+                "blocks_free": st.num_blocks_free,
+                "blocks_cached_free": st.num_blocks_cached_free,
+                "blocks_used": st.num_blocks_used,
+                "blocks_shared": st.num_blocks_shared,
+                "block_size": st.block_size,
+                "kv_cache_dtype": st.kv_cache_dtype,
             },
             "rates": {**rates, "prefix_hit_rate": hits / queries if queries else None},
-            "latency": {"ttft": m.ttft_window.percentiles(LATENCY_PERCENTILES),
-                        "itl": m.itl_window.percentiles(LATENCY_PERCENTILES),
-                        "window_s": m.itl_window.window_s},
+            "latency": {
+                "ttft": m.ttft_window.percentiles(LATENCY_PERCENTILES),
+                "itl": m.itl_window.percentiles(LATENCY_PERCENTILES),
+                "window_s": m.itl_window.window_s,
+            },
             "blocks": snap.blocks.states,
-            "requests": [{"id": r.request_id, "status": r.status, "prompt": r.num_prompt_tokens,
-                          "output": r.num_output_tokens, "computed": r.num_computed_tokens,
-                          "cached": r.num_cached_tokens, "blocks": block_ranges(snap.blocks.owners.get(r.request_id, []))}
-                         for r in snap.requests],
-            "held": {tid: block_ranges(ids) for tid, ids in snap.blocks.owners.items()
-                     if tid not in {r.request_id for r in snap.requests}},
-            "steps": [{"i": s.index, "t": s.time, "decode": s.tokens.num_decode, "prefill": s.tokens.num_prefill,
-                       "draft": s.tokens.num_draft, "running": s.num_running, "waiting": s.num_waiting,
-                       "preempted": s.num_preempted, "ms": round(s.forward_ms, 3)} for s in snap.steps],
+            "requests": [
+                {
+                    "id": r.request_id,
+                    "status": r.status,
+                    "prompt": r.num_prompt_tokens,
+                    "output": r.num_output_tokens,
+                    "computed": r.num_computed_tokens,
+                    "cached": r.num_cached_tokens,
+                    "blocks": block_ranges(snap.blocks.owners.get(r.request_id, [])),
+                }
+                for r in snap.requests
+            ],
+            "held": {
+                tid: block_ranges(ids)
+                for tid, ids in snap.blocks.owners.items()
+                if tid not in {r.request_id for r in snap.requests}
+            },
+            "steps": [
+                {
+                    "i": s.index,
+                    "t": s.time,
+                    "decode": s.tokens.num_decode,
+                    "prefill": s.tokens.num_prefill,
+                    "draft": s.tokens.num_draft,
+                    "running": s.num_running,
+                    "waiting": s.num_waiting,
+                    "preempted": s.num_preempted,
+                    "ms": round(s.forward_ms, 3),
+                }
+                for s in snap.steps
+            ],
             "budget": {"max_num_batched_tokens": snap.max_num_batched_tokens, "max_num_seqs": snap.max_num_seqs},
-            "spec": None if not spec else {
-                "gamma": spec.get("gamma"), "mean_acceptance_length": spec.get("mean_acceptance_length"),
-                "mean_draft_size": spec.get("mean_draft_size"), "num_drafts": num_drafts,
-                "num_draft_tokens": spec.get("num_draft_tokens"), "num_accepted_tokens": spec.get("num_accepted_tokens"),
-                "acceptance_rate": (spec.get("num_accepted_tokens", 0.0) / spec["num_draft_tokens"]
-                                    if spec.get("num_draft_tokens") else None),
+            "spec": None
+            if not spec
+            else {
+                "gamma": spec.get("gamma"),
+                "mean_acceptance_length": spec.get("mean_acceptance_length"),
+                "mean_draft_size": spec.get("mean_draft_size"),
+                "num_drafts": num_drafts,
+                "num_draft_tokens": spec.get("num_draft_tokens"),
+                "num_accepted_tokens": spec.get("num_accepted_tokens"),
+                "acceptance_rate": (
+                    spec.get("num_accepted_tokens", 0.0) / spec["num_draft_tokens"]
+                    if spec.get("num_draft_tokens")
+                    else None
+                ),
                 "acceptance_per_pos": [v / num_drafts if num_drafts else 0.0 for _, v in per_pos],
             },
         }

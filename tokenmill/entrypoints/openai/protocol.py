@@ -5,6 +5,7 @@ does not implement is a 400 saying so (see UNSUPPORTED_*), never silently ignore
 OpenAI's where it documents them; the engine-dependent checks (prompt length, token ids below
 the vocabulary size) happen in serving.py.
 """
+
 from __future__ import annotations
 
 import time
@@ -144,26 +145,33 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(
-        None, description="Prefix-cache blocks are shared only between requests with the same salt; "
-        "give each tenant its own (random, unguessable) salt so one cannot probe another's prompts.")
+        None,
+        description="Prefix-cache blocks are shared only between requests with the same salt; "
+        "give each tenant its own (random, unguessable) salt so one cannot probe another's prompts.",
+    )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = Field(
-        None, description="vLLM's extra: constrain the output to a JSON schema (json), any JSON object (json_object), "
-        "a regex, one of a list of strings (choice) or a Lark/GBNF grammar.")
+        None,
+        description="vLLM's extra: constrain the output to a JSON schema (json), any JSON object (json_object), "
+        "a regex, one of a list of strings (choice) or a Lark/GBNF grammar.",
+    )
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older name of structured_outputs.json")
     guided_regex: str | None = Field(None, description="vLLM's older name of structured_outputs.regex")
     guided_choice: list[str] | None = Field(None, description="vLLM's older name of structured_outputs.choice")
     guided_grammar: str | None = Field(None, description="vLLM's older name of structured_outputs.grammar")
     kv_transfer_params: dict[str, Any] | None = Field(
-        None, description="Disaggregation (vLLM's field): {\"do_remote_decode\": true} on a prefill worker holds the "
-        "prompt's K/V and returns where they wait; {\"do_remote_prefill\": true, ...those params} on a decode worker "
-        "pulls them. The router (`tokenmill router`) sets both.")
+        None,
+        description='Disaggregation (vLLM\'s field): {"do_remote_decode": true} on a prefill worker holds the '
+        'prompt\'s K/V and returns where they wait; {"do_remote_prefill": true, ...those params} on a decode worker '
+        "pulls them. The router (`tokenmill router`) sets both.",
+    )
 
     @model_validator(mode="after")
-    def _check_salt(self) -> "SamplingFields":
+    def _check_salt(self) -> SamplingFields:
         if self.cache_salt == "":  # NOTE: vLLM's behaviour and message: an error, not "no salt"
-            raise UnsupportedParameterError("cache_salt", "Parameter 'cache_salt' must be a non-empty string "
-                                                          "if provided.")
+            raise UnsupportedParameterError(
+                "cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided."
+            )
         if self.cache_salt is not None and not _is_utf8(self.cache_salt):
             # NOTE: the engine hashes the salt's UTF-8 bytes; a lone surrogate would fail in the engine thread
             raise UnsupportedParameterError("cache_salt", "cache_salt must be valid Unicode (no lone surrogates)")
@@ -184,34 +192,47 @@ class SamplingFields(OpenAIBaseModel):
             add("response_format", json_object=True)
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise UnsupportedParameterError("response_format.json_schema",
-                                                "response_format of type json_schema needs json_schema.schema")
+                raise UnsupportedParameterError(
+                    "response_format.json_schema", "response_format of type json_schema needs json_schema.schema"
+                )
             add("response_format", json=rf.json_schema.schema_)
         so = self.structured_outputs
         if so is not None:
-            add("structured_outputs", json=so.json_, json_object=bool(so.json_object), regex=so.regex,
-                choice=so.choice, grammar=so.grammar)
-        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                          ("guided_grammar", "grammar")):
+            add(
+                "structured_outputs",
+                json=so.json_,
+                json_object=bool(so.json_object),
+                regex=so.regex,
+                choice=so.choice,
+                grammar=so.grammar,
+            )
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
             if getattr(self, name) is not None:
                 add(name, **{key: getattr(self, name)})
         if len(found) > 1:
-            raise UnsupportedParameterError(found[1][0], f"give one output constraint; got {', '.join(p for p, _ in found)}")
+            raise UnsupportedParameterError(
+                found[1][0], f"give one output constraint; got {', '.join(p for p, _ in found)}"
+            )
         return found[0][1] if found else None
 
     @model_validator(mode="after")
-    def _one_constraint(self) -> "SamplingFields":
+    def _one_constraint(self) -> SamplingFields:
         self.structured()
         return self
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> "SamplingFields":
+    def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise UnsupportedParameterError("stream_options",
-                                            "stream_options is only allowed when stream is true")
+            raise UnsupportedParameterError("stream_options", "stream_options is only allowed when stream is true")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise UnsupportedParameterError("stream_options.continuous_usage_stats",
-                                            "continuous_usage_stats is not supported by tokenmill")
+            raise UnsupportedParameterError(
+                "stream_options.continuous_usage_stats", "continuous_usage_stats is not supported by tokenmill"
+            )
         return self
 
 
@@ -219,7 +240,8 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
-        ..., description="A string, a list of strings, a list of token ids, or a list of token-id lists.")
+        ..., description="A string, a list of strings, a list of token ids, or a list of token-id lists."
+    )
     max_tokens: int | None = Field(16, ge=1, le=_MAX_INT)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
@@ -231,14 +253,15 @@ class CompletionRequest(SamplingFields):
         return _check_unsupported(data, UNSUPPORTED_COMPLETION)
 
     @model_validator(mode="after")
-    def _check(self) -> "CompletionRequest":
+    def _check(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedParameterError("best_of", "best_of different from n is not supported by tokenmill")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise UnsupportedParameterError("prompt", "prompt must not be empty")
         if self.echo and self.logprobs is not None:
             raise UnsupportedParameterError(
-                "logprobs", "echo together with logprobs needs prompt logprobs, which tokenmill does not support")
+                "logprobs", "echo together with logprobs needs prompt logprobs, which tokenmill does not support"
+            )
         return self
 
 
@@ -253,18 +276,28 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "ChatMessage":
+    def _check(self) -> ChatMessage:
         extra = self.model_extra or {}
         for key in ("function_call", "audio"):
             if extra.get(key):
                 raise UnsupportedParameterError(f"messages.{key}", f"{key} in messages are not supported by tokenmill")
         calls = extra.get("tool_calls")
         if calls:
-            if self.role != "assistant" or not isinstance(calls, list) or not all(
-                    isinstance(c, dict) and isinstance(c.get("function"), dict)
-                    and isinstance(c["function"].get("name"), str) for c in calls):
-                raise UnsupportedParameterError("messages.tool_calls", "tool_calls belong to assistant messages: "
-                                                "a list of {id, type: function, function: {name, arguments}}")
+            if (
+                self.role != "assistant"
+                or not isinstance(calls, list)
+                or not all(
+                    isinstance(c, dict)
+                    and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str)
+                    for c in calls
+                )
+            ):
+                raise UnsupportedParameterError(
+                    "messages.tool_calls",
+                    "tool_calls belong to assistant messages: "
+                    "a list of {id, type: function, function: {name, arguments}}",
+                )
         if self.content is None and self.role != "assistant":
             raise UnsupportedParameterError("messages.content", f"a {self.role} message needs content")
         if isinstance(self.content, list):
@@ -272,7 +305,8 @@ class ChatMessage(BaseModel):
                 kind = part.get("type")
                 if kind != "text":
                     raise UnsupportedParameterError(
-                        "messages.content", f"content parts of type {kind!r} are not supported (only 'text')")
+                        "messages.content", f"content parts of type {kind!r} are not supported (only 'text')"
+                    )
                 if not isinstance(part.get("text"), str):
                     raise UnsupportedParameterError("messages.content", "a text content part needs a string 'text'")
         return self
@@ -316,8 +350,9 @@ class ChatCompletionRequest(SamplingFields):
     """Default: "auto" when tools are given, else "none" (OpenAI's rule)."""
     parallel_tool_calls: bool | None = None
     """Several calls in one reply (default true)."""
-    max_tokens: int | None = Field(None, ge=1, le=_MAX_INT, description="Deprecated by OpenAI; "
-                                   "max_completion_tokens wins when both are set.")
+    max_tokens: int | None = Field(
+        None, ge=1, le=_MAX_INT, description="Deprecated by OpenAI; max_completion_tokens wins when both are set."
+    )
     max_completion_tokens: int | None = Field(None, ge=1, le=_MAX_INT)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -330,19 +365,25 @@ class ChatCompletionRequest(SamplingFields):
         return _check_unsupported(data, UNSUPPORTED_CHAT)
 
     @model_validator(mode="after")
-    def _check(self) -> "ChatCompletionRequest":
+    def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameterError("top_logprobs", "top_logprobs needs logprobs set to true")
         choice = self.tool_choice
         if choice not in (None, "none", "auto"):
             if not self.tools:
                 raise UnsupportedParameterError("tool_choice", "tool_choice other than none/auto needs tools")
-            if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
-                raise UnsupportedParameterError("tool_choice", f"tool_choice names {choice.function.name!r}, which "
-                                                "is not among the tools")
+            if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+                t.function.name for t in self.tools
+            }:
+                raise UnsupportedParameterError(
+                    "tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools"
+                )
             if self.structured() is not None:
-                raise UnsupportedParameterError("tool_choice", "tool_choice required or a named function already "
-                                                "constrains the output: drop response_format / structured_outputs")
+                raise UnsupportedParameterError(
+                    "tool_choice",
+                    "tool_choice required or a named function already "
+                    "constrains the output: drop response_format / structured_outputs",
+                )
         return self
 
     @property
@@ -366,7 +407,7 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
-    def _one_of(self) -> "TokenizeRequest":
+    def _one_of(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise UnsupportedParameterError("prompt", "give exactly one of prompt and messages")
         if self.messages is not None and len(self.messages) == 0:

@@ -17,6 +17,7 @@ Read timeouts: a request's headers must arrive within `header_timeout_s` of the 
 opening (or of the previous response ending), its body within `body_timeout_s` of its headers;
 otherwise the server closes the connection (uvicorn itself only times out idle keep-alives).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,16 +26,24 @@ import hmac
 import logging
 import signal
 import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from http.cookies import SimpleCookie
+from typing import Any
 from urllib.parse import parse_qs
-from typing import Any, AsyncIterator, Callable, Iterator
 
 import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -44,10 +53,20 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 import tokenmill
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
 from tokenmill.entrypoints.openai.dashboard import COOKIE_NAME, DashboardFeed, dashboard_cookie, page_html
-from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
-                                                   CompletionRequest, CompletionResponse, DetokenizeRequest,
-                                                   DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                                                   TokenizeRequest, TokenizeResponse, UnsupportedParameterError)
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    UnsupportedParameterError,
+)
 from tokenmill.entrypoints.openai.serving import OpenAIError, OpenAIServing, SSEStream, engine_unavailable
 from tokenmill.metrics import EngineMetrics, StatLogger
 
@@ -77,10 +96,12 @@ class ServerSettings:
     """Seconds between two updates of the dashboard's live feed (only while a page is open)."""
 
 
-def _error_response(status: int, message: str, type: str, param: str | None = None,
-                    code: str | None = None) -> JSONResponse:
-    return JSONResponse(OpenAIError(message, status_code=status, type=type, param=param, code=code).to_dict(),
-                        status_code=status)
+def _error_response(
+    status: int, message: str, type: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        OpenAIError(message, status_code=status, type=type, param=param, code=code).to_dict(), status_code=status
+    )
 
 
 class GateMiddleware:
@@ -103,8 +124,12 @@ class GateMiddleware:
                 return
         elif self.api_key is not None and path.startswith(_PROTECTED_PREFIXES):
             if not self._has_bearer(scope):
-                resp = _error_response(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
-                                       "invalid_request_error", code="invalid_api_key")
+                resp = _error_response(
+                    401,
+                    "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                )
                 await resp(scope, receive, send)
                 return
         if path.startswith(_NEEDS_ENGINE_PREFIXES) and not self.engine.is_ready:
@@ -113,8 +138,9 @@ class GateMiddleware:
                 msg = f"the engine failed and cannot serve requests: {status.error}"
             else:
                 msg = "the model is still loading; retry shortly"
-            resp = _error_response(503, msg, "service_unavailable", code="model_loading" if not status.is_dead
-                                   else "engine_dead")
+            resp = _error_response(
+                503, msg, "service_unavailable", code="model_loading" if not status.is_dead else "engine_dead"
+            )
             resp.headers["Retry-After"] = "5"
             await resp(scope, receive, send)
             return
@@ -144,9 +170,13 @@ class GateMiddleware:
             resp = RedirectResponse(path, status_code=303)
             resp.set_cookie(COOKIE_NAME, expected, httponly=True, samesite="strict", path=_DASHBOARD_PREFIX)
             return resp
-        return _error_response(401, "Incorrect or missing API key: open /dashboard?api_key=<key> once (it sets a "
-                               "cookie), or send 'Authorization: Bearer <key>'.", "invalid_request_error",
-                               code="invalid_api_key")
+        return _error_response(
+            401,
+            "Incorrect or missing API key: open /dashboard?api_key=<key> once (it sets a "
+            "cookie), or send 'Authorization: Bearer <key>'.",
+            "invalid_request_error",
+            code="invalid_api_key",
+        )
 
 
 _UNION_HINTS = {
@@ -161,12 +191,18 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     first = errors[0] if errors else {}
     ctx_err = (first.get("ctx") or {}).get("error")
     if isinstance(ctx_err, UnsupportedParameterError):
-        return _error_response(400, str(ctx_err), "invalid_request_error", param=ctx_err.param,
-                               code="unsupported_parameter" if "not supported" in str(ctx_err) else None)
+        return _error_response(
+            400,
+            str(ctx_err),
+            "invalid_request_error",
+            param=ctx_err.param,
+            code="unsupported_parameter" if "not supported" in str(ctx_err) else None,
+        )
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
-        return _error_response(400, f"The request body is not valid JSON: {detail}", "invalid_request_error",
-                               code="invalid_json")
+        return _error_response(
+            400, f"The request body is not valid JSON: {detail}", "invalid_request_error", code="invalid_json"
+        )
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     # NOTE: union members show up as loc entries like "str" or "list[str]"; keep the field path only.
     loc = [x for x in loc if not any(ch in x for ch in "[]") and x not in ("str", "int", "float", "bool")]
@@ -176,8 +212,13 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         msg = f"Unrecognized request argument supplied: {param}"
         return _error_response(400, msg, "invalid_request_error", param=param, code="unknown_parameter")
     if kind == "missing":
-        return _error_response(400, f"Missing required parameter: '{param}'.", "invalid_request_error",
-                               param=param, code="missing_required_parameter")
+        return _error_response(
+            400,
+            f"Missing required parameter: '{param}'.",
+            "invalid_request_error",
+            param=param,
+            code="missing_required_parameter",
+        )
     msg = first.get("msg", "invalid request")
     field = loc[0] if loc else None
     same_field = [e for e in errors if [str(x) for x in e.get("loc", ()) if x != "body"][:1] == loc[:1]]
@@ -217,8 +258,9 @@ async def _cancel_on_disconnect(request: Request, work: Callable[[], Any]) -> An
     return Response(status_code=499)  # NOTE: nobody reads it; the client is gone
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetrics | None = None,
-              *, manage_engine: bool = True) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetrics | None = None, *, manage_engine: bool = True
+) -> FastAPI:
     """The ASGI app. With manage_engine, the lifespan starts the engine thread and shuts it down."""
     serving = OpenAIServing(engine, settings.served_model_names, settings.model_root)
     metrics = metrics or engine.metrics or EngineMetrics(settings.served_model_names[0], engine.stats)
@@ -271,8 +313,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
     def respond(result: tuple[dict[str, Any] | None, SSEStream | None]) -> Response:
         body, sse = result
         if sse is not None:
-            return StreamingResponse(sse.body, media_type="text/event-stream", background=BackgroundTask(sse.close),
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                sse.body,
+                media_type="text/event-stream",
+                background=BackgroundTask(sse.close),
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         return JSONResponse(body)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERROR_RESPONSES, **_SSE_RESPONSE})
@@ -281,8 +327,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
             return respond(await serving.create_completion(body))
         return await _cancel_on_disconnect(request, lambda: _json(serving.create_completion(body), respond))
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses={**_ERROR_RESPONSES, **_SSE_RESPONSE})
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERROR_RESPONSES, **_SSE_RESPONSE}
+    )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         if body.stream:
             return respond(await serving.create_chat_completion(body))
@@ -337,9 +384,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
                     integrity = "ok"
                 except AssertionError as e:
                     integrity = f"failed: {e}"
-            return {"num_blocks_total": stats.num_blocks_total, "num_blocks_free": stats.num_blocks_free,
-                    "kv_cache_usage": stats.kv_cache_usage, "num_running": stats.num_running,
-                    "num_waiting": stats.num_waiting, "is_idle": is_idle, "integrity": integrity}
+            return {
+                "num_blocks_total": stats.num_blocks_total,
+                "num_blocks_free": stats.num_blocks_free,
+                "kv_cache_usage": stats.kv_cache_usage,
+                "num_running": stats.num_running,
+                "num_waiting": stats.num_waiting,
+                "is_idle": is_idle,
+                "integrity": integrity,
+            }
 
         result = await engine.run_on_engine(probe)
         result["num_open_streams"] = engine.num_open_streams
@@ -356,8 +409,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
             async for text in feed.subscribe():
                 yield f"data: {text}\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     app.add_middleware(GateMiddleware, engine=engine, api_key=settings.api_key)
     return app
@@ -415,8 +469,7 @@ class _ReadTimeoutH11Protocol(H11Protocol):
 
     def _update_read_timer(self) -> None:
         state = self.conn.their_state
-        waiting_for = ("request headers" if state is h11.IDLE else "request body" if state is h11.SEND_BODY
-                       else None)
+        waiting_for = "request headers" if state is h11.IDLE else "request body" if state is h11.SEND_BODY else None
         if waiting_for == self._waiting_for:
             return  # NOTE: same phase: its deadline stands, so a client trickling bytes gains nothing
         self._cancel_read_timer()
@@ -428,26 +481,48 @@ class _ReadTimeoutH11Protocol(H11Protocol):
     def _on_read_timeout(self, timeout: float) -> None:
         self._read_timer = None
         if not self.transport.is_closing():
-            logger.info("closing the connection from %s: %s not received within %.0f s",
-                        "%s:%d" % self.client if self.client else "?", self._waiting_for, timeout)
+            logger.info(
+                "closing the connection from %s: %s not received within %.0f s",
+                "%s:%d" % self.client if self.client else "?",
+                self._waiting_for,
+                timeout,
+            )
             self.transport.close()
 
 
 def _with_read_timeouts(header_timeout_s: float, body_timeout_s: float) -> type[H11Protocol]:
-    return type("ReadTimeoutH11Protocol", (_ReadTimeoutH11Protocol,),
-                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})
+    return type(
+        "ReadTimeoutH11Protocol",
+        (_ReadTimeoutH11Protocol,),
+        {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s},
+    )
 
 
-def serve(engine: AsyncEngine, settings: ServerSettings, *, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", shutdown_timeout_s: float = 30.0, header_timeout_s: float = 30.0,
-          body_timeout_s: float = 60.0) -> int:
+def serve(
+    engine: AsyncEngine,
+    settings: ServerSettings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    shutdown_timeout_s: float = 30.0,
+    header_timeout_s: float = 30.0,
+    body_timeout_s: float = 60.0,
+) -> int:
     """Run uvicorn until SIGTERM/SIGINT; returns the exit code: 0, or 1 if the engine failed."""
     app = build_app(engine, settings)
     # NOTE: uvicorn's own grace timeout is only a backstop; ours (below) aborts what is left in the
     # engine first, so every stream ends with an error event and [DONE] instead of a cancelled task.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout_s + 10, lifespan="on",
-                            http=_with_read_timeouts(header_timeout_s, body_timeout_s))
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=shutdown_timeout_s + 10,
+        lifespan="on",
+        http=_with_read_timeouts(header_timeout_s, body_timeout_s),
+    )
     failed = False
 
     async def main() -> None:
@@ -459,10 +534,14 @@ def serve(engine: AsyncEngine, settings: ServerSettings, *, host: str = "127.0.0
             def start_grace() -> None:
                 if abort_timer:
                     return
-                logger.info("%s: not accepting new connections; letting %d in-flight request(s) finish "
-                            "for up to %.0f s", signal.Signals(sig).name, engine.num_open_streams,
-                            shutdown_timeout_s)
+                logger.info(
+                    "%s: not accepting new connections; letting %d in-flight request(s) finish for up to %.0f s",
+                    signal.Signals(sig).name,
+                    engine.num_open_streams,
+                    shutdown_timeout_s,
+                )
                 abort_timer.append(loop.call_later(shutdown_timeout_s, abort_in_flight))
+
             loop.call_soon_threadsafe(start_grace)
 
         def abort_in_flight() -> None:
@@ -477,8 +556,9 @@ def serve(engine: AsyncEngine, settings: ServerSettings, *, host: str = "127.0.0
             try:
                 await _wait_started(engine)
                 await engine.wait_ready()
-                logger.info("model loaded; serving %s on http://%s:%d", ", ".join(settings.served_model_names),
-                            host, port)
+                logger.info(
+                    "model loaded; serving %s on http://%s:%d", ", ".join(settings.served_model_names), host, port
+                )
             except EngineDeadError as e:
                 logger.error("%s; shutting down", e)
                 failed = True

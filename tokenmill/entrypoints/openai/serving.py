@@ -10,6 +10,7 @@ entry (in characters) cannot fit the context whatever it tokenizes to, so it is 
 tokenizing it. NOTE: this assumes the tokenizer's normalizer does not shorten text (true of
 byte-level BPE and SentencePiece-style tokenizers).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,21 +18,41 @@ import functools
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import jinja2
 
 from tokenmill.distributed.kv_connector import HoldForDecode, KVTransferRequest, PullFromPrefill
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from tokenmill.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    SamplingFields,
+    TokenizeRequest,
+    UsageInfo,
+)
+from tokenmill.entrypoints.openai.tool_calls import (
+    TOOL_CLOSE,
+    TOOL_OPEN,
+    StreamingToolParser,
+    parse_reply,
+    tool_call_grammar,
+    tools_system_prompt,
+)
 from tokenmill.errors import InvalidRequest
-from tokenmill.entrypoints.openai.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                                   ChatLogprobs, ChatMessage, ChatResponseMessage, CompletionChoice,
-                                                   CompletionRequest, CompletionResponse, DetokenizeRequest,
-                                                   ModelCard, ModelList, PromptTokensDetails, SamplingFields,
-                                                   TokenizeRequest, UsageInfo)
-from tokenmill.entrypoints.openai.tool_calls import (TOOL_CLOSE, TOOL_OPEN, StreamingToolParser, parse_reply,
-                                                     tool_call_grammar, tools_system_prompt)
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputs
 
@@ -58,8 +79,15 @@ class OpenAIError(Exception):
     rendering the error can never fail (a lone surrogate in `model` once turned a 404 into a 500).
     """
 
-    def __init__(self, message: str, *, status_code: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         message = utf8_safe(message)
         super().__init__(message)
         self.message = message
@@ -100,9 +128,12 @@ class _Usage:
     cached_tokens: int = 0
 
     def info(self) -> UsageInfo:
-        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                         total_tokens=self.prompt_tokens + self.completion_tokens,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
+        return UsageInfo(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return self.info().model_dump()
@@ -166,13 +197,18 @@ class OpenAIServing:
         if name is None or name == "":
             return self.served_model_names[0]
         if name not in self.served_model_names:
-            raise OpenAIError(f"The model `{name}` does not exist.", status_code=404, param="model",
-                              code="model_not_found")
+            raise OpenAIError(
+                f"The model `{name}` does not exist.", status_code=404, param="model", code="model_not_found"
+            )
         return name
 
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=self.model_root, max_model_len=self.engine.max_model_len)
-                               for name in self.served_model_names])
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=self.model_root, max_model_len=self.engine.max_model_len)
+                for name in self.served_model_names
+            ]
+        )
 
     @property
     def _tokenizer(self):
@@ -212,8 +248,9 @@ class OpenAIServing:
         self._check_token_ids(ids, "tokens")
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                     tools: list[dict[str, Any]] | None = None) -> str:
+    def _render_chat(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> str:
         tok = self._tokenizer
         native_tools = tools is not None and tok.template_renders_tools
         msgs = []
@@ -228,8 +265,15 @@ class OpenAIServing:
                     msg["tool_call_id"] = m.model_extra["tool_call_id"]
                 msgs.append(msg)
             elif calls:  # Hermes format, as the model was asked to write it (tool_calls.py)
-                blocks = "".join(f"{TOOL_OPEN}\n" + json.dumps({"name": c["function"]["name"], "arguments": _arguments(
-                    c["function"].get("arguments"))}, ensure_ascii=False) + f"\n{TOOL_CLOSE}\n" for c in calls)
+                blocks = "".join(
+                    f"{TOOL_OPEN}\n"
+                    + json.dumps(
+                        {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))},
+                        ensure_ascii=False,
+                    )
+                    + f"\n{TOOL_CLOSE}\n"
+                    for c in calls
+                )
                 msgs.append({"role": role, "content": (m.text() + "\n" if m.text() else "") + blocks.rstrip("\n")})
             elif role == "tool":
                 msgs.append({"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"})
@@ -242,14 +286,13 @@ class OpenAIServing:
             else:
                 msgs.insert(0, {"role": "system", "content": block})
         try:
-            return tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
-                                           tools=tools if native_tools else None)
+            return tok.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, tools=tools if native_tools else None
+            )
         except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise OpenAIError(f"messages could not be rendered with the chat template: {e}",
-                              param="messages") from e
+            raise OpenAIError(f"messages could not be rendered with the chat template: {e}", param="messages") from e
 
-    def _check_length(self, prompt_len: int, max_tokens: int | None, what: str,
-                      is_lower_bound: bool = False) -> None:
+    def _check_length(self, prompt_len: int, max_tokens: int | None, what: str, is_lower_bound: bool = False) -> None:
         """is_lower_bound: prompt_len is a bound from the text's length (not tokenized yet)."""
         max_len = self.engine.max_model_len or 0
         at_least = "at least " if is_lower_bound else ""
@@ -260,16 +303,25 @@ class OpenAIServing:
                 raise OpenAIError(
                     f"This model's maximum context length is {max_len} tokens. However, your {what} has "
                     f"{at_least}{prompt_len} tokens, which leaves no room for the completion.",
-                    param=what, code="context_length_exceeded")
+                    param=what,
+                    code="context_length_exceeded",
+                )
         elif prompt_len + max_tokens > max_len:
             raise OpenAIError(
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
                 f"{at_least}{prompt_len + max_tokens} tokens ({at_least}{prompt_len} in the {what}, {max_tokens} in "
                 f"the completion). Please reduce the length of the {what} or of max_tokens.",
-                param=what if prompt_len >= max_len else "max_tokens", code="context_length_exceeded")
+                param=what if prompt_len >= max_len else "max_tokens",
+                code="context_length_exceeded",
+            )
 
-    def _sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                         structured: StructuredOutputs | None = None) -> SamplingParams:
+    def _sampling_params(
+        self,
+        req: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured: StructuredOutputs | None = None,
+    ) -> SamplingParams:
         """structured: a constraint of the server's own (tool calls) in place of the request's."""
         vocab = self.engine.vocab_size or self._tokenizer.vocab_size
         top_k = req.top_k if req.top_k is not None else 0
@@ -303,16 +355,30 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             raise OpenAIError(str(e)) from e
 
-    async def _start(self, prompts: list[_Prompt], params: SamplingParams, prefix: str, cache_salt: str | None,
-                     kv_transfer_params: dict[str, Any] | None = None) -> list[RequestStream]:
+    async def _start(
+        self,
+        prompts: list[_Prompt],
+        params: SamplingParams,
+        prefix: str,
+        cache_salt: str | None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> list[RequestStream]:
         """Add one engine request per prompt; all or none (a refused one aborts the others)."""
         kv_transfer = _kv_transfer(kv_transfer_params, len(prompts))
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
                 rid = self.engine.new_request_id(prefix)
-                streams.append(await self.engine.add_request(p.token_ids, params, request_id=rid, prompt=p.text,
-                                                             cache_salt=cache_salt, kv_transfer=kv_transfer))
+                streams.append(
+                    await self.engine.add_request(
+                        p.token_ids,
+                        params,
+                        request_id=rid,
+                        prompt=p.text,
+                        cache_salt=cache_salt,
+                        kv_transfer=kv_transfer,
+                    )
+                )
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -354,7 +420,8 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return None, SSEStream(
-                self._stream_completion(req, model, request_id, created, prompts, streams, include_usage), streams)
+                self._stream_completion(req, model, request_id, created, prompts, streams, include_usage), streams
+            )
         finals = await _collect(streams)
         choices, usage = [], _Usage()
         for i, p in enumerate(prompts):
@@ -364,20 +431,34 @@ class OpenAIServing:
             for c in out.outputs:
                 usage.completion_tokens += len(c.token_ids)
                 prefix = p.text if req.echo and p.text is not None else ""
-                lps = self._completion_logprobs(c, 0, len(c.token_ids), len(prefix)) if req.logprobs is not None else None
-                choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=lps,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                lps = (
+                    self._completion_logprobs(c, 0, len(c.token_ids), len(prefix)) if req.logprobs is not None else None
+                )
+                choices.append(
+                    CompletionChoice(
+                        index=i * req.n + c.index,
+                        text=prefix + c.text,
+                        logprobs=lps,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
         choices.sort(key=lambda ch: ch.index)
-        return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage.info(),
-                                  kv_transfer_params=finals.outputs[0].kv_transfer_params).model_dump(), None
+        return CompletionResponse(
+            id=request_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=usage.info(),
+            kv_transfer_params=finals.outputs[0].kv_transfer_params,
+        ).model_dump(), None
 
     def _token_text(self, token_id: int, lp: Logprob | None) -> str:
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _token_logprobs(self, c: CompletionOutput, start: int, end: int,
-                        top_n: int | None) -> list[_TokenLogprobs]:
+    def _token_logprobs(self, c: CompletionOutput, start: int, end: int, top_n: int | None) -> list[_TokenLogprobs]:
         """Tokens [start, end) of a choice with their log-probabilities, in the engine's terms, for both OpenAI
         formats. A token missing from its position's entry has logprob None (and no alternatives where the engine
         kept no entry there at all); top_n: how many ranked alternatives to decode (None: all the entry holds)."""
@@ -388,8 +469,10 @@ class OpenAIServing:
             entry = all_lps[j] if j < len(all_lps) else {}
             sampled = entry.get(tid)
             ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
-            top = [_TopLogprob(self._token_text(t, lp), _lp(lp.logprob))
-                   for t, lp in (ranked if top_n is None else ranked[:top_n])]
+            top = [
+                _TopLogprob(self._token_text(t, lp), _lp(lp.logprob))
+                for t, lp in (ranked if top_n is None else ranked[:top_n])
+            ]
             logprob = _lp(sampled.logprob) if sampled is not None else None
             out.append(_TokenLogprobs(self._token_text(tid, sampled), logprob, top))
         return out
@@ -405,25 +488,45 @@ class OpenAIServing:
             offset += len(t.text)
         return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
 
-    def _stream_completion(self, req: CompletionRequest, model: str, request_id: str, created: int,
-                                 prompts: list[_Prompt], streams: list[RequestStream],
-                                 include_usage: bool) -> AsyncIterator[str]:
+    def _stream_completion(
+        self,
+        req: CompletionRequest,
+        model: str,
+        request_id: str,
+        created: int,
+        prompts: list[_Prompt],
+        streams: list[RequestStream],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         n = req.n
         echo = [p.text or "" for p in prompts for _ in range(n)] if req.echo else None
-        head = [{"index": idx, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
-                for idx, text in enumerate(echo)] if echo else []
+        head = (
+            [
+                {"index": idx, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+                for idx, text in enumerate(echo)
+            ]
+            if echo
+            else []
+        )
 
         def choice(idx: int, c: CompletionOutput, st: _ChoiceState) -> dict[str, Any]:
             offset = st.num_chars + (len(echo[idx]) if echo else 0)
             lps = self._completion_logprobs(c, 0, len(c.token_ids), offset) if req.logprobs is not None else None
-            return {"index": idx, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
+            return {
+                "index": idx,
+                "text": c.text,
+                "logprobs": lps,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+
         return self._stream(streams, n, "text_completion", request_id, created, model, include_usage, head, choice)
 
     # --- chat ----------------------------------------------------------------------------------
 
-    async def create_chat_completion(self, req: ChatCompletionRequest) -> tuple[dict[str, Any] | None,
-                                                                             SSEStream | None]:
+    async def create_chat_completion(
+        self, req: ChatCompletionRequest
+    ) -> tuple[dict[str, Any] | None, SSEStream | None]:
         model = self.resolve_model(req.model)
         choice = req.effective_tool_choice
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and choice != "none" else None
@@ -434,7 +537,9 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         constraint = None
         if tools is not None and choice != "auto":  # "required" or a named function: calls by grammar
-            funcs = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice.function.name]
+            funcs = [
+                t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice.function.name
+            ]
             parallel = req.parallel_tool_calls is not False and choice == "required"
             constraint = StructuredOutputs(grammar=tool_call_grammar(funcs, parallel))
         params = self._sampling_params(req, max_tokens, logprobs, constraint)
@@ -445,8 +550,9 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return None, SSEStream(
-                self._stream_chat(req, model, request_id, created, streams[0], include_usage, top_n,
-                                  tools is not None), streams)
+                self._stream_chat(req, model, request_id, created, streams[0], include_usage, top_n, tools is not None),
+                streams,
+            )
         out = (await _collect(streams)).outputs[0]
         choices = []
         for c in out.outputs:
@@ -457,27 +563,58 @@ class OpenAIServing:
                 if calls:
                     message = ChatResponseMessage(content=parsed.content, tool_calls=[k.to_dict() for k in calls])
                     reason = "tool_calls" if reason == "stop" else reason
-            choices.append(ChatChoice(index=c.index, message=message,
-                                      logprobs=ChatLogprobs(content=self._chat_logprobs(c, 0, len(c.token_ids), top_n))
-                                      if req.logprobs else None, finish_reason=reason, stop_reason=c.stop_reason))
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=ChatLogprobs(content=self._chat_logprobs(c, 0, len(c.token_ids), top_n))
+                    if req.logprobs
+                    else None,
+                    finish_reason=reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
         usage = _Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
-        return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage.info(),
-                                      kv_transfer_params=out.kv_transfer_params).model_dump(), None
+        return ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=usage.info(),
+            kv_transfer_params=out.kv_transfer_params,
+        ).model_dump(), None
 
     def _chat_logprobs(self, c: CompletionOutput, start: int, end: int, top_n: int) -> list[dict[str, Any]]:
         """The chat format's `content` list for tokens [start, end) of a choice: a token without an entry gets
         the clamped floor (the format has no null logprob), and at most top_n alternatives each."""
-        return [{"token": t.text, "logprob": t.logprob if t.logprob is not None else _MIN_LOGPROB,
-                 "bytes": list(t.text.encode("utf-8", "replace")),
-                 "top_logprobs": [{"token": alt.text, "logprob": alt.logprob,
-                                   "bytes": list(alt.text.encode("utf-8", "replace"))} for alt in t.top]}
-                for t in self._token_logprobs(c, start, end, top_n)]
+        return [
+            {
+                "token": t.text,
+                "logprob": t.logprob if t.logprob is not None else _MIN_LOGPROB,
+                "bytes": list(t.text.encode("utf-8", "replace")),
+                "top_logprobs": [
+                    {"token": alt.text, "logprob": alt.logprob, "bytes": list(alt.text.encode("utf-8", "replace"))}
+                    for alt in t.top
+                ],
+            }
+            for t in self._token_logprobs(c, start, end, top_n)
+        ]
 
-    def _stream_chat(self, req: ChatCompletionRequest, model: str, request_id: str, created: int,
-                           stream: RequestStream, include_usage: bool, top_n: int,
-                           with_tools: bool = False) -> AsyncIterator[str]:
-        head = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for k in range(req.n)]
+    def _stream_chat(
+        self,
+        req: ChatCompletionRequest,
+        model: str,
+        request_id: str,
+        created: int,
+        stream: RequestStream,
+        include_usage: bool,
+        top_n: int,
+        with_tools: bool = False,
+    ) -> AsyncIterator[str]:
+        head = [
+            {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for k in range(req.n)
+        ]
         parsers = [StreamingToolParser() for _ in range(req.n)] if with_tools else None
         one_call = req.parallel_tool_calls is False
 
@@ -492,7 +629,7 @@ class OpenAIServing:
                 if c.finish_reason is not None:
                     prose += p.flush()
                 if one_call:
-                    calls = calls[:max(0, 1 - first)]
+                    calls = calls[: max(0, 1 - first)]
                     p.num_calls = min(p.num_calls, 1)
                 delta = {"content": prose} if prose else {}
                 if calls:
@@ -503,12 +640,23 @@ class OpenAIServing:
             if c.finish_reason is not None:
                 out["stop_reason"] = c.stop_reason
             return out
-        return self._stream([stream], req.n, "chat.completion.chunk", request_id, created, model, include_usage,
-                            head, choice)
 
-    async def _stream(self, streams: list[RequestStream], n: int, obj: str, request_id: str, created: int,
-                      model: str, include_usage: bool, head: list[dict[str, Any]],
-                      choice: Callable[[int, CompletionOutput, _ChoiceState], dict[str, Any]]) -> AsyncIterator[str]:
+        return self._stream(
+            [stream], req.n, "chat.completion.chunk", request_id, created, model, include_usage, head, choice
+        )
+
+    async def _stream(
+        self,
+        streams: list[RequestStream],
+        n: int,
+        obj: str,
+        request_id: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        head: list[dict[str, Any]],
+        choice: Callable[[int, CompletionOutput, _ChoiceState], dict[str, Any]],
+    ) -> AsyncIterator[str]:
         """The SSE body of both streaming endpoints. The engine sends deltas (output_kind "delta"; a lagging
         reader gets them joined), so each chunk is built from what is new only: `head` first (echo, the
         role), then per engine output one choice per sample with news (`choice` formats it), usage, [DONE]."""
@@ -536,8 +684,16 @@ class OpenAIServing:
                     yield chunk(choices)
             if include_usage:
                 usage.completion_tokens = sum(st.num_tokens for st in states)
-                yield _sse({"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
-                            "usage": usage.to_dict()})
+                yield _sse(
+                    {
+                        "id": request_id,
+                        "object": obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": usage.to_dict(),
+                    }
+                )
         except EngineDeadError as e:
             yield _sse(engine_unavailable(e).to_dict())
         finally:
@@ -556,8 +712,9 @@ class OpenAIServing:
         """The token ids of a prompt or messages, encoded as the completion or chat endpoint encodes them."""
         self.resolve_model(req.model)
         if req.messages is not None:
-            return await self._encode(self._render_chat(req.messages, req.add_generation_prompt), False, None,
-                                      "messages")
+            return await self._encode(
+                self._render_chat(req.messages, req.add_generation_prompt), False, None, "messages"
+            )
         return await self._encode(req.prompt or "", req.add_special_tokens, None, "prompt")
 
     async def kv_plan(self, req: TokenizeRequest) -> dict[str, Any]:
@@ -580,10 +737,13 @@ def _kv_transfer(params: dict[str, Any] | None, num_prompts: int) -> KVTransferR
     if params is None:
         return None
     if num_prompts != 1:
-        raise OpenAIError("kv_transfer_params: a disaggregated request has exactly one prompt", param="kv_transfer_params")
+        raise OpenAIError(
+            "kv_transfer_params: a disaggregated request has exactly one prompt", param="kv_transfer_params"
+        )
     if params.get("do_remote_decode") and params.get("do_remote_prefill"):
-        raise OpenAIError("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other",
-                          param="kv_transfer_params")
+        raise OpenAIError(
+            "kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other", param="kv_transfer_params"
+        )
     if params.get("do_remote_decode"):
         return HoldForDecode()
     if params.get("do_remote_prefill"):
@@ -591,8 +751,9 @@ def _kv_transfer(params: dict[str, Any] | None, num_prompts: int) -> KVTransferR
             return PullFromPrefill.from_params(params)
         except ValueError as e:
             raise OpenAIError(str(e), param="kv_transfer_params") from None
-    raise OpenAIError("kv_transfer_params needs do_remote_decode or do_remote_prefill set to true",
-                      param="kv_transfer_params")
+    raise OpenAIError(
+        "kv_transfer_params needs do_remote_decode or do_remote_prefill set to true", param="kv_transfer_params"
+    )
 
 
 def _arguments(value: Any) -> Any:
@@ -618,12 +779,13 @@ def _sse(body: dict[str, Any]) -> str:
 
 def _chunk_writer(request_id: str, obj: str, created: int, model: str, include_usage: bool):
     """choices -> one SSE event; with include_usage every chunk but the last carries usage: null."""
+
     def chunk(choices: list[dict[str, Any]]) -> str:
-        body: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model,
-                                "choices": choices}
+        body: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
         if include_usage:
             body["usage"] = None
         return _sse(body)
+
     return chunk
 
 

@@ -10,6 +10,7 @@ grammar is Lark with llguidance's `%json` (each call's object constrained by its
 so a constrained call always parses. With "auto" the model may answer in prose or call; its text is parsed.
 A template that renders `tools` itself (it mentions the variable) gets them through the template instead.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,11 @@ class ToolCall:
     id: str
 
     def to_dict(self, index: int | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": self.id, "type": "function",
-                             "function": {"name": self.name, "arguments": self.arguments}}
+        d: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         if index is not None:
             d["index"] = index
         return d
@@ -49,17 +53,24 @@ def new_call_id() -> str:
 def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
     """The system-prompt block that tells a template-less model which functions it may call and how."""
     sigs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-            f"{sigs}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-            f"within {TOOL_OPEN}{TOOL_CLOSE} XML tags:\n{TOOL_OPEN}\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n' f"{TOOL_CLOSE}")
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        f"{sigs}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+        f"within {TOOL_OPEN}{TOOL_CLOSE} XML tags:\n{TOOL_OPEN}\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n'
+        f"{TOOL_CLOSE}"
+    )
 
 
 def call_schema(function: dict[str, Any]) -> dict[str, Any]:
     params = function.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def tool_call_grammar(functions: list[dict[str, Any]], parallel: bool) -> str:
@@ -69,9 +80,7 @@ def tool_call_grammar(functions: list[dict[str, Any]], parallel: bool) -> str:
     schema["x-guidance"] = {"whitespace_flexible": False}  # compact JSON, as the parser and clients expect
     # NOTE: at most one call per function offered: a small model told "one or more" repeats its call forever
     repeat = f"{{1,{len(functions)}}}" if parallel and len(functions) > 1 else ""
-    return (f"start: call{repeat}\n"
-            f'call: "{TOOL_OPEN}\\n" body "\\n{TOOL_CLOSE}\\n"\n'
-            f"body: %json {json.dumps(schema)}\n")
+    return f'start: call{repeat}\ncall: "{TOOL_OPEN}\\n" body "\\n{TOOL_CLOSE}\\n"\nbody: %json {json.dumps(schema)}\n'
 
 
 def parse_reply(text: str) -> ParsedReply:
@@ -89,9 +98,9 @@ def parse_reply(text: str) -> ParsedReply:
         if end < 0:
             prose.append(text[pos:])
             break
-        call = _parse_call(text[start + len(TOOL_OPEN):end])
+        call = _parse_call(text[start + len(TOOL_OPEN) : end])
         if call is None:
-            prose.append(text[pos:end + len(TOOL_CLOSE)])
+            prose.append(text[pos : end + len(TOOL_CLOSE)])
             pos = end + len(TOOL_CLOSE)
         else:
             prose.append(text[pos:start])
@@ -142,21 +151,23 @@ class StreamingToolParser:
                     break
                 call = _parse_call(self._buf[:end])
                 if call is None:
-                    prose.append(TOOL_OPEN + self._buf[:end + len(TOOL_CLOSE)])
+                    prose.append(TOOL_OPEN + self._buf[: end + len(TOOL_CLOSE)])
                 else:
                     calls.append(call)
-                self._buf = self._buf[end + len(TOOL_CLOSE):].lstrip("\n") if call else self._buf[end + len(TOOL_CLOSE):]
+                self._buf = (
+                    self._buf[end + len(TOOL_CLOSE) :].lstrip("\n") if call else self._buf[end + len(TOOL_CLOSE) :]
+                )
                 self._in_call = False
                 continue
             start = self._buf.find(TOOL_OPEN)
             if start >= 0:
                 prose.append(self._buf[:start])
-                self._buf = self._buf[start + len(TOOL_OPEN):]
+                self._buf = self._buf[start + len(TOOL_OPEN) :]
                 self._in_call = True
                 continue
             keep = _partial_suffix(self._buf, TOOL_OPEN)
-            prose.append(self._buf[:len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep:]
+            prose.append(self._buf[: len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep :]
             break
         self.num_calls += len(calls)
         return "".join(prose), calls
