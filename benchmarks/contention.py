@@ -58,7 +58,8 @@ class Condition:
             client = (
                 "import httpx, concurrent.futures as f, time\n"
                 f"url = '{self.server.base_url}/v1/completions'\n"
-                "body = {'model': 'smollm2-135m', 'prompt': 'Tell me about rivers.', 'max_tokens': 64, 'ignore_eos': True}\n"
+                "body = {'model': 'smollm2-135m', 'prompt': 'Tell me about rivers.',"
+                " 'max_tokens': 64, 'ignore_eos': True}\n"
                 "def loop():\n"
                 "    end = time.time() + 3600\n"
                 "    while time.time() < end:\n"

@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/dashboard_cost.py [--server-args "--dtype bfloat16"] [--rounds 3] [--pages 2]
 
 Each round runs the same batch of ShareGPT chat requests (N concurrent streams, temperature 0, ignore_eos,
-fixed output length; a warm-up run first, so every timed run finds the same prompts in the prefix cache) twice: once with no dashboard open, once with `--pages` SSE clients reading
+fixed output length; a warm-up run first, so every timed run finds the same prompts in the prefix cache) twice:
+once with no dashboard open, once with `--pages` SSE clients reading
 /dashboard/stream (what a browser tab does: one update every 0.5 s, each a full engine snapshot). Closed and
 open alternate so drift on a shared machine falls on both. Reported per condition: client output tok/s, the
 engine's wall time per step (/metrics: engine_step_seconds / engine_steps) and the dashboard updates received.

@@ -27,8 +27,8 @@ def main() -> None:
     print("| file | ours s | gguf.GGUFReader s | ratio |\n|---|---|---|---|")
     for alias in ("smollm2-135m", "gemma3-270m"):
         path = resolve_model_path(alias)
-        ours = best(lambda: GGUFFile(path))
-        theirs = best(lambda: gguf.GGUFReader(str(path)))
+        ours = best(lambda path=path: GGUFFile(path))
+        theirs = best(lambda path=path: gguf.GGUFReader(str(path)))
         print(f"| {path.name} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.0f}x |")
 
 

@@ -195,7 +195,8 @@ def main() -> int:
         )
     )
     print(
-        "(ms; CPU = CPU ms per engine step on the server's event-loop thread, the engine thread with its OpenMP workers, other threads)"
+        "(ms; CPU = CPU ms per engine step on the server's event-loop thread, "
+        "the engine thread with its OpenMP workers, other threads)"
     )
     write_json(out / "http_path.json", {"env": environment(), "args": vars(args), "results": res})
     return 0

@@ -41,11 +41,11 @@ def cold(args) -> None:
         xs = {k: torch.randn(m, k).bfloat16() for k in (576, 1536)}
         ys = [xs[w.shape[1]].new_empty(m, w.shape[0]) for w in ws]
 
-        def amx():
+        def amx(xs=xs, ys=ys):
             for w, v, y in zip(ws, vnni, ys):
                 ops.linear_bf16_amx(y, xs[w.shape[1]], v, None)
 
-        def dnn():
+        def dnn(xs=xs):
             for w, p in zip(ws, packed):
                 fused_ops.onednn_linear(xs[w.shape[1]], p, None)
 
@@ -75,13 +75,13 @@ def main() -> None:
         for m in ROWS:
             x = torch.randn(m, k).bfloat16()
             y = x.new_empty(m, n)
-            amx = best_seconds(lambda: ops.linear_bf16_amx(y, x, vnni, None), args.repeats) * 1e6
+            amx = best_seconds(lambda y=y, x=x, vnni=vnni: ops.linear_bf16_amx(y, x, vnni, None), args.repeats) * 1e6
             few = (
-                best_seconds(lambda: ops.linear_bf16_vnni(y, x, vnni, None), args.repeats) * 1e6
+                best_seconds(lambda y=y, x=x, vnni=vnni: ops.linear_bf16_vnni(y, x, vnni, None), args.repeats) * 1e6
                 if m <= 8
                 else float("nan")
             )
-            dnn = best_seconds(lambda: fused_ops.onednn_linear(x, packed, None), args.repeats) * 1e6
+            dnn = best_seconds(lambda x=x, packed=packed: fused_ops.onednn_linear(x, packed, None), args.repeats) * 1e6
             print(f"{name:8} {m:5d} {amx:9.1f} {few:9.1f} {dnn:10.1f} {amx / dnn:11.2f} {amx / few:9.2f}")
 
 

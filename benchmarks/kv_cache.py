@@ -147,7 +147,8 @@ def part_c(tokenizer, block_size: int, max_model_len: int, budget_seqs: int = 8)
         used += need
         n_static += 1
     return table(
-        f"(c) Requests that fit at once in a {budget_tokens}-token KV budget ({budget_seqs} x max_model_len {max_model_len})",
+        f"(c) Requests that fit at once in a {budget_tokens}-token KV budget "
+        f"({budget_seqs} x max_model_len {max_model_len})",
         [
             ("contiguous max-length allocation", f"{budget_seqs}"),
             ("paged, requests at their final length (static packing)", f"{n_static} ({n_static / budget_seqs:.1f}x)"),
@@ -190,8 +191,8 @@ def part_a(model: str, repeats: int = 3) -> str:
     return table(
         "(a) TTFT, 1,024-token prefix cached vs cold (SmolLM2-135M fp32, prompt 1,040 tokens)",
         [
-            ("cold TTFT (median of %d)" % repeats, f"{c * 1e3:.1f} ms"),
-            ("cached TTFT (median of %d)" % repeats, f"{w * 1e3:.1f} ms"),
+            (f"cold TTFT (median of {repeats:d})", f"{c * 1e3:.1f} ms"),
+            (f"cached TTFT (median of {repeats:d})", f"{w * 1e3:.1f} ms"),
             ("tokens served from cache", f"{cached[0]}"),
             ("ratio cold / cached", f"{c / w:.1f}x"),
         ],
@@ -300,7 +301,8 @@ def part_d(
     rows.append(
         (
             "tokens in a 256 MiB KV budget, bf16 / int8",
-            f"{st['auto'].kv_pool_tokens} / {st['int8'].kv_pool_tokens} ({st['int8'].kv_pool_tokens / st['auto'].kv_pool_tokens:.2f}x)",
+            f"{st['auto'].kv_pool_tokens} / {st['int8'].kv_pool_tokens} "
+            f"({st['int8'].kv_pool_tokens / st['auto'].kv_pool_tokens:.2f}x)",
         )
     )
     rows.append(

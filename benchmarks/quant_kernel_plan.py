@@ -44,8 +44,10 @@ def main() -> None:
             ratios = []
             for m in ROWS:
                 x = torch.randn(m, k).bfloat16()
-                kernel = best_seconds(lambda: method.run_kernel(layer, x), args.repeats)
-                dequant = best_seconds(lambda: F.linear(x, method.dequantize(layer, x.dtype)), args.repeats)
+                kernel = best_seconds(lambda method=method, layer=layer, x=x: method.run_kernel(layer, x), args.repeats)
+                dequant = best_seconds(
+                    lambda method=method, layer=layer, x=x: F.linear(x, method.dequantize(layer, x.dtype)), args.repeats
+                )
                 ratios.append(kernel / dequant)
             label = f"int{bits} {layout or 'channel'}"
             print(f"{label:16} {name:10} " + " ".join(f"{r:6.2f}" for r in ratios))

@@ -149,14 +149,14 @@ def ppl_part(args, work: Path, results: Path, done: dict) -> None:
             if num_calib and num_calib not in calib:
                 tok = load_model(MODEL, dtype=torch.float32).tokenizer
                 calib[num_calib] = calibration_windows(
-                    texts, lambda s: tok.encode(s, add_special_tokens=False), num_calib, args.calib_seqlen, 0
+                    texts, lambda s, tok=tok: tok.encode(s, add_special_tokens=False), num_calib, args.calib_seqlen, 0
                 )
             out = work / f"{method}_w{bits}_g{group}"
             loaded, report, _ = quantize_to_dir(method, bits, group, out, calib.get(num_calib))
             qsec, size = report.seconds, dir_bytes(out)
         if ids is None:
             ids = wikitext2_ids(
-                lambda s: loaded.tokenizer.encode(s, add_special_tokens=False),
+                lambda s, loaded=loaded: loaded.tokenizer.encode(s, add_special_tokens=False),
                 Path(args.data_dir) / "wikitext2_raw_test.jsonl",
             )
         res = evaluate_perplexity(loaded.model, ids, 2048, args.ppl_windows)
@@ -189,7 +189,8 @@ def render(results: Path) -> str:
     if ppl:
         fp = next((r["ppl"] for r in ppl if r["method"] == "fp32"), None)
         lines += [
-            "| method | bits | group | WikiText-2 ppl | windows | Δ vs fp32 | recovered of RTN's loss | size on disk (MB) | quantize time (s) |",
+            "| method | bits | group | WikiText-2 ppl | windows | Δ vs fp32 | recovered of RTN's loss "
+            "| size on disk (MB) | quantize time (s) |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         rtn = {r["bits"]: r["ppl"] for r in ppl if r["method"] == "rtn"}

@@ -28,7 +28,8 @@ def main() -> int:
             continue
         c = r["config"]
         out.append(
-            f"**tokenmill vs HF transformers** (torch {r['env'].get('torch', '')}), {c['dtype']}, {c['threads']} threads, "
+            f"**tokenmill vs HF transformers** (torch {r['env'].get('torch', '')}), "
+            f"{c['dtype']}, {c['threads']} threads, "
             f"load average at start {tuple(round(x, 1) for x in r['env']['loadavg'])} "
             f"(`python benchmarks/engine_vs_hf.py --num-threads {c['threads']} --dtype {c['dtype']}"
             + (f" --max-output-len {c['max_output_len']}" if c.get("max_output_len") else "")
@@ -40,8 +41,10 @@ def main() -> int:
         s = r.get("single_stream")
         if s:
             out.append(
-                f"| single-stream decode tok/s (batch 1, {c['output_len']} new; median of {c['repeats']} interleaved runs) "
-                f"| {f(s['tokenmill_decode_tok_s'])} | {f(s['hf_decode_tok_s'])} | {s['ratio']:.2f}x | ≥ {s['target']}x "
+                f"| single-stream decode tok/s (batch 1, {c['output_len']} new; "
+                f"median of {c['repeats']} interleaved runs) "
+                f"| {f(s['tokenmill_decode_tok_s'])} | {f(s['hf_decode_tok_s'])} | {s['ratio']:.2f}x "
+                f"| ≥ {s['target']}x "
                 f"| {'yes' if s['meets_target'] else 'no'} |"
             )
         t = r.get("throughput")
@@ -49,8 +52,9 @@ def main() -> int:
             o, h = t["tokenmill"], t["hf"]
             out.append(
                 f"| offline output tok/s ({o['num_requests']} ShareGPT prompts, {o['prompt_tokens']} prompt + "
-                f"{o['output_tokens']} output tokens; HF static batches of {h['max_batch_size']}) | {f(o['output_tok_s'])} "
-                f"| {f(h['output_tok_s'])} | {t['ratio']:.2f}x | ≥ {t['target']}x | {'yes' if t['meets_target'] else 'no'} |"
+                f"{o['output_tokens']} output tokens; HF static batches of {h['max_batch_size']}) "
+                f"| {f(o['output_tok_s'])} | {f(h['output_tok_s'])} | {t['ratio']:.2f}x | ≥ {t['target']}x "
+                f"| {'yes' if t['meets_target'] else 'no'} |"
             )
         out.append("")
     r = load(d, "roofline.json")
@@ -76,7 +80,8 @@ def main() -> int:
         if "speedup" in b:
             out.append(
                 f"| paging + continuous batching vs static batches of {b['static_batch_size']} | {b['workload']} | "
-                f"{b['static_output_tok_s']:.1f} → {b['continuous_output_tok_s']:.1f} output tok/s | {b['speedup']:.2f}x |"
+                f"{b['static_output_tok_s']:.1f} → {b['continuous_output_tok_s']:.1f} output tok/s "
+                f"| {b['speedup']:.2f}x |"
             )
         c = r.get("chunked_prefill", {})
         if "on" in c:
@@ -85,24 +90,28 @@ def main() -> int:
                 f"| chunked prefill (budget {on['max_num_batched_tokens']}) | {c['workload']} | ITL p50 "
                 f"{off['itl_p50_ms']:.0f} / p99 {off['itl_p99_ms']:.0f} / max {off['itl_max_ms']:.0f} ms → p50 "
                 f"{on['itl_p50_ms']:.0f} / p99 {on['itl_p99_ms']:.0f} / max {on['itl_max_ms']:.0f} ms; p99/p50 "
-                f"{off['p99_over_p50']:.1f} → {on['p99_over_p50']:.1f} | max ITL {off['itl_max_ms'] / on['itl_max_ms']:.1f}x lower |"
+                f"{off['p99_over_p50']:.1f} → {on['p99_over_p50']:.1f} "
+                f"| max ITL {off['itl_max_ms'] / on['itl_max_ms']:.1f}x lower |"
             )
         p = r.get("prefix_caching", {})
         if "on" in p:
             out.append(
-                f"| prefix caching | {p['workload']} | TTFT {p['off']['mean_ttft_ms']:.0f} → {p['on']['mean_ttft_ms']:.0f} ms, "
+                f"| prefix caching | {p['workload']} "
+                f"| TTFT {p['off']['mean_ttft_ms']:.0f} → {p['on']['mean_ttft_ms']:.0f} ms, "
                 f"{p['off']['requests_per_s']:.2f} → {p['on']['requests_per_s']:.2f} req/s | {p['speedup']:.2f}x |"
             )
         q = r.get("quantization", {})
         for k, v in q.items():
             if isinstance(v, dict) and "speedup" in v:
                 out.append(
-                    f"| weight-only {k} (RTN) | batch-1 decode | {q['base']['decode_tok_s']:.1f} → {v['decode_tok_s']:.1f} tok/s | {v['speedup']:.2f}x |"
+                    f"| weight-only {k} (RTN) | batch-1 decode "
+                    f"| {q['base']['decode_tok_s']:.1f} → {v['decode_tok_s']:.1f} tok/s | {v['speedup']:.2f}x |"
                 )
         s = r.get("speculation", {})
         if "speedup" in s:
             out.append(
-                f"| n-gram speculation (k=4) | {s['workload']} | {s['off']['decode_tok_s']:.1f} → {s['ngram']['decode_tok_s']:.1f} tok/s | {s['speedup']:.2f}x |"
+                f"| n-gram speculation (k=4) | {s['workload']} "
+                f"| {s['off']['decode_tok_s']:.1f} → {s['ngram']['decode_tok_s']:.1f} tok/s | {s['speedup']:.2f}x |"
             )
         for k in ("batching", "chunked_prefill", "prefix_caching", "quantization", "speculation"):
             if r.get(k, {}).get("available") is False:
@@ -115,7 +124,8 @@ def main() -> int:
             f"latencies in ms; goodput SLOs {r['goodput_slos_ms']}):\n"
         )
         out.append(
-            "| rate | max conc. | req/s | output tok/s | TTFT median / p99 | TPOT median / p99 | ITL median / p99 | E2EL median | goodput |"
+            "| rate | max conc. | req/s | output tok/s | TTFT median / p99 | TPOT median / p99 "
+            "| ITL median / p99 | E2EL median | goodput |"
         )
         out.append("|---|---|---|---|---|---|---|---|---|")
         for run in r["runs"]:

@@ -221,7 +221,9 @@ def _cpu_safe_awq_quantizer():
     from awq.quantize.quantizer import AwqQuantizer
 
     class CpuSafeAwqQuantizer(AwqQuantizer):
-        def _compute_best_scale(self, x, w_mean, x_mean, module2inspect, linears2scale, fp16_output, kwargs={}):
+        def _compute_best_scale(self, x, w_mean, x_mean, module2inspect, linears2scale, fp16_output, kwargs=None):
+            if kwargs is None:
+                kwargs = {}
             live = module2inspect.state_dict
             module2inspect.state_dict = lambda *a, **k: {n: t.clone() for n, t in live(*a, **k).items()}
             try:
@@ -308,7 +310,7 @@ def cmd_autogptq(args) -> None:
         # Just before packing, the layers hold AutoGPTQ's own fake-quantized weights and `quantizers`
         # the (scale, zero) it chose: keep both to check the checkpoint against.
         layers = dict(model.named_modules())
-        for name, (_q, scale, zero, _g) in quantizers.items():
+        for name, (_q, _scale, zero, _g) in quantizers.items():
             reference[name + ".weight"] = layers[name].weight.detach().float().clone()
             zero_stats["groups"] += zero.numel()
             zero_stats["zero_point_0"] += int((zero == 0).sum())
@@ -588,9 +590,11 @@ def compare(work: Path, ours_file: Path, windows: int) -> None:
     if not ours_file.is_file():
         print(f"{ours_file}: not there; no comparison")
         return
-    ours = {json.loads(l)["key"]: json.loads(l) for l in ours_file.read_text().splitlines() if l.strip()}
+    ours = {json.loads(line)["key"]: json.loads(line) for line in ours_file.read_text().splitlines() if line.strip()}
     theirs = {
-        json.loads(l)["key"]: json.loads(l) for l in (work / "results.jsonl").read_text().splitlines() if l.strip()
+        json.loads(line)["key"]: json.loads(line)
+        for line in (work / "results.jsonl").read_text().splitlines()
+        if line.strip()
     }
     for method, label in (("gptq", "autogptq"), ("awq", "autoawq")):
         calib = theirs.get(f"quantize|{label}|{BITS}|{GROUP}", {}).get("num_calib", 128)

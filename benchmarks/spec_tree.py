@@ -153,7 +153,8 @@ def main() -> None:
         f"# token trees vs chains, {args.model} {args.dtype}, γ (chain length, tree depth) {args.gamma}, trees of "
         f"≤ {args.tree_nodes} nodes, width ≤ {args.tree_width}; batch 1: {args.num_prompts} prompts x "
         f"{args.max_tokens} tokens one at a time, batch 8/32: {args.batch_max_tokens} tokens each; "
-        f"speculation {'adaptive' if args.adaptive_single else 'pinned'} at batch 1, adaptive (the default) at 8 and 32\n"
+        f"speculation {'adaptive' if args.adaptive_single else 'pinned'} at batch 1, "
+        f"adaptive (the default) at 8 and 32\n"
     )
     print("| batch | T | config | tok/s | acc. len | nodes | drafted | r | c | predicted | measured | same |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/structured_throughput.py [--dtype bfloat16] [--rounds 2] [--tokens 128]
 
 Each request decodes exactly --tokens tokens (temperature 0, ignore_eos): the schema asks for a list of
-80 strings (two tokens or more each), longer than --tokens, so constrained requests end at max_tokens like the free ones and both sides
-decode the same number of tokens. Conditions alternate (none, schema, schema, none, ...) so drift falls on
-both; reported: output tok/s medians, their ratio, and the grammar's share of the step (masks computed).
+80 strings (two tokens or more each), longer than --tokens, so constrained requests end at max_tokens like the
+free ones and both sides decode the same number of tokens. Conditions alternate (none, schema, schema, none, ...)
+so drift falls on both; reported: output tok/s medians, their ratio, and the grammar's share of the step (masks
+computed).
 """
 
 from __future__ import annotations

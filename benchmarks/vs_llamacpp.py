@@ -115,7 +115,7 @@ def main() -> int:
         return (len(t) - 1) / (t[-1] - t[0])
 
     runs: dict[str, list[float]] = {k: [] for k in [*ours, *(f"llama.cpp {t}" for t in theirs)]}
-    for name, llm in ours.items():  # warm-up (kernel choice, caches)
+    for llm in ours.values():  # warm-up (kernel choice, caches)
         ours_tok_s(llm)
     for peer in theirs.values():
         theirs_tok_s(peer)

@@ -308,7 +308,7 @@ def main() -> int:
             continue
         m, s = r.get("load"), r["single"]
         ms = r.get("load_rounds", [m] if m else [])  # with --load-rounds: medians over the rounds
-        med = lambda f: statistics.median(f(x) for x in ms)  # noqa: E731
+        med = lambda f, ms=ms: statistics.median(f(x) for x in ms)  # noqa: E731
         load_cols = (
             [
                 med(lambda x: x["output_throughput"]),

@@ -93,7 +93,10 @@ def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_required_kernels_fail_loudly_when_disabled():
-    probe = "from tokenmill.layers import fused_ops; import torch; fused_ops.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-5)"
+    probe = (
+        "from tokenmill.layers import fused_ops; import torch; "
+        "fused_ops.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-5)"
+    )
     loud = _run_python(probe, TOKENMILL_REQUIRE_KERNELS="1", TOKENMILL_NO_CPP_KERNELS="1")
     assert loud.returncode != 0 and "KernelsUnavailable" in loud.stderr
     quiet = _run_python(probe, TOKENMILL_REQUIRE_KERNELS="0", TOKENMILL_NO_CPP_KERNELS="1")

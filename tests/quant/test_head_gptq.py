@@ -264,7 +264,7 @@ def test_engine_serves_a_checkpoint_with_a_quantized_tied_head(tmp_path, gguf_to
         assert isinstance(ref.model.model.embed_tokens, QuantizedEmbedding)
         for p, o in zip(prompts, outs):
             ids = ref.tokenizer.encode(p)
-            want, seq = [], list(ids)
+            seq = list(ids)
             with torch.no_grad():
                 for _ in range(6):
                     logits = ref.model.compute_logits(ref.model(torch.tensor(seq), torch.arange(len(seq)))[-1:])
@@ -312,6 +312,6 @@ def test_eval_perplexity_cli_scores_the_chosen_head(tmp_path, gguf_tokenizer, ca
         assert row["lm_head"] == head
         got[head] = row["perplexity"]
         ref = load_model(str(out), quantize_lm_head=head)
-        ids = wikitext2_ids(lambda s: ref.tokenizer.encode(s, add_special_tokens=False), data)
+        ids = wikitext2_ids(lambda s, ref=ref: ref.tokenizer.encode(s, add_special_tokens=False), data)
         assert row["perplexity"] == pytest.approx(evaluate_perplexity(ref.model, ids, 64, progress=False).perplexity)
     assert got["checkpoint"] != got["none"]

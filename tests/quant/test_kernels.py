@@ -27,7 +27,8 @@ def test_tinygemm_layout_self_check():
 
 
 def _decode_k64(packed: torch.Tensor) -> torch.Tensor:
-    """An independent reader of the k64 layout: byte (n, 32c + j) holds codes (n, 64c + j) low and (n, 64c + 32 + j) high."""
+    """An independent reader of the k64 layout: byte (n, 32c + j) holds codes (n, 64c + j) low and
+    (n, 64c + 32 + j) high."""
     n, half = packed.shape
     out = torch.empty(n, half * 2, dtype=torch.int64)
     for b in range(half):

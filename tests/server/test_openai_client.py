@@ -86,7 +86,7 @@ def test_completion_logprobs(client):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     assert "".join(lp.tokens) == r.choices[0].text
-    for tok, tok_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for tok_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert tok_lp <= 0 and 3 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(tok_lp, abs=1e-5)  # greedy: the sampled token is the top one
     streamed = [

@@ -78,7 +78,8 @@ def test_file_round_trip_and_errors(tmp_path):
         SpeculativeConfig(method="eagle", model="x", datastore=str(f))
 
 
-def test_greedy_identical_with_a_datastore_of_the_targets_answers(tiny_llama, greedy_reference, tmp_path):
+# F811 is a false positive: the parameter is test_engine's fixture, imported above so that pytest finds it
+def test_greedy_identical_with_a_datastore_of_the_targets_answers(tiny_llama, greedy_reference, tmp_path):  # noqa: F811
     """A datastore of the target's own greedy answers: drafts are mostly right, output unchanged
     under a tight pool (chunked prefill, preemption), in a batch and alone."""
     params, ref = greedy_reference

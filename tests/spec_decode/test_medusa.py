@@ -79,7 +79,7 @@ def test_proposer_drafts_the_heads_top_guesses(tiny_llama, trained_medusa):
     prop.write([StepTokens("x", 0, prompt, [0])], f)  # the runner's hook after the prompt's prefill
     req = DraftRequest("x", prompt, prompt + [7], [0], SamplingParams(temperature=0, max_tokens=8), None, 8)
     proposal = prop.propose([req], [6])
-    for tok, par, path_ in zip(proposal.token_ids[0], proposal.parents[0], prop.paths):
+    for tok, _par, path_ in zip(proposal.token_ids[0], proposal.parents[0], prop.paths):
         assert tok == int(top[len(path_) - 1, path_[-1]])
     assert len(proposal.token_ids[0]) == 6 and proposal.parents[0][0] == -1
 

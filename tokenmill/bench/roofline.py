@@ -15,9 +15,9 @@ The read bandwidth is the best of torch's `sum` and a plain AVX-512 load loop on
 this project's machines `sum` sometimes reads ~25% less than our own GEMV streams, which would
 understate the bound), over two buffers: --buffer-mib (1 GiB) and one the size of a decode step's
 weights, whichever reads faster (a step re-reads the same bytes each token and may profit from the
-last-level cache; the bound must not leave that out). The host's bandwidth also drifts by minutes (42-74 GB/s over one afternoon
-here, and single runs that stall for a second per token), so the engine is measured in --rounds
-rounds, each a bandwidth measurement followed by three engine runs (their median); the fraction
+last-level cache; the bound must not leave that out). The host's bandwidth also drifts by minutes (42-74 GB/s
+over one afternoon here, and single runs that stall for a second per token), so the engine is measured in
+--rounds rounds, each a bandwidth measurement followed by three engine runs (their median); the fraction
 reported is the median of the per-round fractions.
 """
 
@@ -232,8 +232,10 @@ def run_roofline(args: argparse.Namespace) -> dict:
 def print_roofline(res: dict) -> None:
     bw, mm, mb = res["bandwidth"], res["matmul"], res["model"]
     print(
-        f"\nmemory: read {bw['read_gb_s']:.1f} GB/s (best of a {bw['read_big_buffer_gb_s']:.1f} GB/s big-buffer read and "
-        f"{bw['read_step_size_gb_s']:.1f} GB/s over a buffer of one step's bytes; torch sum {bw['read_sum_gb_s']:.1f}), "
+        f"\nmemory: read {bw['read_gb_s']:.1f} GB/s "
+        f"(best of a {bw['read_big_buffer_gb_s']:.1f} GB/s big-buffer read and "
+        f"{bw['read_step_size_gb_s']:.1f} GB/s over a buffer of one step's bytes; "
+        f"torch sum {bw['read_sum_gb_s']:.1f}), "
         f"copy {bw['copy_gb_s']:.1f} GB/s ({bw['buffer_mib']} MiB buffer); "
         f"matmul: fp32 {mm['fp32_tflop_s']:.2f} TFLOP/s, bf16 {mm['bf16_tflop_s']:.2f} TFLOP/s "
         f"({res['config']['threads']} threads)"

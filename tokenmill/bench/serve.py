@@ -304,7 +304,8 @@ class LaunchedServer:
 
 
 def metric_values(text: str) -> dict[str, float]:
-    """Prometheus text (a server's /metrics) -> {'name{labels}': value}, plus bare names summed over their label sets."""
+    """Prometheus text (a server's /metrics) -> {'name{labels}': value}, plus bare names summed over their label
+    sets."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):

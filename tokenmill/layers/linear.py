@@ -168,4 +168,7 @@ class Linear(nn.Module):
         return self.quant_method.apply(self, x)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, parts={self.output_sizes}, method={type(self.quant_method).__name__}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, parts={self.output_sizes}, "
+            f"method={type(self.quant_method).__name__}"
+        )

@@ -80,18 +80,18 @@ def awq_search_scale(
     x_mean = x.abs().reshape(-1, x.shape[-1]).float().mean(0)  # [in]
     w_mean = None
     if duo_scaling:
-        w = torch.cat([l.weight.data for l in linears]).float()
+        w = torch.cat([lin.weight.data for lin in linears]).float()
         gs = w.shape[1] if group_size == -1 else group_size
         wg = w.reshape(-1, gs).abs()
         w_mean = (wg / (wg.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)
-    originals = [l.weight.data.clone() for l in linears]
+    originals = [lin.weight.data.clone() for lin in linears]
     with torch.no_grad():
         ref = [inspect(x[sl]) for sl in chunks(x.shape[0], batch)]
         losses: list[float] = []
         best = (float("inf"), -1.0, None)
         for i, s in enumerate(awq_scale_candidates(x_mean, w_mean, n_grid)):
-            for l, w0 in zip(linears, originals):
-                l.weight.data = awq_fake_quantize(w0 * s[None, :].to(w0.dtype), bits, group_size) / s[None, :].to(
+            for lin, w0 in zip(linears, originals):
+                lin.weight.data = awq_fake_quantize(w0 * s[None, :].to(w0.dtype), bits, group_size) / s[None, :].to(
                     w0.dtype
                 )
             err = 0.0
@@ -103,8 +103,8 @@ def awq_search_scale(
             losses.append(loss)
             if loss < best[0]:
                 best = (loss, i / n_grid, s.clone())
-        for l, w0 in zip(linears, originals):
-            l.weight.data = w0
+        for lin, w0 in zip(linears, originals):
+            lin.weight.data = w0
     assert best[2] is not None, "AWQ scale search produced no finite loss"
     return ScaleSearchResult(scales=best[2], best_ratio=best[1], losses=losses)
 
@@ -161,8 +161,8 @@ def fold_scales(prev: RMSNorm | tuple[Linear, slice], linears: list[Linear], s: 
         lin.weight.data[rows] = lin.weight.data[rows] / s[:, None].to(lin.weight.dtype)
         if lin.bias is not None:
             lin.bias.data[rows] = lin.bias.data[rows] / s.to(lin.bias.dtype)
-    for l in linears:
-        l.weight.data = l.weight.data * s[None, :].to(l.weight.dtype)
+    for linear in linears:
+        linear.weight.data = linear.weight.data * s[None, :].to(linear.weight.dtype)
 
 
 def _capture_all_inputs(layer: nn.Module, h: torch.Tensor, batch: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

@@ -20,8 +20,8 @@ fp32 activations it is 10-40x slower than a dense fp32 matmul, so fp32 always de
 Int4 buffers (one copy serves both paths), in one of three layouts (`method.layout`):
 
     qweight           [N, K / 2] uint8   "k64": byte (n, 32c + j) = code[n, 64c + j] | code[n, 64c + 32 + j] << 4;
-                                         "tinygemm" (torch's CPU layout): per block of 64 output rows (32 on AVX2 CPUs), a
-                                         [K, 32] byte grid, byte (k, j) = code[j, k] | code[j + 32, k] << 4;
+                                         "tinygemm" (torch's CPU layout): per block of 64 output rows (32 on AVX2
+                                         CPUs), a [K, 32] byte grid, byte (k, j) = code[j, k] | code[j + 32, k] << 4;
                                          "plain" (anything else, CUDA): byte (n, k) = code[n, 2k] | code[n, 2k+1] << 4
     scales_and_zeros  [G, N, 2]          ([N, G, 2] for "k64")  w = (code - 8) * scale + zero  (tinygemm's affine form)
     col_perm          [K] int64 | None   act-order: x[..., col_perm] makes every group contiguous

@@ -264,7 +264,7 @@ def gptq_quantize_layers(
     hidden = h.shape[-1]
     weights: dict[str, QuantizedWeight] = {}
     bar = tqdm(
-        total=sum(len(linears_in_call_order(l, hidden)) for l in layers),
+        total=sum(len(linears_in_call_order(layer, hidden)) for layer in layers),
         desc=f"gptq w{cfg.bits}",
         disable=not progress,
         unit="linear",

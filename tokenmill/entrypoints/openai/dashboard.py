@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import json
 import logging
+import operator
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -103,7 +104,8 @@ class DashboardFeed:
             t0 = time.monotonic()
             try:
                 since = self._last_step
-                snap: EngineSnapshot = await self.engine.run_on_engine(lambda core: core.snapshot(since))
+                # core.snapshot(since) on the engine thread
+                snap: EngineSnapshot = await self.engine.run_on_engine(operator.methodcaller("snapshot", since))
             except Exception as e:  # noqa: BLE001 - engine dead or still loading: the page says so
                 text = json.dumps({"error": f"{type(e).__name__}: {e}"})
             else:

@@ -483,7 +483,7 @@ class _ReadTimeoutH11Protocol(H11Protocol):
         if not self.transport.is_closing():
             logger.info(
                 "closing the connection from %s: %s not received within %.0f s",
-                "%s:%d" % self.client if self.client else "?",
+                f"{self.client[0]}:{self.client[1]:d}" if self.client else "?",
                 self._waiting_for,
                 timeout,
             )

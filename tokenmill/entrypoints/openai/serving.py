@@ -367,7 +367,7 @@ class OpenAIServing:
         kv_transfer = _kv_transfer(kv_transfer_params, len(prompts))
         streams: list[RequestStream] = []
         try:
-            for i, p in enumerate(prompts):
+            for p in prompts:
                 rid = self.engine.new_request_id(prefix)
                 streams.append(
                     await self.engine.add_request(
