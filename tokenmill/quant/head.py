@@ -33,7 +33,7 @@ from tokenmill.quant.kernels import dequantize_rows, install_quantized
 from tokenmill.quant.rtn import rtn_quantize_weight
 
 if TYPE_CHECKING:
-    from tokenmill.models.llama import LlamaForCausalLM  # every model class is one
+    from tokenmill.models.causal_lm import CausalLM  # the common base of every model class
 
 CHOICES = ("auto", "none", "int8", "int4")
 CHECKPOINT = "checkpoint"
@@ -93,7 +93,7 @@ def resolve_bits(choice: str, checkpoint_bits: int | None) -> int | None:
     return int(choice[3:])
 
 
-def quantize_lm_head(model: LlamaForCausalLM, bits: int) -> None:
+def quantize_lm_head(model: CausalLM, bits: int) -> None:
     """Quantize `model`'s LM head (for tied embeddings: the shared table) with RTN."""
     embed = model.model.embed_tokens
     dtype = embed.weight.dtype
@@ -104,7 +104,7 @@ def quantize_lm_head(model: LlamaForCausalLM, bits: int) -> None:
         install_quantized(head, quantize_table(head.weight.data, bits), dtype)
 
 
-def install_head_weight(model: LlamaForCausalLM, qw: QuantizedWeight, keep_table: bool = False) -> None:
+def install_head_weight(model: CausalLM, qw: QuantizedWeight, keep_table: bool = False) -> None:
     """Make `qw` (an already quantized [vocab, hidden] head, e.g. GPTQ's) the model's LM head:
     for tied embeddings one QuantizedEmbedding serves lookups and logits and the dense table is
     dropped (kept aside, fp16, only with keep_table: the quantizer needs it to save the checkpoint);

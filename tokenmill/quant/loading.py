@@ -30,7 +30,7 @@ from tokenmill.quant.grid import QuantizedWeight, concat_rows
 from tokenmill.quant.kernels import install_quantized
 
 if TYPE_CHECKING:
-    from tokenmill.models.llama import LlamaForCausalLM  # every model class is one
+    from tokenmill.models.causal_lm import CausalLM  # the common base of every model class
 
 _QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -80,7 +80,7 @@ def shape_problem(spec: CheckpointQuantSpec, tensors: dict[str, torch.Tensor], o
 
 
 def load_quantized_weights(
-    net: LlamaForCausalLM,
+    net: CausalLM,
     cfg,
     tensors: Iterable[tuple[str, torch.Tensor]],
     path: Path,

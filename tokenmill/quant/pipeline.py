@@ -32,7 +32,7 @@ from tokenmill.quant.rtn import rtn_quantize_weight
 from tokenmill.quant.save import SAVE_DTYPE, round_unquantized_params
 
 if TYPE_CHECKING:
-    from tokenmill.models.llama import LlamaForCausalLM  # every model class is one
+    from tokenmill.models.causal_lm import CausalLM  # the common base of every model class
 
 METHODS = ("rtn", "gptq", "awq")
 
@@ -170,7 +170,7 @@ def quantize_model(
     )
 
 
-def head_weight(model: LlamaForCausalLM) -> torch.Tensor:
+def head_weight(model: CausalLM) -> torch.Tensor:
     """The dense [vocab, hidden] LM head: the lm_head Linear's weight, or the tied embedding table."""
     head = model.lm_head
     w = model.model.embed_tokens.weight if head is None else head.weight
@@ -211,7 +211,7 @@ def final_hidden_hessian(
 
 
 def quantize_head(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     cfg: QuantConfig,
     calib_ids: torch.Tensor | None = None,
     progress: bool = False,

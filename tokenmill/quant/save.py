@@ -28,7 +28,7 @@ from tokenmill.quant.formats import to_awq_tensors, to_gptq_tensors
 from tokenmill.quant.grid import QuantizedWeight
 
 if TYPE_CHECKING:
-    from tokenmill.models.llama import LlamaForCausalLM  # every model class is one
+    from tokenmill.models.causal_lm import CausalLM  # the common base of every model class
 
 SAVE_DTYPE = torch.float16
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
@@ -101,13 +101,13 @@ def hf_config_dict(
     return d
 
 
-def _part_names(model: LlamaForCausalLM) -> dict[tuple[str, int], str]:
+def _part_names(model: CausalLM) -> dict[tuple[str, int], str]:
     """(packed module leaf, part index) -> checkpoint leaf, e.g. ("qkv_proj", 1) -> "k_proj"."""
     return {v: k for k, v in model.packed_modules_mapping.items()}
 
 
 def checkpoint_tensors(
-    model: LlamaForCausalLM, weights: dict[str, QuantizedWeight], fmt: str, dtype: torch.dtype = SAVE_DTYPE
+    model: CausalLM, weights: dict[str, QuantizedWeight], fmt: str, dtype: torch.dtype = SAVE_DTYPE
 ) -> dict[str, torch.Tensor]:
     """The model's tensors under checkpoint names, quantized linears in `fmt` layout."""
     from tokenmill.quant.head import QuantizedEmbedding
