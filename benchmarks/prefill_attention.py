@@ -2,7 +2,7 @@
 decode, side by side in one process, bf16, the default model.
 
 The per-token path is what prompt chunks used before `paged_prefill` (attention/cpu_kernels.py);
-it is selected by raising attention.plan.TILED_PREFILL_MIN_TOKENS above the prompt length.
+it is selected by raising attention.metadata.TILED_PREFILL_MIN_TOKENS above the prompt length.
 
     python benchmarks/prefill_attention.py --num-threads 2 --prompt-len 2000 --repeats 3
 """
@@ -26,7 +26,7 @@ def main() -> int:
 
     torch.set_num_threads(args.num_threads)
     from tokenmill import LLM, SamplingParams
-    from tokenmill.attention import plan as attention_plan
+    from tokenmill.attention import metadata as attention_plan
 
     llm = LLM(
         model="smollm2-135m",

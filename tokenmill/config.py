@@ -76,6 +76,33 @@ class KVCacheGroup:
     """Keys a query sees, itself included (Gemma 3: 512); None: every earlier key (a global layer)."""
 
 
+@dataclass
+class KVCacheSpec:
+    """The KV pool a runner allocates: blocks, their size and what one block holds (worker/executor.plan_kv_cache)."""
+
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    """Layers one block holds: every layer, or a KV-cache group's size when the model has several groups."""
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    groups: tuple[KVCacheGroup, ...] = ()
+    """The model's KV-cache groups (config.plan_kv_groups); () for one group of every layer."""
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Last dim of the cache tensor: head_dim, plus the packed scale for int8 (kv_quant.py)."""
+        from tokenmill.attention.kv_quant import SCALE_BYTES  # lazy: config stays import-light
+
+        return self.head_dim + SCALE_BYTES if self.dtype == torch.int8 else self.head_dim
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.cache_head_dim * elem
+
+
 def plan_kv_groups(layer_windows: Sequence[int | None]) -> list[KVCacheGroup]:
     """Split layers into groups of one kind and equal size (the smallest kind's count), global groups first,
     so any block of the pool can serve any group. One window kind (every Llama): one group of every layer.
@@ -247,8 +274,8 @@ class SchedulerConfig:
     chunked prefill it does nothing. Under either target the prompts with the fewest tokens left get the
     chunk first, the oldest at least min_prefill_chunk. `tokenmill serve` sets 2.0."""
     min_prefill_chunk: int = 16
-    """With target_step_ms or step_time_factor: the fewest prompt tokens a step still computes, so a prompt progresses however busy
-    decoding is."""
+    """With target_step_ms or step_time_factor: the fewest prompt tokens a step still computes, so a prompt
+    progresses however busy decoding is."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -284,7 +311,7 @@ class TreeConfig:
             raise ValueError(
                 "speculative_config.tree.max_nodes must be in [1, 14] (a tree step of 1 + 14 tokens "
                 "stays below TILED_PREFILL_MIN_TOKENS, in the per-token attention plan, "
-                "attention/plan.py)"
+                "attention/metadata.py)"
             )
         if self.max_width < 1:
             raise ValueError("speculative_config.tree.max_width must be >= 1")

@@ -12,7 +12,8 @@ from tokenmill.core.step_io import StepTokens
 from tokenmill.models.loader import load_model
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
+from tokenmill.config import KVCacheSpec
+from tokenmill.worker.model_runner import ModelRunner
 
 PROMPTS = [
     "The capital of France is",

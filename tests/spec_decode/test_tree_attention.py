@@ -15,7 +15,8 @@ from tokenmill.core.step_io import StepTokens
 from tokenmill.models.loader import load_model
 from tokenmill.spec_decode.tree import TokenTree
 from tokenmill.worker.kv_cache_ops import compact_accepted_path
-from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
+from tokenmill.config import KVCacheSpec
+from tokenmill.worker.model_runner import ModelRunner
 
 PREFIX = [5, 9, 200, 31, 7, 8, 11]  # the last one is the root: its K/V is computed in the tree step
 TREE = TokenTree([40, 41, 42, 43, 44], [-1, -1, 0, 0, 2], [True] * 5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams, native
-from tokenmill.attention.plan import TILED_PREFILL_MIN_TOKENS
+from tokenmill.attention.metadata import TILED_PREFILL_MIN_TOKENS
 from tokenmill.layers.linear import ANY_ROWS, KernelKind
 from tokenmill.models.loader import load_model
 from tokenmill.quant.pipeline import QuantConfig, quantize_model

@@ -13,14 +13,13 @@ import time
 import pytest
 import torch
 
-from tokenmill.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.config import CacheConfig, KVCacheSpec, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_io import StepInput, StepOutput
 from tokenmill.models.loader import load_model
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.executor import RunnerOptions, UniProcExecutor
-from tokenmill.worker.model_runner import KVCacheSpec
 from tokenmill.worker.process import MultiprocExecutor, WorkerDiedError
 
 NUM_BLOCKS, BLOCK_SIZE = 14, 4

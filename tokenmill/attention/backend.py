@@ -15,11 +15,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention import plan as attention_plan
+from tokenmill.attention import metadata as attention_metadata
 from tokenmill.attention.cpu_kernels import paged_decode_attention, paged_prefill_attention, write_and_decode
 from tokenmill.attention.kv_quant import dequantize_kv, is_quantized, write_kv_int8
-from tokenmill.attention.metadata import AttentionMetadata, PerTokenTables, ShortRows, TiledPlan
-from tokenmill.attention.plan import AttentionKind
+from tokenmill.attention.metadata import AttentionKind, AttentionMetadata, PerTokenTables, ShortRows, TiledPlan
 
 
 class AttentionBackend(Protocol):
@@ -68,7 +67,8 @@ class TorchPagedAttention:
     causal mask offset by the request's cached context (a chunk at positions [c, c + n) sees keys
     [0, c + n)).
 
-    Which of the two each step takes is the runner's attention plan (attention/plan.py, AttentionMetadata.plan):
+    Which of the two each step takes is the runner's attention plan (metadata.plan_attention, on
+    AttentionMetadata.plan):
     TILED sends prompt chunks of TILED_PREFILL_MIN_TOKENS or more to the tiled kernel (3-4x faster prompt
     attention); PER_TOKEN (ModelConfig.attends_prompts_per_token) attends every token as a decode over its own
     prefix, so its bits do not depend on how its prompt was chunked or batched.
@@ -202,7 +202,7 @@ def _hidden_keys(key_mask: torch.Tensor, q_pos: torch.Tensor, seq_len: int) -> t
 
 
 def tiled_plan(meta: AttentionMetadata) -> TiledPlan | None:
-    """A TILED step's split (attention/plan.py): the long requests (prompt chunks of TILED_PREFILL_MIN_TOKENS or
+    """A TILED step's split (attention/metadata.py): the long requests (prompt chunks of TILED_PREFILL_MIN_TOKENS or
     more) for the tiled kernel, the other tokens per token; None for a PER_TOKEN step. Built once per step
     (meta.derived)."""
     derived = meta.derived
@@ -210,7 +210,7 @@ def tiled_plan(meta: AttentionMetadata) -> TiledPlan | None:
         return derived.tiled
     plan = None
     if meta.plan is AttentionKind.TILED:
-        min_tokens = attention_plan.TILED_PREFILL_MIN_TOKENS
+        min_tokens = attention_metadata.TILED_PREFILL_MIN_TOKENS
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         counts = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
         long = [i for i, n in enumerate(counts) if n >= min_tokens]

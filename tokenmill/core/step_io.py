@@ -169,6 +169,48 @@ class StepOutput:
     """The runner's speculative-decoding counters so far (cumulative), or None without speculation."""
 
 
+@dataclass(slots=True)
+class DraftRequest:
+    """A runner row as a proposer sees it right after the row sampled: its tokens including the ones just
+    sampled (the scheduler has not confirmed them yet), its target block table and sampling parameters.
+    It is what the runner's sampling-metadata builder reads too (core/step_io.SamplingRow)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    all_token_ids: list[int]
+    """Prompt + outputs, the tokens this step sampled included."""
+    block_ids: list[int]
+    """The target's block table (KV-cache group 0), as the step that just ran used it."""
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    max_tokens: int
+    """Outputs the request may have in all."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def has_stopped(self) -> bool:
+        """Its last token ends it (EOS or a stop token past min_tokens, or max_tokens reached): no drafts.
+        Stop strings are the engine's to find; drafts of a request that stops there are dropped unused."""
+        p = self.sampling_params
+        if self.num_output_tokens >= self.max_tokens:
+            return True
+        if self.num_output_tokens < p.min_tokens or not self.output_token_ids:
+            return False
+        last = self.all_token_ids[-1]
+        return (last == self.eos_token_id and not p.ignore_eos) or last in p.stop_token_ids
+
+
 class SamplingRow(Protocol):
     """What the runner's sampling-metadata builder reads of a request: its own row, or a proposer's
     request (a draft model samples with the target request's parameters)."""

@@ -13,8 +13,8 @@ to the engine thread through a command queue, and outputs come back in one batch
       -> each RequestStream's queue
 
 A slow reader gets what queued up merged into one output: the newest of cumulative outputs, or the
-joined deltas (SamplingParams.output_kind "delta", what the server streams); nothing is lost or repeated. Ordering: a command sent before another is handled before
-it; an Abort is handled before the next step starts.
+joined deltas (SamplingParams.output_kind "delta", what the server streams); nothing is lost or repeated.
+Ordering: a command sent before another is handled before it; an Abort is handled before the next step starts.
 """
 
 from __future__ import annotations

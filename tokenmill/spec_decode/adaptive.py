@@ -17,9 +17,9 @@ by least squares through those per-count means (one point per count; with a sing
 slope of a calibration prior). The step time is not linear in n on CPU: up to 8 tokens the
 few-row kernels keep a step near one token's cost, above 8 oneDNN and the Python layer loop take
 over. Fitting the raw recent steps instead let 60 plain steps at n = 8 outvote one probe at
-n = 13, kept the prior's shallow slope, and priced batch-8 verification too low (0.77x measured). α and c are exponentially
-weighted running estimates. Speculation stays off unless the predicted gain is at least 5 %; while off, a γ = 1
-probe re-measures α after 16 steps, then 32, 64, ... (up to 256) while probes keep failing.
+n = 13, kept the prior's shallow slope, and priced batch-8 verification too low (0.77x measured). α and c are
+exponentially weighted running estimates. Speculation stays off unless the predicted gain is at least 5 %; while
+off, a γ = 1 probe re-measures α after 16 steps, then 32, 64, ... (up to 256) while probes keep failing.
 """
 
 from __future__ import annotations

@@ -30,16 +30,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.attention.metadata import forward_context
-from tokenmill.config import ModelArchConfig
+from tokenmill.config import KVCacheSpec, ModelArchConfig
 from tokenmill.core.step_io import StepInput, StepTokens
 from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits
 from tokenmill.spec_decode.proposer import DraftRequest, Proposal
-from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
-    from tokenmill.spec_decode.proposer import ProposerContext
+    from tokenmill.spec_decode.proposer import ProposerContext, RunnerFactory
 
 
 def truncated_layer_ids(num_layers: int, keep: int) -> list[int]:
@@ -134,15 +132,6 @@ def advance(meta: SamplingMetadata, tokens: torch.Tensor, num_generated: list[in
                 meta.min_tokens_mask[i] = False
 
 
-def mirror_block_copies(kv_caches: list[torch.Tensor], step: StepInput) -> None:
-    """Copy-on-write copies the target makes this step, made in a mirrored draft pool too."""
-    copies = step.block_copies
-    if copies:
-        from tokenmill.worker.kv_cache_ops import copy_blocks
-
-        copy_blocks(kv_caches, copies)
-
-
 def draft_loop(
     reqs: list[DraftRequest],
     ks: list[int],
@@ -191,9 +180,9 @@ class DraftModelProposer:
         num_blocks: int,
         block_size: int,
         kv_dtype: torch.dtype,
-        device: torch.device,
         gamma_max: int,
         max_num_seqs: int,
+        new_runner: RunnerFactory,
         seed: int = 0,
     ) -> None:
         self.block_size = block_size
@@ -202,7 +191,7 @@ class DraftModelProposer:
         spec = KVCacheSpec(
             num_blocks + scratch, block_size, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, kv_dtype
         )
-        self.runner = ModelRunner(model, arch, spec, device, seed=seed + 1)
+        self.runner = new_runner(model, arch, spec, seed + 1)
         self.feature_sink = None  # drafts from its own layers
         self.num_computed: dict[str, int] = {}
         """request id -> real tokens with draft K/V in mirrored blocks."""
@@ -228,9 +217,9 @@ class DraftModelProposer:
             num_blocks=kv.num_blocks,
             block_size=kv.block_size,
             kv_dtype=kv.dtype if kv.dtype.is_floating_point else ctx.dtype,
-            device=ctx.device,
             gamma_max=config.max_draft_tokens,
             max_num_seqs=ctx.max_num_seqs,
+            new_runner=ctx.new_runner,
             seed=ctx.seed,
         )
 
@@ -244,7 +233,7 @@ class DraftModelProposer:
             self.num_computed.pop(rid, None)
 
     def on_step(self, step: StepInput) -> None:
-        mirror_block_copies(self.runner.kv_caches, step)
+        self.runner.copy_blocks(step.block_copies)  # the target's copy-on-write, in the mirrored pool too
 
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
@@ -284,8 +273,7 @@ class DraftModelProposer:
         """Logits [len(slices), V] at each slice's last token, in slice order."""
         order = sorted(range(len(slices)), key=lambda i: slices[i].num_new_tokens != 1)  # decodes first
         inp = self.runner.prepare_inputs([slices[i] for i in order])
-        with forward_context(inp.meta):
-            hidden = self.runner.model(inp.input_ids, inp.positions)
+        hidden = self.runner.run_model(inp)  # the C++ layer loop where it serves the step, as for the target
         logits_sorted = self.runner.model.compute_logits(hidden[inp.logits_indices])
         logits = torch.empty_like(logits_sorted)
         logits[torch.tensor(order, device=logits.device)] = logits_sorted

@@ -1,8 +1,8 @@
 """EAGLE proposer: a one-layer head drafts from the target's own features (eagle_head.py).
 
 Per step the target runner hands every computed position's feature to a `FeatureStore` (the
-runner's `feature_sink`, which the proposer declares). When a request is about to decode with N tokens, the target has features
-for positions 0 .. N-2; the head catches up over the positions it has not seen yet, pairing
+runner's `feature_sink`, which the proposer declares). When a request is about to decode with N tokens, the target
+has features for positions 0 .. N-2; the head catches up over the positions it has not seen yet, pairing
 feature f_i with token t_{i+1}, and its last output predicts f_{N-1}, whose logits give draft 1.
 Each further draft feeds the head its own prediction and the token it drafted:
 

@@ -12,18 +12,22 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.core.step_io import DraftRequest
 
 if TYPE_CHECKING:
-    from tokenmill.config import ModelArchConfig, SpeculativeConfig
+    from collections.abc import Callable
+
+    from tokenmill.config import KVCacheSpec, ModelArchConfig, SpeculativeConfig
     from tokenmill.core.step_io import StepInput
-    from tokenmill.worker.model_runner import FeatureSink, KVCacheSpec
+    from tokenmill.worker.model_runner import FeatureSink, ModelRunner
+
+    RunnerFactory = Callable[[torch.nn.Module, ModelArchConfig, KVCacheSpec, int], ModelRunner]
 
 
 @dataclass(frozen=True)
 class ProposerContext:
-    """What a proposer may use of the engine it drafts for: the target's handles and a read-only view
-    of its block tables, not the engine."""
+    """What a proposer may use of the runner it drafts for: the target's handles, its pool's layout, and a factory
+    for a runner of its own (a draft model or head with a paged cache), never the engine or the scheduler."""
 
     target: torch.nn.Module
     """The target model (EAGLE reads its tables; a self-draft shares its weights)."""
@@ -37,48 +41,9 @@ class ProposerContext:
     max_num_seqs: int
     max_model_len: int
     seed: int
-
-
-@dataclass(slots=True)
-class DraftRequest:
-    """A runner row as a proposer sees it right after the row sampled: its tokens including the ones just
-    sampled (the scheduler has not confirmed them yet), its target block table and sampling parameters.
-    It is what the runner's sampling-metadata builder reads too (core/step_io.SamplingRow)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    all_token_ids: list[int]
-    """Prompt + outputs, the tokens this step sampled included."""
-    block_ids: list[int]
-    """The target's block table (KV-cache group 0), as the step that just ran used it."""
-    sampling_params: SamplingParams
-    eos_token_id: int | None
-    max_tokens: int
-    """Outputs the request may have in all."""
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids) :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
-
-    @property
-    def has_stopped(self) -> bool:
-        """Its last token ends it (EOS or a stop token past min_tokens, or max_tokens reached): no drafts.
-        Stop strings are the engine's to find; drafts of a request that stops there are dropped unused."""
-        p = self.sampling_params
-        if self.num_output_tokens >= self.max_tokens:
-            return True
-        if self.num_output_tokens < p.min_tokens or not self.output_token_ids:
-            return False
-        last = self.all_token_ids[-1]
-        return (last == self.eos_token_id and not p.ignore_eos) or last in p.stop_token_ids
+    new_runner: RunnerFactory
+    """(model, arch, kv_spec, seed) -> a runner of the draft's own, with the C++ layer loop where its layout has one
+    (worker/executor.build_runner passes it; spec_decode never imports the worker)."""
 
 
 def draft_budget(req: DraftRequest, gamma: int, max_model_len: int) -> int:

@@ -33,8 +33,7 @@ import torch
 from tokenmill import native
 from tokenmill.attention import cpu_kernels
 from tokenmill.attention.backend import tiled_plan
-from tokenmill.attention.metadata import AttentionMetadata
-from tokenmill.attention.plan import AttentionKind
+from tokenmill.attention.metadata import AttentionKind, AttentionMetadata
 from tokenmill.layers.linear import LinearKernel
 from tokenmill.models.interface import DecoderLayout
 

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tokenmill.config import EngineConfig, ModelArchConfig, ModelConfig, SpeculativeConfig, plan_kv_groups
+from tokenmill.config import EngineConfig, KVCacheSpec, ModelArchConfig, ModelConfig, SpeculativeConfig, plan_kv_groups
 from tokenmill.core.step_io import StepInput, StepOutput
-from tokenmill.worker.model_runner import KVCacheSpec, ModelRunner
+from tokenmill.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from tokenmill.models.loader import LoadedModel
@@ -124,8 +124,20 @@ def build_runner(
         from tokenmill.spec_decode.decoder import SpeculativeDecoder
         from tokenmill.spec_decode.proposer import ProposerContext
 
+        def new_runner(draft: torch.nn.Module, draft_arch: ModelArchConfig, kv: KVCacheSpec, seed: int) -> ModelRunner:
+            return ModelRunner(draft, draft_arch, kv, device, seed=seed, use_decode_loop=use_decode_loop)
+
         ctx = ProposerContext(
-            model, arch, mc.model, mc.torch_dtype, device, opts.kv_spec, opts.max_num_seqs, opts.max_model_len, mc.seed
+            model,
+            arch,
+            mc.model,
+            mc.torch_dtype,
+            device,
+            opts.kv_spec,
+            opts.max_num_seqs,
+            opts.max_model_len,
+            mc.seed,
+            new_runner,
         )
         speculator = SpeculativeDecoder(opts.speculative, ctx)
     return ModelRunner(

@@ -27,11 +27,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.attention.kv_quant import cache_head_dim
-from tokenmill.attention.metadata import AttentionMetadata, forward_context, tree_depths, tree_key_masks
-from tokenmill.attention.plan import AttentionKind, plan_attention
-from tokenmill.config import KVCacheGroup, ModelArchConfig
+from tokenmill.attention.metadata import (
+    AttentionKind,
+    AttentionMetadata,
+    forward_context,
+    plan_attention,
+    tree_depths,
+    tree_key_masks,
+)
+from tokenmill.config import KVCacheGroup, KVCacheSpec, ModelArchConfig
 from tokenmill.core.step_io import (
+    BlockCopy,
+    DraftRequest,
     NewRequestData,
     SamplerResult,
     SamplingRow,
@@ -47,30 +54,6 @@ from tokenmill.worker.kv_cache_ops import add_forked_samples, compact_accepted_p
 
 if TYPE_CHECKING:
     from tokenmill.spec_decode.decoder import SpeculativeDecoder
-    from tokenmill.spec_decode.proposer import DraftRequest
-
-
-@dataclass
-class KVCacheSpec:
-    num_blocks: int
-    block_size: int
-    num_layers: int
-    """Layers one block holds: every layer, or a KV-cache group's size when the model has several groups."""
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    groups: tuple[KVCacheGroup, ...] = ()
-    """The model's KV-cache groups (config.plan_kv_groups); () for one group of every layer."""
-
-    @property
-    def cache_head_dim(self) -> int:
-        """Last dim of the cache tensor: head_dim, plus the packed scale for int8 (kv_quant.py)."""
-        return cache_head_dim(self.head_dim, self.dtype)
-
-    @property
-    def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.cache_head_dim * elem
 
 
 @dataclass(slots=True)
@@ -211,8 +194,9 @@ class ModelRunner:
         """speculator: speculative decoding (spec_decode/decoder.py): it verifies steps with drafts, gets every
         step's final hidden states when its proposer drafts from the target's features, and proposes drafts for
         the rows that sampled; use_decode_loop: False keeps every step on the module path (a tensor-parallel
-        shard: its layers all-reduce, which the C++ loop does not); prompts_per_token: prompt chunks are attended token by token (ModelConfig.attends_prompts_per_token): every
-        step's attention plan is PER_TOKEN (attention/plan.py), so the C++ loop serves prompt chunks like decodes;
+        shard: its layers all-reduce, which the C++ loop does not); prompts_per_token: prompt chunks are attended
+        token by token (ModelConfig.attends_prompts_per_token): every step's attention plan is PER_TOKEN
+        (attention/metadata.py), so the C++ loop serves prompt chunks like decodes;
         samples: False for a tensor-parallel rank > 0, which computes the logits (their vocabulary gather is a
         collective) and returns no tokens (rank 0 samples, verifies and proposes)."""
         self.model = model  # weights already processed for their kernels (load_model)
@@ -275,8 +259,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for d in step.new_requests:
             self.requests[d.request_id] = RequestState.new(d)
-        if step.block_copies:
-            copy_blocks(self.kv_tensors, step.block_copies)
+        self.copy_blocks(step.block_copies)
         if not step.scheduled:
             return StepOutput(spec_metrics=self.speculator.metrics() if self.speculator is not None else None)
         t0 = time.perf_counter()
@@ -287,11 +270,7 @@ class ModelRunner:
         logits_indices, sampling = inp.logits_indices, inp.sampling
         if forked:
             logits_indices, sampling = add_forked_samples(forked, logits_indices, sampling)
-        if self.decode_loop is not None and self.decode_loop.serves(inp.meta, inp.input_ids.shape[0]):
-            hidden = self.decode_loop(inp.input_ids, inp.positions, inp.meta)
-        else:
-            with forward_context(inp.meta, inp.group_metas):
-                hidden = self.model(inp.input_ids, inp.positions)  # [num_tokens, hidden]
+        hidden = self.run_model(inp)  # [num_tokens, hidden]
         if self.feature_sink is not None and not any(s.num_spec_tokens for s in batch):
             self.feature_sink(batch, hidden)
         if not sampling:
@@ -302,6 +281,19 @@ class ModelRunner:
         self.speculator.observe_target_step(batch, time.perf_counter() - t0)
         drafts = self.speculator.propose(self.draft_requests(sampling, results))
         return StepOutput(results, drafts, self.speculator.metrics())
+
+    def run_model(self, inp: StepInputs) -> torch.Tensor:
+        """The forward over a step's inputs: the C++ layer loop where it serves the step (its attention plan and
+        size), else the model's modules. Final hidden states [num_tokens, hidden]."""
+        if self.decode_loop is not None and self.decode_loop.serves(inp.meta, inp.input_ids.shape[0]):
+            return self.decode_loop(inp.input_ids, inp.positions, inp.meta)
+        with forward_context(inp.meta, inp.group_metas):
+            return self.model(inp.input_ids, inp.positions)
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Copy-on-write: each copy's source block into its destination, in every layer's cache."""
+        if copies:
+            copy_blocks(self.kv_tensors, copies)
 
     def sample(
         self,
@@ -346,8 +338,6 @@ class ModelRunner:
 
     def draft_requests(self, sampling: list[StepTokens], results: dict[str, SamplerResult]) -> list[DraftRequest]:
         """The rows that sampled this step as the proposer sees them: their tokens with the sampled ones."""
-        from tokenmill.spec_decode.proposer import DraftRequest
-
         out = []
         for s in sampling:
             res = results.get(s.request_id)

@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 from tokenmill.core.step_io import StepInput, StepOutput
 
 if TYPE_CHECKING:
+    from tokenmill.config import KVCacheSpec
     from tokenmill.worker.executor import RunnerOptions
-    from tokenmill.worker.model_runner import KVCacheSpec
 
 MAIN_GUARD_HINT = (
     "Worker processes are spawned: they import the main module again. If your script creates the "

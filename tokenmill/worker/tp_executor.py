@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmill.config import KVCacheSpec
 from tokenmill.core.step_io import StepInput, StepOutput
 from tokenmill.distributed.tensor_parallel import (
     SharedMemoryAllReduce,
@@ -29,7 +30,6 @@ from tokenmill.distributed.tensor_parallel import (
     shard_model,
 )
 from tokenmill.worker.executor import RunnerOptions
-from tokenmill.worker.model_runner import KVCacheSpec
 from tokenmill.worker.process import SpawnedWorker, WorkerDiedError, watch
 
 
