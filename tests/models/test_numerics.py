@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from tokenmill.attention.metadata import forward_context
-from tokenmill.config import CacheConfig, SchedulerConfig, plan_kv_groups
+from tokenmill.config import CacheConfig, KVCacheSpec, SchedulerConfig, plan_kv_groups
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_io import StepTokens
 from tokenmill.models.loader import load_model
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.config import KVCacheSpec
 from tokenmill.worker.model_runner import ModelRunner
 
 PROMPTS = [

@@ -11,11 +11,11 @@ import torch
 
 from tokenmill.attention import cpu_kernels
 from tokenmill.attention.metadata import forward_context, tree_key_masks
+from tokenmill.config import KVCacheSpec
 from tokenmill.core.step_io import StepTokens
 from tokenmill.models.loader import load_model
 from tokenmill.spec_decode.tree import TokenTree
 from tokenmill.worker.kv_cache_ops import compact_accepted_path
-from tokenmill.config import KVCacheSpec
 from tokenmill.worker.model_runner import ModelRunner
 
 PREFIX = [5, 9, 200, 31, 7, 8, 11]  # the last one is the root: its K/V is computed in the tree step
