@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import NewType
+from typing import NewType, TypeAlias
 
 BlockHash = NewType("BlockHash", bytes)
+
+BlockKey: TypeAlias = BlockHash | tuple[int, BlockHash]
+"""A block's prefix-cache key: group 0's blocks are keyed by their hash, group g's by (g, hash)
+(the same tokens are different K/V in another KV-cache group)."""
 
 _ROOT = BlockHash(b"tokenmill-root")
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.core.block_hash import BlockHash
+from tokenmill.core.block_hash import BlockKey
 
 
 @dataclass(eq=False)
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: BlockHash | None = None
+    block_hash: BlockKey | None = None
     prev: KVCacheBlock | None = None
     next: KVCacheBlock | None = None
 
@@ -41,6 +41,7 @@ class FreeBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         b = self.head.next
+        assert b is not None, "the head sentinel is always linked"
         assert b is not self.tail, "no free blocks"
         self.remove(b)
         return b
@@ -53,6 +54,7 @@ class FreeBlockQueue:
 
     def append(self, b: KVCacheBlock) -> None:
         last = self.tail.prev
+        assert last is not None, "the tail sentinel is always linked"
         last.next, b.prev, b.next, self.tail.prev = b, last, self.tail, b
         self.num_free += 1
 
@@ -70,7 +72,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
-        self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.cached: dict[BlockKey, KVCacheBlock] = {}
         self.num_evictions = 0
         self.num_cached_free_blocks = 0
         """Free blocks that still carry a hash (kept as a counter: stats run every step)."""
@@ -83,7 +85,7 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: BlockKey) -> KVCacheBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
@@ -121,7 +123,7 @@ class BlockPool:
                 self.free_queue.append(b)
                 self.num_cached_free_blocks += b.block_hash is not None
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockKey) -> None:
         """Register a full block under its hash (first writer wins on duplicates)."""
         if not self.enable_caching or block.block_hash is not None:
             return

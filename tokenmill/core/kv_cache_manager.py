@@ -33,11 +33,11 @@ longest prefix of cached global blocks for which it does (`get_computed_blocks`)
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.config import KVCacheGroup
-from tokenmill.core.block_hash import BlockHash, extend_block_hashes
+from tokenmill.core.block_hash import BlockHash, BlockKey, extend_block_hashes
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
 from tokenmill.core.step_io import BlockCopy
 from tokenmill.request import Request
@@ -149,7 +149,7 @@ class KVCacheManager:
         """Request id -> group 0's table (every layer's, for a one-group model)."""
         return {rid: t[0] for rid, t in self.tables.items()}
 
-    def _key(self, g: int, h: BlockHash) -> Hashable:
+    def _key(self, g: int, h: BlockHash) -> BlockKey:
         """Prefix-cache key of a block of group g: the same tokens are different K/V in another group."""
         return h if g == 0 else (g, h)
 
@@ -194,7 +194,12 @@ class KVCacheManager:
         per_group: list[list[KVCacheBlock]] = []
         for g in range(len(self.groups)):
             first = self.first_needed_block(g, n * self.block_size)
-            per_group.append([NULL_BLOCK] * first + [get(self._key(g, hashes[j])) for j in range(first, n)])
+            hits = [NULL_BLOCK] * first
+            for j in range(first, n):
+                b = get(self._key(g, hashes[j]))
+                assert b is not None, "n was cut back until every group holds its blocks first..n-1"
+                hits.append(b)
+            per_group.append(hits)
         return ComputedBlocks(per_group[0], n * self.block_size, per_group[1:])
 
     # --------------------------------------------------------------- allocation

@@ -258,6 +258,7 @@ class Scheduler:
         decode_keys = sum(chunk_kilo_keys(r.num_computed_tokens, 1 + len(r.spec_token_ids)) for r in decodes)
         chunking = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         if target is None:
+            assert factor is not None  # without a target and a factor this returned None above
             target = factor * self._heading_decode_step(num_decodes, decode_keys, chunking) * 1000.0
         # the next chunk starts where the first prompt in progress (running, else waiting) stands
         start = chunking[0].num_computed_tokens if chunking else 0
@@ -285,6 +286,7 @@ class Scheduler:
         """Loads that ended become running requests: with the pulled K/V counted as computed (all but the last
         prompt token), or, when the pull failed, with only their local prefix hit (the rest is recomputed here).
         Served transfers release their held blocks."""
+        assert self.connector is not None, "KV events come from the connector's worker half"
         for rid, ok in events.loads_done.items():
             req = self.loading.pop(rid, None)
             if req is None:
@@ -302,6 +304,7 @@ class Scheduler:
                 self.connector.release(tid)
 
     def _release_expired_holds(self) -> None:
+        assert self.connector is not None
         for tid in self.connector.expired():
             self.kv.release_held(tid)
             self.connector.release(tid, expired=True)
@@ -309,6 +312,7 @@ class Scheduler:
     def _admit_remote(self, req: Request, source: PullFromPrefill) -> bool:
         """Admit a request whose prompt K/V a prefill worker holds: blocks for its whole prompt (after the local
         prefix hit), the pull queued, no token budget spent. False if the pool cannot supply the blocks."""
+        assert self.connector is not None, "the engine accepts pulls from a prefill worker only with a connector"
         computed = self.kv.get_computed_blocks(req)
         plan = self.connector.plan_load(source, req.num_tokens, computed.num_tokens, self.block_size)
         if plan.num_blocks == 0:  # everything but the last token is cached here: an ordinary admission
@@ -344,6 +348,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.loading[request_id]
+            assert self.connector is not None  # only a connector's pulls load
             self.connector.cancel_load(request_id)
         else:
             try:
@@ -467,9 +472,9 @@ class Scheduler:
         decode's), B 40 (39), A the 16 left over: A 1 + 32 tokens, C 30, B 40."""
         if self.pending_forks or any(r.kv_transfer is not None for r in self.waiting):
             return None
-        room = max(0, self.config.max_num_seqs - len(self.running) - len(self.loading))
+        free_seqs = max(0, self.config.max_num_seqs - len(self.running) - len(self.loading))
         chunking = [r for r in self.running if not r.spec_token_ids and r.num_tokens - r.num_computed_tokens > 1]
-        prompts = chunking + list(itertools.islice(self.waiting, room))
+        prompts = chunking + list(itertools.islice(self.waiting, free_seqs))
         if not prompts:
             return PrefillPlan({}, [])
         left = {r.request_id: r.num_tokens - r.num_computed_tokens for r in prompts}

@@ -178,10 +178,11 @@ class BeamSearchRunner:
     def _select(self, g: _Group) -> None:
         p = self.params
         W = p.beam_width
-        cands = sorted(
-            ((b.cum_logprob + lp, i, t) for i, b in enumerate(g.live) for t, lp in b.pending.items()),
-            key=lambda c: (-c[0], c[1], c[2]),
-        )
+        cands: list[tuple[float, int, int]] = []
+        for i, b in enumerate(g.live):
+            assert b.pending is not None  # run() selects once every live beam has sampled
+            cands.extend((b.cum_logprob + lp, i, t) for t, lp in b.pending.items())
+        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
         survivors: list[tuple[float, int, int]] = []
         for rank, (cum, i, t) in enumerate(cands):
             if t == self.eos and not p.ignore_eos:

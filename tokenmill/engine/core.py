@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -112,6 +113,7 @@ class EngineCore:
                 kv_transport = GlooTransport(
                     kvt.kv_host, kvt.kv_port, serve=kvt.serves_kv, timeout_s=kvt.transfer_timeout_s
                 )
+            assert self.kv_connector is not None  # made above from the same kvt
             self.kv_worker = KVConnectorWorker(caches, kv_transport, self.kv_connector.stats, kvt.transfer_timeout_s)
             if kv_transport.address is not None:
                 logger.info("KV endpoint (role %s) at %s:%d", kvt.kv_role, *kv_transport.address)
@@ -306,8 +308,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Requests to step, or (disaggregation) held K/V or transfers still to serve."""
-        if self.kv_worker is not None and (self.kv_connector.has_pending_work or self.kv_worker.has_pending_io):
-            return True
+        if self.kv_worker is not None:
+            assert self.kv_connector is not None  # both exist exactly when config.kv_transfer is set
+            if self.kv_connector.has_pending_work or self.kv_worker.has_pending_io:
+                return True
         return self.outputs.has_unfinished or bool(self.sequences)
 
     # ------------------------------------------------------- raw sequences
@@ -318,7 +322,7 @@ class EngineCore:
         seq_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        output_token_ids: list[int] = (),
+        output_token_ids: Sequence[int] = (),
         cache_salt: str | None = None,
     ) -> None:
         """Schedule a sequence that continues `prompt_token_ids + output_token_ids`."""
@@ -346,7 +350,7 @@ class EngineCore:
         self,
         seq_id: str,
         prompt_token_ids: list[int],
-        output_token_ids,
+        output_token_ids: Sequence[int],
         params: SamplingParams,
         max_tokens: int,
         cache_salt: str | None,
@@ -391,6 +395,7 @@ class EngineCore:
             self.scheduler.apply_kv_events(self.kv_worker.take_events())
         sched = self.scheduler.schedule()
         if self.kv_worker is not None:
+            assert sched.kv is not None  # the scheduler has a connector (the same kv_transfer config)
             self.kv_worker.start_step(sched.kv)
             if sched.is_empty and not sched.finished_ids:  # only transfers in flight: wait for one, do not spin
                 self.kv_worker.wait(0.005)
@@ -429,9 +434,12 @@ class EngineCore:
 
     def _held_kv(self, req: Request) -> dict | None:
         """A finished prefill-side request whose K/V are held: where a decode worker pulls them from."""
+        assert self.kv_connector is not None and self.kv_worker is not None  # step passes this only with them
         if not isinstance(req.kv_transfer, HoldForDecode) or req.request_id not in self.kv_connector.held:
             return None
-        host, port = self.kv_worker.transport.address
+        address = self.kv_worker.transport.address
+        assert address is not None, "a prefill worker's transport serves K/V (only it accepts HoldForDecode)"
+        host, port = address
         return PullFromPrefill(host, port, req.request_id, len(req.prompt_token_ids)).to_params()
 
     # ------------------------------------------------------------ accounting

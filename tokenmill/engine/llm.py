@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -21,7 +21,24 @@ from tokenmill.engine.stats import EngineStats
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 PromptType = str | list[int] | dict[str, Any]
+
+
+def _is_one_prompt(prompts: PromptType | Sequence[PromptType]) -> TypeIs[PromptType]:
+    """One prompt (text, token ids, a dict) rather than a sequence of them."""
+    return isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+    )
+
+
+def _is_one_conversation(
+    messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+) -> TypeIs[list[dict[str, Any]]]:
+    """One conversation (a list of messages) rather than a list of them."""
+    return bool(messages) and isinstance(messages[0], dict)
 
 
 class LLM:
@@ -40,7 +57,7 @@ class LLM:
         """One RequestOutput per prompt, in order. A prompt is text, a list of token ids, or
         {"prompt": text} / {"prompt_token_ids": ids}, optionally with "cache_salt". Requests share
         prefix-cache blocks only when their cache_salt (per prompt, else the argument) is equal."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if _is_one_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -69,7 +86,7 @@ class LLM:
         reference with copy-on-write (engine/beam_search.py). One BeamSearchOutput per prompt."""
         if self.engine.has_unfinished_requests():
             raise RuntimeError("beam_search needs an idle engine")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if _is_one_prompt(prompts):
             prompts = [prompts]
         ids = [self._tokenize(p)[1] for p in prompts]
         return BeamSearchRunner(self.engine, params, cache_salt).run(ids)
@@ -82,7 +99,7 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        convs = [messages] if _is_one_conversation(messages) else messages
         prompts = [{"prompt": self.tokenizer.apply_chat_template(c, add_generation_prompt)} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 

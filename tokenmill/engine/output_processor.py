@@ -126,6 +126,7 @@ class OutputProcessor:
 
     # ---------------------------------------------------------------- outputs
     def _decoded_logprobs(self, lps: list) -> list:
+        assert self.tokenizer is not None  # requests are detokenized (their IncrementalDetokenizer) with it too
         for d in lps:
             for tok, lp in d.items():
                 if lp.decoded_token is None:

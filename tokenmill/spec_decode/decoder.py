@@ -17,6 +17,7 @@ verification.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +32,7 @@ from tokenmill.spec_decode.tree import TreeVerifier
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
+    from tokenmill.models.causal_lm import CausalLM
     from tokenmill.worker.model_runner import FeatureSink
 
 
@@ -85,7 +87,7 @@ class SpeculativeDecoder:
         self,
         logits: torch.Tensor,
         sampling: list[StepTokens],
-        rows: list[SamplingRow],
+        rows: Sequence[SamplingRow],
         meta: SamplingMetadata,
         global_gen: torch.Generator | None,
     ) -> dict[str, SamplerResult]:
@@ -151,7 +153,7 @@ class SpeculativeDecoder:
         }
 
 
-def _dense_forward(model: torch.nn.Module, device: torch.device):
+def _dense_forward(model: CausalLM, device: torch.device):
     """forward(n): one target pass over n tokens outside the paged cache (cost calibration)."""
 
     @torch.inference_mode()

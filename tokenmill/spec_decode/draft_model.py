@@ -37,7 +37,9 @@ from tokenmill.spec_decode.proposer import DraftRequest, Proposal
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig
+    from tokenmill.models.causal_lm import CausalLM
     from tokenmill.spec_decode.proposer import ProposerContext, RunnerFactory
+    from tokenmill.worker.model_runner import FeatureSink, RunnerModel
 
 
 def truncated_layer_ids(num_layers: int, keep: int) -> list[int]:
@@ -48,14 +50,14 @@ def truncated_layer_ids(num_layers: int, keep: int) -> list[int]:
 
 
 def build_draft_model(
-    target: torch.nn.Module,
+    target: CausalLM,
     target_arch: ModelArchConfig,
     draft: str,
     target_model: str,
     num_layers: int | None,
     dtype: torch.dtype,
     device: str,
-) -> tuple[torch.nn.Module, ModelArchConfig]:
+) -> tuple[CausalLM, ModelArchConfig]:
     """The draft network. Naming the target's own checkpoint shares its weights (no copy); with
     num_layers it keeps only truncated_layer_ids(...) of them."""
     from tokenmill.models.loader import load_model, reset_buffers, resolve_model_path
@@ -76,7 +78,8 @@ def build_draft_model(
     # Same class on the meta device, then point every parameter at the source's tensor.
     draft_arch = dataclasses.replace(arch, num_hidden_layers=len(layer_ids))
     with torch.device("meta"):
-        net = type(source)(draft_arch, dtype=dtype)
+        # every model class (a CausalLM subclass) is built as cls(cfg, dtype=...); CausalLM's own takes the body
+        net = type(source)(draft_arch, dtype=dtype)  # type: ignore[call-arg]
     src_params = dict(source.named_parameters())
     rename = {f"model.layers.{i}.": f"model.layers.{j}." for i, j in enumerate(layer_ids)}
     for name, _ in list(net.named_parameters()):
@@ -104,7 +107,7 @@ def take_rows(meta: SamplingMetadata, idx: list[int]) -> SamplingMetadata:
 
     return dataclasses.replace(
         meta,
-        temperature=pick(meta.temperature),
+        temperature=meta.temperature[t],
         top_k=pick(meta.top_k),
         top_p=pick(meta.top_p),
         min_p=pick(meta.min_p),
@@ -155,6 +158,7 @@ def draft_loop(
         for row, i in enumerate(alive):
             drafts[reqs[i].request_id].append(toks[row])
             if not all_greedy:
+                assert q is not None  # sample returns no q only when every row is greedy
                 probs[reqs[i].request_id].append(q[row])
         keep = [row for row, i in enumerate(alive) if ks[i] > j + 1]
         if not keep:
@@ -175,7 +179,7 @@ def draft_loop(
 class DraftModelProposer:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: RunnerModel,
         arch: ModelArchConfig,
         num_blocks: int,
         block_size: int,
@@ -192,12 +196,13 @@ class DraftModelProposer:
             num_blocks + scratch, block_size, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, kv_dtype
         )
         self.runner = new_runner(model, arch, spec, seed + 1)
-        self.feature_sink = None  # drafts from its own layers
+        self.feature_sink: FeatureSink | None = None  # drafts from its own layers
         self.num_computed: dict[str, int] = {}
         """request id -> real tokens with draft K/V in mirrored blocks."""
 
     @classmethod
     def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> DraftModelProposer:
+        assert config.model is not None  # SpeculativeConfig requires it for method draft_model
         model, arch = build_draft_model(
             ctx.target,
             ctx.target_arch,
@@ -286,6 +291,6 @@ class DraftModelProposer:
         if meta.all_greedy:
             return greedy, None
         q = processed.softmax(-1)
-        noise = exponential_noise(tuple(q.shape), meta.generators, q.device, self.runner.sampler.global_gen)
+        noise = exponential_noise((q.shape[0], q.shape[1]), meta.generators, q.device, self.runner.sampler.global_gen)
         tok = torch.where(meta.temperature > 0, (q / noise).argmax(-1), greedy)
         return tok, q

@@ -101,6 +101,7 @@ class EagleProposer(DraftModelProposer):
 
     @classmethod
     def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
+        assert config.model is not None  # SpeculativeConfig requires it for method eagle
         embed, lm = target_tables(ctx.target)
         head = load_eagle_head(config.model, ctx.target_arch, embed, lm, ctx.dtype, ctx.device)
         return cls(head, config.tree, config.tree_max_depth, ctx.max_model_len, **cls.pool_args(config, ctx))
@@ -150,7 +151,7 @@ class EagleProposer(DraftModelProposer):
         if not reqs:
             return Proposal([[] for _ in requests], None)
 
-        logits, fhat = self._forward(catch_up, feats)
+        logits, fhat = self._forward_head(catch_up, feats)
         if self.tree is not None:
             drafted = self._draft_tree(reqs, ks, tables, [f[-1:] for f in feats], logits, fhat)
             by_id = {r.request_id: d for r, d in zip(reqs, drafted)}
@@ -168,7 +169,7 @@ class EagleProposer(DraftModelProposer):
             slices = [
                 StepTokens(reqs[i].request_id, reqs[i].num_tokens - 1 + j, [t], tables[i]) for i, t in zip(alive, last)
             ]
-            out, fhat = self._forward(slices, list(fhat.unsqueeze(1)))
+            out, fhat = self._forward_head(slices, list(fhat.unsqueeze(1)))
             return out
 
         drafts, probs = draft_loop(reqs, ks, meta, logits, self._sample, step)
@@ -194,6 +195,7 @@ class EagleProposer(DraftModelProposer):
             root -> a (-0.1), b (-1.2), c (-2.0)        width 2: keep a, b; their children scored
             a -> d (-0.1 - 0.3), e (...); b -> f ...    keep the 2 best of d, e, f, ... and so on
         """
+        assert self.tree is not None  # propose drafts trees only with a tree config
         w, vocab = self.tree.max_width, self.head.draft_vocab
         out: list[tuple[list[int], list[int]]] = []
         root_lp = logits.log_softmax(-1)
@@ -248,7 +250,7 @@ class EagleProposer(DraftModelProposer):
             fh = self.head(inp.input_ids, inp.positions, feats.to(self.head.norm.weight.dtype))
         return self.head.compute_logits(fh), fh
 
-    def _forward(self, slices: list[StepTokens], feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_head(self, slices: list[StepTokens], feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits over the draft vocab [n, V'], predicted features [n, H]) at each slice's last
         position, in slice order. feats[i]: the features paired with slices[i]'s tokens."""
         order = sorted(range(len(slices)), key=lambda i: slices[i].num_new_tokens != 1)  # decodes first

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +37,14 @@ from torch import nn
 
 from tokenmill.attention.backend import TorchPagedAttention
 from tokenmill.config import ModelArchConfig
+from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.linear import Linear
-from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer
+
+if TYPE_CHECKING:
+    from tokenmill.models.causal_lm import CausalLM
 
 FORMAT = "tokenmill-eagle"
 VERSION = 1
@@ -55,6 +60,8 @@ def head_arch(target: ModelArchConfig) -> ModelArchConfig:
 class EagleHead(nn.Module):
     """See the module docstring. `embed` is the target's token embedding table [V, H] (shared);
     `lm_rows` the target's LM-head rows of `draft_vocab` [N, H]."""
+
+    draft_vocab: torch.Tensor  # a buffer (register_buffer in __init__)
 
     def __init__(
         self,
@@ -130,16 +137,21 @@ class EagleHead(nn.Module):
         )
 
 
-def target_tables(target: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def target_tables(target: CausalLM) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding table [V, H], LM-head weight [V, H]) of a target, dense in its dtype, whatever
     its embedding or head kernels (quantized, prepacked, tied or not): read through the model's
     own forward paths, so the head sees exactly what the target computes with."""
+    from tokenmill.quant.head import QuantizedEmbedding
+
     inner = target.model
     H = target.config.hidden_size
+    table, norm = inner.embed_tokens, inner.norm
+    assert isinstance(table, (VocabEmbedding, QuantizedEmbedding)), "the body's table (models/llama.py)"
+    assert isinstance(norm, (RMSNorm, GemmaRMSNorm)), "the body's final norm"
     with torch.no_grad():  # not inference_mode: training reads these tables under autograd
-        dev = inner.norm.weight.device
-        embed = inner.embed_tokens.dense_table()
-        lm = target.compute_logits(torch.eye(H, dtype=inner.norm.weight.dtype, device=dev)).t()
+        dev = norm.weight.device
+        embed = table.dense_table()
+        lm = target.compute_logits(torch.eye(H, dtype=norm.weight.dtype, device=dev)).t()
     return embed, lm.to(embed.dtype).contiguous()
 
 

@@ -55,6 +55,9 @@ WEIGHTS_FILE = "model.safetensors"
 class MedusaHeads(nn.Module):
     """K residual blocks over the target's feature and the target's LM-head rows of draft_vocab."""
 
+    lm_rows: torch.Tensor  # buffers (register_buffer in __init__)
+    draft_vocab: torch.Tensor
+
     def __init__(
         self,
         hidden_size: int,
@@ -81,9 +84,10 @@ class MedusaHeads(nn.Module):
         """The weights are final: serve them through `Linear` (the same kernels as the target's layers)."""
         H, Vd = self.hidden_size, len(self.draft_vocab)
         dtype = self.weight.dtype
-        layers = []
+        layers: list[Linear] = []
         for k in range(self.num_heads):
             lin = Linear(H, H, bias=True, dtype=dtype)
+            assert lin.bias is not None  # bias=True
             lin.weight.data.copy_(self.weight.data[k])
             lin.bias.data.copy_(self.bias.data[k])
             layers.append(lin)
@@ -91,7 +95,7 @@ class MedusaHeads(nn.Module):
         lm.weight.data.copy_(self.lm_rows)
         layers.append(lm)
         self.serving = nn.ModuleList(layers).to(self.weight.device)
-        for lin in self.serving:
+        for lin in layers:  # the serving list's modules (moved in place)
             lin.process_weights_after_loading()
         return self
 
@@ -232,6 +236,7 @@ class MedusaProposer:
     def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> MedusaProposer:
         from tokenmill.spec_decode.eagle_head import target_tables
 
+        assert config.model is not None  # SpeculativeConfig requires it for method medusa
         _, lm = target_tables(ctx.target)
         heads, acc = load_medusa(
             config.model, ctx.target_arch.hidden_size, ctx.target_arch.vocab_size, lm, ctx.dtype, ctx.device
@@ -271,6 +276,7 @@ class MedusaProposer:
             return self._hybrid(requests, num_tokens, rows, top)
         if not rows:
             return Proposal(drafts, None, parents)
+        assert top is not None  # rows to draft for: the heads ran
         for j, i in enumerate(rows):
             depth = min(draft_budget(requests[i], len(top), self.max_model_len), num_tokens[i])
             index: dict[tuple[int, ...], int] = {}
@@ -286,6 +292,7 @@ class MedusaProposer:
         from tokenmill.spec_decode.ngram import ngram_tree
 
         lk = self.lookup
+        assert lk is not None  # propose calls this only with a lookup
         row_of = {i: j for j, i in enumerate(rows)}
         drafts, parents = [], []
         for i, r in enumerate(requests):

@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 
     from tokenmill.config import KVCacheSpec, ModelArchConfig, SpeculativeConfig
     from tokenmill.core.step_io import StepInput
-    from tokenmill.worker.model_runner import FeatureSink, ModelRunner
+    from tokenmill.models.causal_lm import CausalLM
+    from tokenmill.worker.model_runner import FeatureSink, ModelRunner, RunnerModel
 
-    RunnerFactory = Callable[[torch.nn.Module, ModelArchConfig, KVCacheSpec, int], ModelRunner]
+    RunnerFactory = Callable[[RunnerModel, ModelArchConfig, KVCacheSpec, int], ModelRunner]
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class ProposerContext:
     """What a proposer may use of the runner it drafts for: the target's handles, its pool's layout, and a factory
     for a runner of its own (a draft model or head with a paged cache), never the engine or the scheduler."""
 
-    target: torch.nn.Module
+    target: CausalLM
     """The target model (EAGLE reads its tables; a self-draft shares its weights)."""
     target_arch: ModelArchConfig
     target_model: str

@@ -26,6 +26,7 @@ Row layout of one verification batch (two requests: A with 2 drafts, B with none
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -112,6 +113,7 @@ def rejection_sample(
         accepted = greedy_ok
         probs = None
     else:
+        assert uniforms is not None, "uniforms are None only when every request is greedy"
         probs = target_logits.softmax(-1)  # [num_rows, V]
         p_draft = probs[draft_rows]
         accept_p = acceptance_probs(p_draft, draft_probs, draft_token_ids)
@@ -126,6 +128,7 @@ def rejection_sample(
 
     final = argmax[final_rows]  # greedy answer
     if probs is not None:
+        assert noise is not None, "noise is None only when every request is greedy"
         dist = probs[final_rows]  # [N, V] bonus: p
         rejected = num_accepted < k
         if bool(rejected.any()):
@@ -201,7 +204,7 @@ def expand_rows(
         meta,
         allowed=allowed,
         allowed_per_position=None,
-        temperature=rep(meta.temperature),
+        temperature=meta.temperature.repeat_interleave(reps, dim=0),
         top_k=rep(meta.top_k),
         top_p=rep(meta.top_p),
         min_p=rep(meta.min_p),
@@ -252,7 +255,7 @@ class RejectionSampler:
         self,
         logits: torch.Tensor,
         sampling: list[StepTokens],
-        reqs: list[SamplingRow],
+        reqs: Sequence[SamplingRow],
         meta: SamplingMetadata,
         draft_probs: dict[str, torch.Tensor],
         global_gen: torch.Generator | None,
@@ -273,15 +276,17 @@ class RejectionSampler:
         q = None
         if not meta.all_greedy and any(ks):
             rows = [draft_probs.get(r.request_id) for r, k in zip(reqs, ks) if k]
-            if all(x is not None for x in rows):
-                q = torch.cat([x[:k] for x, k in zip(rows, [k for k in ks if k])]).to(dev)
+            present = [x for x in rows if x is not None]
+            if len(present) == len(rows):
+                q = torch.cat([x[:k] for x, k in zip(present, [k for k in ks if k])]).to(dev)
         uniforms = noise = None
         if not meta.all_greedy:
             uniforms, noise = draw_randomness(ks, meta.generators, logits.shape[-1], dev, global_gen)
         res = rejection_sample(processed, flat, q, ks, is_greedy, uniforms, noise)
         lps: list | None = None
         if raw_logprobs is not None:
-            rows_, toks = [], []
+            rows_: list[int] = []
+            toks: list[int] = []
             row0 = 0
             for k, toks_i in zip(ks, res.output_token_ids):
                 rows_.extend(range(row0, row0 + len(toks_i)))

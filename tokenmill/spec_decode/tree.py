@@ -32,6 +32,7 @@ Worked example (greedy), a tree of 4 nodes below the root R:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -156,6 +157,7 @@ def verify_tree(
         for c in kids[row]:
             x = tree.tokens[c]
             if tree.sampled[c]:
+                assert draft_probs is not None  # checked above: sampled nodes need draft_probs
                 s = draft_probs[row].to(torch.float64)
             else:
                 s = torch.zeros_like(r)
@@ -206,7 +208,7 @@ class TreeVerifier:
         self,
         logits: torch.Tensor,
         sampling: list[StepTokens],
-        reqs: list[SamplingRow],
+        reqs: Sequence[SamplingRow],
         meta: SamplingMetadata,
         draft_probs: dict[str, torch.Tensor],
         global_gen: torch.Generator | None,
@@ -217,7 +219,7 @@ class TreeVerifier:
             toks = s.token_ids[len(s.token_ids) - k :] if k else []
             parents = list(s.spec_parents[:k]) if s.spec_parents is not None else list(range(-1, k - 1))
             trees.append(TokenTree(toks, parents, [s.request_id in draft_probs] * k))
-        prefixes = [[[]] + [t.path(i) for i in range(t.size)] for t in trees]
+        prefixes: list[list[list[int]]] = [[[]] + [t.path(i) for i in range(t.size)] for t in trees]
         emeta = expand_rows(
             meta, prefixes, [r.num_output_tokens for r in reqs], [r.sampling_params.min_tokens for r in reqs]
         )
@@ -233,6 +235,7 @@ class TreeVerifier:
             if r.sampling_params.is_greedy:
                 v = greedy_tree_walk(tree, argmax[row0 : row0 + n])
             else:
+                assert probs is not None  # a row that is not greedy: meta is not all greedy
                 q = draft_probs.get(s.request_id)
                 gen = meta.generators[i] if meta.generators[i] is not None else global_gen
                 v = verify_tree(tree, probs[row0 : row0 + n], None if q is None else q.to(probs.device), False, gen)

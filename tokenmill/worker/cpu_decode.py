@@ -104,8 +104,9 @@ def build(layout: DecoderLayout | None, kv_caches: list[torch.Tensor]) -> CpuDec
         return None
     kernels: list[list[LinearKernel]] = []
     for parts in layout.layers:
-        ks = [lin.kernel() for lin in (parts.qkv, parts.o, parts.gate_up, parts.down)]
-        if any(k is None for k in ks):
+        maybe = [lin.kernel() for lin in (parts.qkv, parts.o, parts.gate_up, parts.down)]
+        ks = [k for k in maybe if k is not None]
+        if len(ks) != len(maybe):
             return None
         kernels.append(ks)
     stack = torch.classes.tokenmill.DecodeStack(

@@ -28,7 +28,9 @@ from tokenmill.core.step_io import StepInput, StepOutput
 from tokenmill.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
+    from tokenmill.models.causal_lm import CausalLM
     from tokenmill.models.loader import LoadedModel
+    from tokenmill.worker.model_runner import RunnerModel
 
 logger = logging.getLogger("tokenmill")
 
@@ -106,7 +108,7 @@ def load_target(mc: ModelConfig, load_tokenizer: bool = True) -> LoadedModel:
 
 
 def build_runner(
-    model: torch.nn.Module,
+    model: CausalLM,
     arch: ModelArchConfig,
     opts: RunnerOptions,
     use_decode_loop: bool = True,
@@ -124,7 +126,7 @@ def build_runner(
         from tokenmill.spec_decode.decoder import SpeculativeDecoder
         from tokenmill.spec_decode.proposer import ProposerContext
 
-        def new_runner(draft: torch.nn.Module, draft_arch: ModelArchConfig, kv: KVCacheSpec, seed: int) -> ModelRunner:
+        def new_runner(draft: RunnerModel, draft_arch: ModelArchConfig, kv: KVCacheSpec, seed: int) -> ModelRunner:
             return ModelRunner(draft, draft_arch, kv, device, seed=seed, use_decode_loop=use_decode_loop)
 
         ctx = ProposerContext(
@@ -177,7 +179,7 @@ class Executor(Protocol):
 class UniProcExecutor:
     """The runner in the engine's own process."""
 
-    def __init__(self, model: torch.nn.Module, arch: ModelArchConfig, opts: RunnerOptions) -> None:
+    def __init__(self, model: CausalLM, arch: ModelArchConfig, opts: RunnerOptions) -> None:
         self.runner = build_runner(model, arch, opts)
 
     def execute(self, step: StepInput) -> StepOutput:

@@ -3,12 +3,14 @@ samples of a prompt from their leader's logits row."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tokenmill.core.step_io import BlockCopy, StepTokens
 
 
-def copy_blocks(kv_caches: list[torch.Tensor], copies: list[BlockCopy]) -> None:
+def copy_blocks(kv_caches: list[torch.Tensor], copies: Sequence[BlockCopy]) -> None:
     """kv_caches: per layer [2, num_blocks, block_size, Hkv, D]. Copies every pair's K and V (and,
     for an int8 cache, the packed scales) in all layers. Destinations are fresh blocks, never a
     source in the same list, so one gather + scatter per layer is exact."""
@@ -36,7 +38,10 @@ def add_forked_samples(
     for s in sampling:
         end += 1 + s.num_spec_tokens
         row[s.request_id] = end - 1
-    extra = [int(logits_indices[row[f.fork_of]]) for f in forked]
+    extra: list[int] = []
+    for f in forked:
+        assert f.fork_of is not None, "a forked sample names its leader"
+        extra.append(int(logits_indices[row[f.fork_of]]))
     idx = torch.cat([logits_indices, torch.tensor(extra, dtype=logits_indices.dtype, device=logits_indices.device)])
     return idx, sampling + list(forked)
 

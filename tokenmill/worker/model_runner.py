@@ -23,7 +23,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -53,7 +53,22 @@ from tokenmill.worker import cpu_decode
 from tokenmill.worker.kv_cache_ops import add_forked_samples, compact_accepted_path, copy_blocks
 
 if TYPE_CHECKING:
+    from tokenmill.models.interface import DecoderLayout
+    from tokenmill.models.llama import LlamaAttention
     from tokenmill.spec_decode.decoder import SpeculativeDecoder
+
+
+class RunnerModel(Protocol):
+    """What a runner uses of its model: the target (models/causal_lm.py's CausalLM) or a draft's (a draft
+    CausalLM, or EAGLE's head, whose proposer calls it with features itself and never through run_model)."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def decoder_layout(self) -> DecoderLayout | None: ...
+
+    def attention_layers(self) -> list[LlamaAttention]: ...
 
 
 @dataclass(slots=True)
@@ -181,7 +196,7 @@ def kept_rows(
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: RunnerModel,
         arch: ModelArchConfig,
         kv_spec: KVCacheSpec,
         device: torch.device,
@@ -530,11 +545,11 @@ class ModelRunner:
             if r.num_output_tokens < p.min_tokens:
                 if ban is None:
                     ban = torch.zeros(n, V, dtype=torch.bool, device=dev)
-                ids = list(p.stop_token_ids) + (
+                banned = list(p.stop_token_ids) + (
                     [r.eos_token_id] if r.eos_token_id is not None and not p.ignore_eos else []
                 )
-                if ids:
-                    ban[i, torch.tensor(ids, device=dev)] = True
+                if banned:
+                    ban[i, torch.tensor(banned, device=dev)] = True
         gens: list[torch.Generator | None] = []
         for r in reqs:
             seed = r.sampling_params.seed

@@ -15,9 +15,9 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from tokenmill.config import KVCacheSpec
 from tokenmill.core.step_io import StepInput, StepOutput
@@ -31,6 +31,9 @@ from tokenmill.distributed.tensor_parallel import (
 )
 from tokenmill.worker.executor import RunnerOptions
 from tokenmill.worker.process import SpawnedWorker, WorkerDiedError, watch
+
+if TYPE_CHECKING:
+    from tokenmill.models.causal_lm import CausalLM
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,11 @@ def _rank_main(spec: RankSpec, shm_data: torch.Tensor | None, shm_flags: torch.T
 
     try:
         torch.set_num_threads(spec.num_threads)
-        shm = SharedMemoryAllReduce(shm_data, shm_flags, spec.rank) if shm_data is not None else None
+        shm = (
+            SharedMemoryAllReduce(shm_data, shm_flags, spec.rank)
+            if shm_data is not None and shm_flags is not None  # created together (TensorParallelExecutor)
+            else None
+        )
         group = make_group(spec.port, spec.rank, spec.size, spec.timeout_s, shm=shm)
         loaded = build_shard(spec.opts.model.model, spec.opts.model.torch_dtype, group)
         runner = build_runner(
@@ -99,7 +106,7 @@ class TPExecutor:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         opts: RunnerOptions,
         num_threads: int = 1,
         timeout_s: float = 300.0,
@@ -123,7 +130,11 @@ class TPExecutor:
             )
             for r in range(1, size)
         ]
-        shm = SharedMemoryAllReduce(shm_data, shm_flags, 0, self._check_workers) if shm_data is not None else None
+        shm = (
+            SharedMemoryAllReduce(shm_data, shm_flags, 0, self._check_workers)
+            if shm_data is not None and shm_flags is not None  # created together above
+            else None
+        )
         self._closed = False
         try:
             self.group = self._form_group(port, size, timeout_s, shm)
