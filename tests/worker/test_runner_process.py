@@ -13,6 +13,8 @@ import time
 import pytest
 import torch
 
+# test_eagle's fixtures, for the EAGLE case: importing them here is how pytest shares a test module's fixtures
+from tests.spec_decode.test_eagle import corpus, trained_head  # noqa: E402, F401
 from tokenmill.config import CacheConfig, KVCacheSpec, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.step_io import StepInput, StepOutput
@@ -107,9 +109,16 @@ def speculative_configs(path) -> dict[str, SpeculativeConfig | None]:
     }
 
 
-@pytest.mark.parametrize("name", ["plain", "ngram_chain", "ngram_tree", "draft_model"])
-def test_runner_in_another_process_gives_the_same_tokens(tiny_llama, name):
-    opts = options(tiny_llama, speculative_configs(tiny_llama)[name])
+@pytest.mark.parametrize("name", ["plain", "ngram_chain", "ngram_tree", "draft_model", "eagle"])
+def test_runner_in_another_process_gives_the_same_tokens(tiny_llama, name, request):
+    if name == "eagle":  # a head trained on the tiny model (tests/spec_decode/test_eagle.py's fixture)
+        head_dir = request.getfixturevalue("trained_head")[0]
+        config = SpeculativeConfig.from_dict(
+            {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 3, "adaptive": False}
+        )
+    else:
+        config = speculative_configs(tiny_llama)[name]
+    opts = options(tiny_llama, config)
     loaded = load_model(str(tiny_llama), dtype=torch.float32, load_tokenizer=False)
     local = UniProcExecutor(loaded.model, loaded.config, opts)
     here, preemptions, spec_here = run(local.execute)
