@@ -68,17 +68,59 @@ def test_tp2_with_ngram_speculation_equals_tp1_without(tiny_llama):
     assert stats.spec_decode["num_draft_tokens"] > 0 and stats.spec_decode["num_accepted_tokens"] > 0
 
 
+def test_tp2_with_an_ngram_tree_equals_tp1_without(tiny_llama, tmp_path):
+    """Rank 0 verifies the trees and moves each accepted path's K/V; ranks 1.. replay the moves before the next
+    step (TPExecutor's RankStep), or their caches would hold the wrong nodes' K/V and the tokens would drift. A
+    datastore that lists a wrong continuation beside each right one makes accepted paths leave the first branch
+    (as tests/spec_decode/test_engine.py does for one process)."""
+    from tokenmill.spec_decode.datastore import SuffixDatastore
+
+    ps = [[9] * 6, [1, 5, 6, 7, 8, 5, 6, 7] * 3] + prompts(2, seed=5, lo=20, hi=30)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(block_size=4, num_gpu_blocks_override=40, max_num_batched_tokens=32)
+    want, _, _ = run(tiny_llama, ps, 1, params, **kw)
+    seqs = []
+    for i, p in enumerate(ps):
+        full = p + want[f"r{i}"]
+        seqs.append(full)
+        seqs += [full[j - 4 : j] + [(full[j] + 1) % 256] for j in range(4, len(full)) for _ in range(2)]
+    store = tmp_path / "store.npz"
+    SuffixDatastore.save(store, seqs, min_n=2, max_n=4)
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 2,
+        "datastore": str(store),
+        "datastore_min_share": 0.0,
+        "tree": {"max_nodes": 8, "max_width": 2},
+    }
+    e = EngineCore(
+        EngineConfig.from_kwargs(
+            model=str(tiny_llama), dtype="float32", tensor_parallel_size=2, speculative_config=spec, **kw
+        )
+    )
+    try:
+        for i, p in enumerate(ps):
+            e.add_request(f"r{i}", p, params)
+        got = {k: o.outputs[0].token_ids for k, o in drain(e).items()}
+        assert isinstance(e.executor, TPExecutor)
+        moved = e.executor.runner.num_paths_compacted
+        sd = e.stats().spec_decode
+    finally:
+        e.close()
+    assert got == want
+    assert sd["num_accepted_tokens"] > 0 and moved > 0  # trees verified, paths off the first branch moved
+
+
 def test_tp_refuses_speculation_it_cannot_split(tiny_llama):
-    with pytest.raises(ValueError, match="n-gram chains"):
+    with pytest.raises(ValueError, match="takes method ngram"):
         EngineCore(
             EngineConfig.from_kwargs(
                 model=str(tiny_llama),
                 tensor_parallel_size=2,
-                speculative_config={
-                    "method": "ngram",
-                    "num_speculative_tokens": 3,
-                    "tree": {"max_nodes": 6, "max_width": 2},
-                },
+                speculative_config={"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3},
             )
         )
 

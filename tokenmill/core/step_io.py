@@ -156,6 +156,16 @@ class Drafts:
     """A token tree: draft i's parent draft (-1: the request's last token), parents first; None: a chain."""
 
 
+@dataclass(frozen=True)
+class PathMove:
+    """A verified token tree's accepted path, moved into consecutive slots of one block table (every layer):
+    node a_j's K/V, written at position base + a_j, goes to position base + j (worker/kv_cache_ops.py)."""
+
+    block_ids: list[int]
+    base: int
+    accepted_nodes: list[int]
+
+
 @dataclass
 class StepOutput:
     """What a runner returns for one step (worker/executor.py's `Executor.execute`)."""
@@ -167,6 +177,9 @@ class StepOutput:
     request (unless it finished) and schedules them under the one rule."""
     spec_metrics: dict[str, float] | None = None
     """The runner's speculative-decoding counters so far (cumulative), or None without speculation."""
+    path_moves: list[PathMove] = field(default_factory=list)
+    """The K/V moves this step's tree verification made in the runner's cache: tensor-parallel ranks 1..,
+    which do not verify, make the same moves in theirs (worker/tp_executor.py)."""
 
 
 @dataclass(slots=True)

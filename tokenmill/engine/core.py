@@ -154,11 +154,11 @@ class EngineCore:
         if tp > 1 and config.kv_transfer is not None:
             raise ValueError("tensor_parallel_size > 1 runs without KV transfer here")
         spec = config.speculative
-        if tp > 1 and spec is not None and (spec.method != "ngram" or spec.tree is not None):
+        if tp > 1 and spec is not None and spec.method != "ngram":
             raise ValueError(
-                "with tensor_parallel_size > 1, speculative decoding takes n-gram chains (method "
-                "ngram, no tree): the other methods run the target's shards on rank 0 alone, and a "
-                "verified tree's accepted path is moved in rank 0's KV cache only"
+                f"with tensor_parallel_size > 1, speculative decoding takes method ngram (chains or trees, with or "
+                f"without a datastore), not {spec.method!r}: a draft model or head would run the target's shards "
+                f"on rank 0 alone"
             )
 
     # ------------------------------------------------------------------ intake

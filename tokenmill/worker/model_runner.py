@@ -40,6 +40,7 @@ from tokenmill.core.step_io import (
     BlockCopy,
     DraftRequest,
     NewRequestData,
+    PathMove,
     SamplerResult,
     SamplingRow,
     ScheduledChunk,
@@ -193,6 +194,14 @@ def kept_rows(
     return out, hidden.index_select(0, torch.tensor(idx, dtype=torch.long, device=hidden.device))
 
 
+@dataclass
+class Sampled:
+    """What `ModelRunner.sample` decided: each sampling request's tokens, and the K/V moves of verified trees."""
+
+    results: dict[str, SamplerResult]
+    path_moves: list[PathMove] = dataclasses.field(default_factory=list)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -290,12 +299,12 @@ class ModelRunner:
             self.feature_sink(batch, hidden)
         if not sampling:
             return StepOutput(spec_metrics=self.speculator.metrics() if self.speculator is not None else None)
-        results = self.sample(step, batch, sampling, hidden, logits_indices)
+        sampled = self.sample(step, batch, sampling, hidden, logits_indices)
         if self.speculator is None:
-            return StepOutput(results)
+            return StepOutput(sampled.results)
         self.speculator.observe_target_step(batch, time.perf_counter() - t0)
-        drafts = self.speculator.propose(self.draft_requests(sampling, results))
-        return StepOutput(results, drafts, self.speculator.metrics())
+        drafts = self.speculator.propose(self.draft_requests(sampling, sampled.results))
+        return StepOutput(sampled.results, drafts, self.speculator.metrics(), sampled.path_moves)
 
     def run_model(self, inp: StepInputs) -> torch.Tensor:
         """The forward over a step's inputs: the C++ layer loop where it serves the step (its attention plan and
@@ -317,12 +326,12 @@ class ModelRunner:
         sampling: list[StepTokens],
         hidden: torch.Tensor,
         logits_indices: torch.Tensor,
-    ) -> dict[str, SamplerResult]:
+    ) -> Sampled:
         """The step's tokens: sampled from the logits at `logits_indices`, or, for requests with drafts, the
         speculator's verdict (whose accepted tree paths are then moved into consecutive slots)."""
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
         if not self.samples:
-            return {}
+            return Sampled({})
         rows = [self.requests[s.request_id] for s in sampling]
         smeta = self.sampling_metadata(rows)
         verify = self.speculator is not None and any(s.num_spec_tokens for s in sampling)
@@ -331,25 +340,33 @@ class ModelRunner:
         if not verify:
             out = self.sampler(logits, smeta, [r.sampling_params.logprobs for r in rows])
             toks = out.token_ids.tolist()
-            return {
-                r.request_id: SamplerResult(
-                    [toks[i]], None if out.logprobs is None or out.logprobs[i] is None else [out.logprobs[i]]
-                )
-                for i, r in enumerate(rows)
-            }
+            return Sampled(
+                {
+                    r.request_id: SamplerResult(
+                        [toks[i]], None if out.logprobs is None or out.logprobs[i] is None else [out.logprobs[i]]
+                    )
+                    for i, r in enumerate(rows)
+                }
+            )
         assert self.speculator is not None
+        moves: list[PathMove] = []
         results = self.speculator.verify(logits, sampling, rows, smeta, self.sampler.global_gen)
         for s in sampling:  # a verified tree: its accepted path's K/V into consecutive slots
             res = results.get(s.request_id)
             if s.tree_parents is not None and res is not None and res.accepted_nodes:
                 self.num_paths_compacted += res.accepted_nodes != list(range(len(res.accepted_nodes)))
-                for table in s.tables():  # each group's layers sit at its own blocks in every tensor
-                    compact_accepted_path(
-                        self.kv_tensors, table, s.start_pos + s.num_new_tokens - s.num_spec_tokens, res.accepted_nodes
-                    )
+                base = s.start_pos + s.num_new_tokens - s.num_spec_tokens
+                # each group's layers sit at its own blocks in every tensor
+                moves.extend(PathMove(table, base, res.accepted_nodes) for table in s.tables())
+        self.move_paths(moves)
         if self.feature_sink is not None:
             self.feature_sink(*kept_rows(batch, hidden, results))
-        return results
+        return Sampled(results, moves)
+
+    def move_paths(self, moves: Sequence[PathMove]) -> None:
+        """Verified token trees: each accepted path's K/V into consecutive slots (every layer), in order."""
+        for m in moves:
+            compact_accepted_path(self.kv_tensors, m.block_ids, m.base, m.accepted_nodes)
 
     def draft_requests(self, sampling: list[StepTokens], results: dict[str, SamplerResult]) -> list[DraftRequest]:
         """The rows that sampled this step as the proposer sees them: their tokens with the sampled ones."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.config import KVCacheSpec
-from tokenmill.core.step_io import StepInput, StepOutput
+from tokenmill.core.step_io import PathMove, StepInput, StepOutput
 from tokenmill.distributed.tensor_parallel import (
     SharedMemoryAllReduce,
     TPGroup,
@@ -48,7 +48,16 @@ class RankSpec:
     timeout_s: float
 
 
-def _broadcast_step(group: TPGroup, step: StepInput | None) -> StepInput | None:
+@dataclass(frozen=True)
+class RankStep:
+    """What rank 0 broadcasts each step: the step, and the K/V moves its tree verification made in the step before
+    (the other ranks do not verify; they replay the moves before this step's forward)."""
+
+    step: StepInput
+    path_moves: list[PathMove]
+
+
+def _broadcast_step(group: TPGroup, step: RankStep | None) -> RankStep | None:
     """Rank 0 sends `step` (pickled), every other rank receives it; None ends the loop."""
     if group.rank == 0:
         data = pickle.dumps(step)
@@ -88,10 +97,11 @@ def _rank_main(spec: RankSpec, shm_data: torch.Tensor | None, shm_flags: torch.T
         traceback.print_exc()
         sys.exit(1)
     while True:
-        step = _broadcast_step(group, None)
-        if step is None:
+        msg = _broadcast_step(group, None)
+        if msg is None:
             return
-        runner.execute(step)
+        runner.move_paths(msg.path_moves)
+        runner.execute(msg.step)
 
 
 class TPExecutor:
@@ -144,6 +154,8 @@ class TPExecutor:
             raise
         shard_model(model, self.group)
         self.model = model
+        self.pending_moves: list[PathMove] = []
+        """The K/V moves of the last step's verified trees, which ranks 1.. replay before the next step."""
         self.runner = build_runner(model, model.config, opts, use_decode_loop=False)
         keys = [_ready_key(r) for r in range(1, size)]  # every rank built its shard and runner
 
@@ -190,8 +202,10 @@ class TPExecutor:
     def execute(self, step: StepInput) -> StepOutput:
         self._check_workers()  # a rank that died since the last step: fail now, not in a collective's timeout
         try:
-            _broadcast_step(self.group, step)
-            return self.runner.execute(step)
+            _broadcast_step(self.group, RankStep(step, self.pending_moves))
+            out = self.runner.execute(step)
+            self.pending_moves = out.path_moves
+            return out
         except RuntimeError as e:  # gloo: a peer's connection closed
             if isinstance(e, WorkerDiedError):
                 raise
