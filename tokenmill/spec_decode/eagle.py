@@ -35,6 +35,7 @@ from tokenmill.spec_decode.proposer import DraftRequest, Proposal, draft_budget
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig, TreeConfig
     from tokenmill.spec_decode.proposer import ProposerContext
+    from tokenmill.worker.model_runner import StepInputs
 
 
 class FeatureStore:
@@ -243,11 +244,20 @@ class EagleProposer(DraftModelProposer):
             out.append(([toks[j] for j in keep], [index[parents[j]] if parents[j] >= 0 else -1 for j in keep]))
         return out
 
+    def _run_head(self, inp: StepInputs, feats: torch.Tensor) -> torch.Tensor:
+        """The head over a step's inputs and features [n, H]: its input rows (fc over [embedding | feature]) through
+        its decoder layer in the C++ layer loop where the loop serves the step, else through its modules."""
+        rows = self.head.input_rows(inp.input_ids, feats)
+        out = self.runner.run_rows(inp, rows)
+        if out is not None:
+            return out
+        with forward_context(inp.meta):
+            return self.head.forward_rows(inp.positions, rows)
+
     def _forward_tree(self, step: StepTokens, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One tree step of the head: (logits [1 + k, V'], predicted features [1 + k, H]) of the root and nodes."""
         inp = self.runner.prepare_inputs([step])
-        with forward_context(inp.meta):
-            fh = self.head(inp.input_ids, inp.positions, feats.to(self.head.norm.weight.dtype))
+        fh = self._run_head(inp, feats.to(self.head.norm.weight.dtype))
         return self.head.compute_logits(fh), fh
 
     def _forward_head(self, slices: list[StepTokens], feats: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,8 +266,7 @@ class EagleProposer(DraftModelProposer):
         order = sorted(range(len(slices)), key=lambda i: slices[i].num_new_tokens != 1)  # decodes first
         inp = self.runner.prepare_inputs([slices[i] for i in order])
         x = torch.cat([feats[i] for i in order]).to(self.head.norm.weight.dtype)
-        with forward_context(inp.meta):
-            fhat = self.head(inp.input_ids, inp.positions, x)
+        fhat = self._run_head(inp, x)
         last_sorted = fhat[inp.logits_indices]
         last = torch.empty_like(last_sorted)
         last[torch.tensor(order, device=last.device)] = last_sorted

@@ -41,6 +41,7 @@ from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.interface import DecoderLayout
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer
 
 if TYPE_CHECKING:
@@ -88,9 +89,26 @@ class EagleHead(nn.Module):
         self.head.weight = nn.Parameter(lm_rows.detach().to(dtype).contiguous(), requires_grad=False)
 
     # The runner binds KV caches through these (one layer).
-    def decoder_layout(self) -> None:
-        """Not the Llama layer layout (one layer fed by fc): the runner runs the module path."""
-        return None
+    def decoder_layout(self) -> DecoderLayout:
+        """Its one Llama layer and final norm, for the C++ layer loop. The loop starts from the head's input rows
+        (`input_rows`: fc over [embedding | feature]), which the proposer hands the runner (ModelRunner.run_rows);
+        `embed` is the target's token embedding, for the layout's form only."""
+        a = self.layer.self_attn
+        return DecoderLayout(
+            self.token_rows,
+            [self.layer.parts()],
+            self.norm.weight,
+            self.norm.eps,
+            a.num_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            a.scale,
+            self.rotary.cos_sin,
+        )
+
+    def token_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> the target's embedding rows [T, H]."""
+        return F.embedding(input_ids, self.embed)
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [self.layer.self_attn]
@@ -99,8 +117,15 @@ class EagleHead(nn.Module):
         """input_ids [T] (the token after each feature), positions [T], features [T, H] -> predicted
         next features [T, H]. Inside a forward context attention goes through the paged cache;
         outside, dense causal over [T] or [B, T]."""
+        return self.forward_rows(positions, self.input_rows(input_ids, features))
+
+    def input_rows(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's input [T, H]: fc over [the token's embedding | the feature before it]."""
         e = F.embedding(input_ids, self.embed).to(features.dtype)
-        x = self.fc(torch.cat([e, features], dim=-1))
+        return self.fc(torch.cat([e, features], dim=-1))
+
+    def forward_rows(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The decoder layer and final norm over input rows x [T, H] (the module path of the C++ layer loop)."""
         with self.rotary.cached(positions):
             y = self.layer(positions, x)
         return self.norm(y)

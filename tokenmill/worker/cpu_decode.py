@@ -62,10 +62,13 @@ class CpuDecodeLoop:
         return self.tiles_prompts and tiled_plan(meta) is not None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        n = input_ids.shape[0]
+        return self.forward_rows(self.embed(input_ids), positions, meta)
+
+    def forward_rows(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The layers and final norm over input rows h [n, hidden] (embedded tokens, or a head's own input)."""
+        n = h.shape[0]
         self.steps_served += 1
         self.max_tokens_served = max(self.max_tokens_served, n)
-        h = self.embed(input_ids)
         if meta.plan is AttentionKind.PER_TOKEN:
             return self.stack.forward(
                 h, positions, meta.slot_mapping, meta.token_block_tables, meta.token_seq_lens, meta.token_key_mask, None

@@ -314,6 +314,14 @@ class ModelRunner:
         with forward_context(inp.meta, inp.group_metas):
             return self.model(inp.input_ids, inp.positions)
 
+    def run_rows(self, inp: StepInputs, rows: torch.Tensor) -> torch.Tensor | None:
+        """The C++ layer loop over given input rows [num_tokens, hidden] in place of the embedded tokens (a draft
+        head fed by its own input projection), or None when the loop does not serve the step (the caller then runs
+        its modules)."""
+        if self.decode_loop is not None and self.decode_loop.serves(inp.meta, inp.input_ids.shape[0]):
+            return self.decode_loop.forward_rows(rows, inp.positions, inp.meta)
+        return None
+
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Copy-on-write: each copy's source block into its destination, in every layer's cache."""
         if copies:
