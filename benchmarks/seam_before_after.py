@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--datastore", required=True)
     ap.add_argument("--eagle", required=True, help="an EAGLE head directory (tokenmill train-eagle)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rows", nargs="+", default=["plain", "ngram tree", "eagle chain"], help="which rows to run")
     args = ap.parse_args()
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(first_turns(64, 5, 2000), f)
@@ -100,6 +101,7 @@ def main() -> None:
             False,
         ),
     }
+    rows = {k: v for k, v in rows.items() if k in args.rows}
     trees = {"old": args.old_tree.resolve(), "new": REPO}
     res: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.rounds):
