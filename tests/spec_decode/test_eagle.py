@@ -200,7 +200,7 @@ def test_greedy_identical_with_chunking_preemption_and_prefix_hits(tiny_llama, t
     assert spec["num_drafts"] > 0 and spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
     if not adaptive:
         assert spec["num_accepted_tokens"] > 0
-    head_loop = llm.engine.executor.runner.speculator.proposer.runner.decode_loop   # the head runs in the C++ loop
+    head_loop = llm.engine.executor.runner.speculator.proposer.runner.decode_loop  # the head runs in the C++ loop
     assert head_loop is not None and head_loop.steps_served > 0
 
 
