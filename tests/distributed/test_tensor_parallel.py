@@ -73,29 +73,13 @@ def test_tp2_with_an_ngram_tree_equals_tp1_without(tiny_llama, tmp_path):
     step (TPExecutor's RankStep), or their caches would hold the wrong nodes' K/V and the tokens would drift. A
     datastore that lists a wrong continuation beside each right one makes accepted paths leave the first branch
     (as tests/spec_decode/test_engine.py does for one process)."""
-    from tokenmill.spec_decode.datastore import SuffixDatastore
+    from tests.spec_decode.test_engine import branching_tree_config
 
     ps = [[9] * 6, [1, 5, 6, 7, 8, 5, 6, 7] * 3] + prompts(2, seed=5, lo=20, hi=30)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kw = dict(block_size=4, num_gpu_blocks_override=40, max_num_batched_tokens=32)
     want, _, _ = run(tiny_llama, ps, 1, params, **kw)
-    seqs = []
-    for i, p in enumerate(ps):
-        full = p + want[f"r{i}"]
-        seqs.append(full)
-        seqs += [full[j - 4 : j] + [(full[j] + 1) % 256] for j in range(4, len(full)) for _ in range(2)]
-    store = tmp_path / "store.npz"
-    SuffixDatastore.save(store, seqs, min_n=2, max_n=4)
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": 3,
-        "adaptive": False,
-        "prompt_lookup_min": 2,
-        "prompt_lookup_max": 2,
-        "datastore": str(store),
-        "datastore_min_share": 0.0,
-        "tree": {"max_nodes": 8, "max_width": 2},
-    }
+    spec = branching_tree_config(tmp_path / "store.npz", [p + want[f"r{i}"] for i, p in enumerate(ps)])
     e = EngineCore(
         EngineConfig.from_kwargs(
             model=str(tiny_llama), dtype="float32", tensor_parallel_size=2, speculative_config=spec, **kw

@@ -4,6 +4,8 @@ prefix hits), limits hold, seeds reproduce, and sampled tokens follow the target
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -171,23 +173,19 @@ def test_sampled_tokens_follow_the_target(tiny_llama, perturbed_draft):
         assert chisquare_pvalue(counts[p > 0], len(seconds) * p[p > 0]) > 0.01
 
 
-def test_tree_branches_past_the_first_child(tiny_llama, greedy_reference, tmp_path):
-    """A datastore whose most frequent continuation of every reference context is wrong and whose second is
-    right: every accepted path runs through later siblings, so its K/V must be moved into place for the
-    output to stay the plain decode's (the runner counts those moves)."""
+def branching_tree_config(store: Path, references: list[list[int]]) -> dict:
+    """An n-gram tree config over a datastore (written to `store`) whose most frequent continuation of every
+    4-token context of the reference sequences (prompt + greedy output) is wrong and whose second is right:
+    every accepted path runs through later siblings, so its K/V must be moved into place."""
     from tokenmill.spec_decode.datastore import SuffixDatastore
 
-    params, ref = greedy_reference
     seqs = []
-    for prompt, out in zip(PROMPTS, ref):
-        full = prompt + out
+    for full in references:
         seqs.append(full)
         for i in range(4, len(full)):
-            wrong = (full[i] + 1) % 256
-            seqs += [full[i - 4 : i] + [wrong]] * 2
-    store = tmp_path / "store.npz"
+            seqs += [full[i - 4 : i] + [(full[i] + 1) % 256]] * 2
     SuffixDatastore.save(store, seqs, min_n=2, max_n=4)
-    cfg = {
+    return {
         "method": "ngram",
         "num_speculative_tokens": 3,
         "adaptive": False,
@@ -197,6 +195,14 @@ def test_tree_branches_past_the_first_child(tiny_llama, greedy_reference, tmp_pa
         "datastore_min_share": 0.0,
         "tree": {"max_nodes": 8, "max_width": 2},
     }
+
+
+def test_tree_branches_past_the_first_child(tiny_llama, greedy_reference, tmp_path):
+    """A datastore whose most frequent continuation of every reference context is wrong and whose second is
+    right: every accepted path runs through later siblings, so its K/V must be moved into place for the
+    output to stay the plain decode's (the runner counts those moves)."""
+    params, ref = greedy_reference
+    cfg = branching_tree_config(tmp_path / "store.npz", [p + o for p, o in zip(PROMPTS, ref)])
     llm = LLM(str(tiny_llama), speculative_config=cfg, **TIGHT)
     assert run(llm, PROMPTS, params) == ref
     assert llm.engine.executor.runner.num_paths_compacted > 0

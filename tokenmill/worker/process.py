@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -108,8 +109,6 @@ def watch(
 ) -> None:
     """Wait until ready(poll_s) is true, raising WorkerDiedError as soon as a worker exits first; TimeoutError
     after timeout_s."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while not ready(poll_s):
         for w in workers:
