@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from tokenmill.bench.common import first_turns
+from tokenmill.bench.common import first_turns, run_in_tree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,18 +49,7 @@ print(json.dumps(out))
 
 
 def run(tree: Path, kw: dict, batch: bool, prompts: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(kw), prompts, "1" if batch else "0"],
-        env=env,
-        cwd=tree,
-        capture_output=True,
-        text=True,
-        timeout=3000,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"child failed in {tree}:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_in_tree(tree, CHILD, [json.dumps(kw), prompts, "1" if batch else "0"])
 
 
 def main() -> None:

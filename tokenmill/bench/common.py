@@ -9,6 +9,7 @@ import platform
 import random
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -262,3 +263,19 @@ def best_seconds(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def run_in_tree(tree: Path, code: str, args: Sequence[str], timeout: float = 3000) -> dict[str, Any]:
+    """Run `python -c code *args` with `tree` first on the path (a before/after checkout) in a fresh
+    process, and return the JSON object its last stdout line holds."""
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"child failed in {tree}:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

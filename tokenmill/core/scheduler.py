@@ -188,18 +188,6 @@ class Scheduler:
             for f in forks:
                 self.requests[f.request_id] = f
 
-    def fork_request(self, parent: Request, child: Request, num_shared_tokens: int) -> None:
-        """Start `child`, whose first num_shared_tokens tokens equal the parent's and whose K/V
-        for them are the parent's blocks (by reference; copy on write). Beam search uses it."""
-        self.requests[child.request_id] = child
-        if parent.status != RequestStatus.RUNNING or not self.kv.req_blocks.get(parent.request_id):
-            self.waiting.append(child)  # the parent holds no blocks: recompute (prefix cache helps)
-            return
-        child.num_computed_tokens = min(num_shared_tokens, parent.num_computed_tokens)
-        self.kv.fork(parent, child, child.num_computed_tokens)
-        child.status = RequestStatus.RUNNING
-        self.running.append(child)
-
     def _num_reserved_seqs(self) -> int:
         """Sequence slots promised to pending forks of running leaders."""
         return sum(

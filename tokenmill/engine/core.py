@@ -16,7 +16,6 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -118,8 +117,6 @@ class EngineCore:
             if kv_transport.address is not None:
                 logger.info("KV endpoint (role %s) at %s:%d", kvt.kv_role, *kv_transport.address)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
-        self.sequences: dict[str, Request] = {}
-        """Raw sequences (beam search): scheduled like requests, never detokenized or emitted."""
         self.num_prompt_tokens = 0
         self.num_steps = 0
         self.step_seconds = 0.0
@@ -312,80 +309,7 @@ class EngineCore:
             assert self.kv_connector is not None  # both exist exactly when config.kv_transfer is set
             if self.kv_connector.has_pending_work or self.kv_worker.has_pending_io:
                 return True
-        return self.outputs.has_unfinished or bool(self.sequences)
-
-    # ------------------------------------------------------- raw sequences
-    # Beam search (engine/beam_search.py) drives these: token-level control over sequences that
-    # share blocks, with no text and no RequestOutputs.
-    def add_sequence(
-        self,
-        seq_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        output_token_ids: Sequence[int] = (),
-        cache_salt: str | None = None,
-    ) -> None:
-        """Schedule a sequence that continues `prompt_token_ids + output_token_ids`."""
-        if seq_id in self.sequences or self.outputs.knows(seq_id):
-            raise InvalidRequest(f"sequence id {seq_id!r} is already in use", "request_id")
-        req = self._new_sequence(
-            seq_id, prompt_token_ids, output_token_ids, params, params.max_tokens or self.max_model_len, cache_salt
-        )
-        self.scheduler.add_request(req)
-
-    def fork_sequence(self, parent_id: str, child_id: str) -> None:
-        """A new sequence equal to `parent_id` so far, sharing its KV blocks (copied on first write)."""
-        parent = self.sequences[parent_id]
-        child = self._new_sequence(
-            child_id,
-            parent.prompt_token_ids,
-            parent.output_token_ids,
-            parent.sampling_params,
-            parent.max_tokens,
-            parent.cache_salt,
-        )
-        self.scheduler.fork_request(parent, child, num_shared_tokens=child.num_tokens)
-
-    def _new_sequence(
-        self,
-        seq_id: str,
-        prompt_token_ids: list[int],
-        output_token_ids: Sequence[int],
-        params: SamplingParams,
-        max_tokens: int,
-        cache_salt: str | None,
-    ) -> Request:
-        req = Request(seq_id, prompt_token_ids, params, self.eos_token_id, max_tokens, cache_salt=cache_salt)
-        for t in output_token_ids:
-            req.append_output_token(t)
-        self.sequences[seq_id] = req
-        return req
-
-    def num_sequence_tokens(self, seq_id: str) -> int:
-        """Generated tokens of a sequence (a sampled one included until take_sampled)."""
-        return self.sequences[seq_id].num_output_tokens
-
-    def take_sampled(self, seq_id: str) -> dict[int, float]:
-        """Take the token sampled last off the sequence (its K/V was never written) and return the
-        logprobs reported with it: token id -> logprob (the sampled one and the top-N)."""
-        r = self.sequences[seq_id]
-        assert r.logprobs and r.num_output_tokens, f"{seq_id} has no sampled token to take"
-        lps = {t: lp.logprob for t, lp in r.logprobs[-1].items()}
-        r.output_token_ids.pop()
-        r.all_token_ids.pop()
-        r.logprobs.clear()
-        r.clear_drafts()
-        r.num_computed_tokens = min(r.num_computed_tokens, r.num_tokens)
-        return lps
-
-    def extend_sequence(self, seq_id: str, token_id: int) -> None:
-        self.sequences[seq_id].append_output_token(token_id)
-
-    def finish_sequence(self, seq_id: str, aborted: bool = False) -> None:
-        req = self.sequences.pop(seq_id)
-        if not req.is_finished:
-            status = RequestStatus.FINISHED_ABORTED if aborted else RequestStatus.FINISHED_STOPPED
-            self.scheduler.finish_request(seq_id, status)
+        return self.outputs.has_unfinished
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -411,7 +335,7 @@ class EngineCore:
         if self.structured is not None and self.structured.matchers:
             for rid in self.structured.consume(changed):  # a complete grammar ends its sample, as EOS would
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        outputs = self.outputs.process(changed, self._held_kv if self.kv_worker is not None else None, self.sequences)
+        outputs = self.outputs.process(changed, self._held_kv if self.kv_worker is not None else None)
         if not sched.is_empty:
             self.step_seconds += time.perf_counter() - t_step
         return outputs

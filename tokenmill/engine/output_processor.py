@@ -79,17 +79,13 @@ class OutputProcessor:
         self,
         changed: list[Request],
         held_kv: Callable[[Request], dict | None] | None = None,
-        ignore: set[str] | dict[str, Request] | None = None,
     ) -> list[RequestOutput]:
         """Detokenize the step's new tokens, apply stop strings, build the outputs of the touched parents.
-        held_kv: for a finished request, where a decode worker pulls its held K/V from (disaggregation), or None;
-        ignore: request ids the engine steps for someone else (beam search's raw sequences)."""
+        held_kv: for a finished request, where a decode worker pulls its held K/V from (disaggregation), or None."""
         touched: dict[str, None] = {}
         for req in changed:
             pid = self.child_to_parent.get(req.request_id)
             if pid is None:
-                if ignore is not None and req.request_id in ignore:
-                    continue
                 raise AssertionError(f"step changed {req.request_id!r}, which the engine does not know")
             parent = self.parents[pid]
             detok = parent.detoks[req.sample_index]
