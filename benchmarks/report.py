@@ -59,11 +59,12 @@ def main() -> int:
         out.append("")
     r = load(d, "roofline.json")
     if r:
-        bw, mm, mb = r["bandwidth"], r["matmul"], r["model"]
+        bw, mb = r["bandwidth"], r["model"]
+        linear = " / ".join(f"{k} {v:.3f}" for k, v in r.get("linear_tflop_s", {}).items())
         out.append(
             f"**Roofline** ({r['config']['dtype']}, {r['config']['threads']} threads; `tokenmill bench roofline`): "
-            f"read bandwidth {bw['read_gb_s']:.1f} GB/s (copy {bw['copy_gb_s']:.1f}), matmul fp32 "
-            f"{mm['fp32_tflop_s']:.2f} / bf16 {mm['bf16_tflop_s']:.2f} TFLOP/s; "
+            f"read bandwidth {bw['read_gb_s']:.1f} GB/s (copy {bw['copy_gb_s']:.1f}), the engine's linears "
+            f"{linear} TFLOP/s; "
             f"{mb['weight_bytes_per_step'] / 2**20:.0f} MiB read per decode step; single-stream bound "
             f"{r['single_stream_bound_tok_s']:.1f} tok/s, measured {f(r.get('measured_decode_tok_s'))} tok/s = "
             f"{100 * r.get('fraction_of_bound', float('nan')):.0f}% of the bound.\n"

@@ -80,8 +80,13 @@ def test_roofline_bound_only(tiny_llama, tmp_path):
         tmp_path,
         ["bench", "roofline", "--model", str(tiny_llama), *ENGINE, "--buffer-mib", "64", "--no-measure-engine"],
     )
-    assert r["bandwidth"]["read_gb_s"] > 0 and r["matmul"]["fp32_tflop_s"] > 0
-    assert r["single_stream_bound_tok_s"] > 0 and r["model"]["weight_bytes_per_step"] > 0
+    assert r["bandwidth"]["read_gb_s"] > 0 and r["model"]["weight_bytes_per_step"] > 0
+    assert r["single_stream_bound_tok_s"] > 0 and r["model"]["flops_per_token"] > 0
+    # the engine's own linears, timed at each batch above 1; batch 1 is bandwidth bound
+    assert set(r["linear_tflop_s"]) == {"B=4", "B=16", "B=64"} and min(r["linear_tflop_s"].values()) > 0
+    b1 = r["batch_bounds"]["B=1,ctx=512"]
+    assert b1["binding"] == "memory" and b1["compute_tok_s"] is None
+    assert all(b["compute_tok_s"] > 0 for k, b in r["batch_bounds"].items() if k != "B=1,ctx=512")
 
 
 def test_ablation_rows(tiny_llama, tmp_path):

@@ -10,7 +10,7 @@ SUBCOMMANDS = {
     "latency": ("tokenmill.bench.latency", "Batch-1 TTFT, decode tok/s and per-token latency, with peers."),
     "throughput": ("tokenmill.bench.throughput", "Offline throughput on ShareGPT or random prompts, with peers."),
     "serve": ("tokenmill.bench.serve", "Load generator for an OpenAI-compatible endpoint (vLLM's metrics)."),
-    "roofline": ("tokenmill.bench.roofline", "Memory bandwidth, matmul throughput and the decode bound."),
+    "roofline": ("tokenmill.bench.roofline", "Memory bandwidth, the engine's linear FLOP/s and the decode bound."),
     "ablation": ("tokenmill.bench.ablation", "Each serving technique on and off on the same workload."),
 }
 
