@@ -16,6 +16,27 @@ os.environ.setdefault("TOKENMILL_REQUIRE_KERNELS", "1")
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
+_HOST_ISA = {
+    "none": "the C++ kernels are not loaded",
+    "generic": "host has no AVX2",
+    "avx2": "host has AVX2 only",
+    "avx512": "host has AVX-512 without AVX512-BF16",
+    "avx512_bf16": "host has AVX512-BF16, no AMX",
+    "amx": "host has AMX-BF16",
+}
+
+
+def isa_skip_reason(what: str, needs: str) -> str:
+    """The reason of a skip for a missing instruction set: what needs which ISA, and what this host has,
+    e.g. "the int4 k64 kernel needs AVX512-BF16 (host has AVX2 only)", and the kernels' level where
+    TOKENMILL_ISA or set_max_isa caps it below the host's."""
+    from tokenmill import native
+
+    level = native.isa()
+    detected = level if level == "none" else native.module().detected_isa()
+    capped = f"; kernels capped at {level}" if level != detected else ""
+    return f"{what} needs {needs} ({_HOST_ISA[detected]}{capped})"
+
 
 @pytest.fixture(scope="session")
 def real_model_path() -> Path:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.conftest import isa_skip_reason
 from tokenmill.models.loader import ModelLoadError, load_model
 from tokenmill.quant import kernels
 from tokenmill.quant.gptq import gptq_quantize_weight
@@ -137,7 +138,7 @@ def test_lookups_equal_dequantized_rows_in_each_int4_layout(monkeypatch, layout,
     act-order g_idx included."""
     vocab = 96 if layout == "plain" else 256  # plain: a vocabulary that is not a multiple of 64
     if layout == "k64" and not kernels.cpu_int4.available():
-        pytest.skip("no AVX512-BF16: the k64 layout is not built on this CPU")
+        pytest.skip(isa_skip_reason("the k64 int4 layout", "AVX512-BF16"))
     if layout != "k64":
         monkeypatch.setattr(kernels.cpu_int4, "available", lambda: False)
     gen = torch.Generator().manual_seed(3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import isa_skip_reason
 from tokenmill.layers.linear import Linear
 from tokenmill.quant import cpu_int4
 from tokenmill.quant.grid import quantize_groupwise
@@ -46,7 +47,7 @@ def test_k64_layout_round_trip():
     assert torch.equal(cpu_int4.unpack(packed).long(), codes)
 
 
-@pytest.mark.skipif(not cpu_int4.available(), reason="the int4 k64 kernel needs an AVX512-BF16 CPU")
+@pytest.mark.skipif(not cpu_int4.available(), reason=isa_skip_reason("the int4 k64 kernel", "AVX512-BF16"))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
 @pytest.mark.parametrize("out,cols,gs", [(192, 576, 64), (70, 256, 128), (576, 1536, 64)])
 def test_k64_kernel_matches_dequantized_reference(rows, out, cols, gs):
@@ -143,7 +144,7 @@ def test_forced_layout_that_cannot_serve_is_refused():
         install_quantized(layer, quantize_groupwise(layer.weight.data.float(), 4, 32, True), int4_layout="tinygemm")
 
 
-@pytest.mark.skipif(not cpu_int4.available(), reason="the int8 GEMV needs an AVX512-BF16 CPU")
+@pytest.mark.skipif(not cpu_int4.available(), reason=isa_skip_reason("the int8 GEMV", "AVX512-BF16"))
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 @pytest.mark.parametrize("sym", [True, False])
 def test_int8_gemv_matches_dequantized_reference(rows, sym):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import isa_skip_reason
 from tests.spec_decode.test_rejection_sampler import chisquare_pvalue
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import fused_ops
@@ -54,7 +55,8 @@ _VNNI = fused_ops.pack_vnni(torch.zeros(64, 64, dtype=torch.bfloat16)) is not No
 
 
 @pytest.mark.skipif(
-    not _VNNI, reason="bf16 identity needs a row-order-invariant few-row kernel (VNNI or AMX: an AVX512-BF16 CPU)"
+    not _VNNI,
+    reason=isa_skip_reason("bf16 identity (a row-order-invariant few-row kernel: VNNI or AMX)", "AVX512-BF16"),
 )
 @pytest.mark.parametrize("gamma", [2, 5])
 def test_bf16_greedy_speculation_reproduces_plain_decoding(gamma):

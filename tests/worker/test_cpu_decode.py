@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import isa_skip_reason
 from tokenmill import LLM, SamplingParams, native
 from tokenmill.attention.metadata import TILED_PREFILL_MIN_TOKENS
 from tokenmill.layers.linear import ANY_ROWS, KernelKind
@@ -153,7 +154,7 @@ def test_loop_matches_module_path_quantized(tiny_llama, tmp_path, bits, group_si
     model = llm.engine.model
     if kind is KernelKind.INT8 and not native.has_avx512_bf16():  # the int8 kernel is AVX512-BF16 code
         assert llm.engine.executor.runner.decode_loop is None
-        pytest.skip("the int8 C++ decode loop needs AVX512-BF16 (docs/native_kernels.md)")
+        pytest.skip(isa_skip_reason("the int8 C++ decode loop", "AVX512-BF16"))
     kinds = {
         lin.kernel().kind
         for layer in model.decoder_layout().layers
