@@ -141,13 +141,6 @@ class BlockPool:
         self.num_cached_free_blocks -= 1
         self.num_evictions += 1
 
-    def reset_prefix_cache(self) -> None:
-        for b in self.blocks:
-            if b.ref_cnt == 0:
-                b.block_hash = None
-        self.cached = {h: b for h, b in self.cached.items() if b.ref_cnt > 0}
-        self.num_cached_free_blocks = 0
-
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
         """Free queue holds exactly the unreferenced blocks; cached map points at hashed blocks;
         if given, expected_refs (block id -> holders) must equal the ref counts."""

@@ -57,10 +57,6 @@ class RouterStats:
     """Sum of prefill-hop times (the router's view of what disaggregation adds before the decode worker starts)."""
 
 
-class NoWorker(Exception):
-    pass
-
-
 @dataclass
 class Pool:
     workers: list[Worker]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -469,8 +468,3 @@ class HFDirSource:
             raise ModelLoadError(str(e)) from e
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
-
-
-def env_threads() -> int | None:
-    v = os.environ.get("TOKENMILL_NUM_THREADS")
-    return int(v) if v else None

@@ -159,11 +159,6 @@ def quantize_codes(w: torch.Tensor, p: GroupParams, bits: int) -> torch.Tensor:
     return torch.clamp(torch.round(w.float() / p.scale[:, None]) + p.zero[:, None], 0, maxq)
 
 
-def fake_quantize(w: torch.Tensor, p: GroupParams, bits: int) -> torch.Tensor:
-    """Quantize-dequantize w [rows, cols] with one param per row."""
-    return (quantize_codes(w, p, bits) - p.zero[:, None]) * p.scale[:, None]
-
-
 FITTERS = {"gptq": fit_minmax_gptq, "awq": fit_minmax_awq}
 
 
