@@ -1,4 +1,4 @@
-"""Weight-only int4 and int8 GEMVs for CPU decode: bf16 activations, AVX-512, int4 in our own layout.
+"""Weight-only int4 and int8 GEMVs for CPU decode: bf16 activations, AVX512-BF16, int4 in our own layout.
 
 (`int8_linear`, at the end: per-channel int8 rows converted exactly to float32 and FMA'd, up to 8
 activation rows; it serves int8 checkpoints and the int8 LM head of int4 ones.)
@@ -24,8 +24,9 @@ Layout "k64" (one row of bytes per output row, so a GEMV reads one sequential st
                                        [G, N, 2] a row's G pairs lie N * 4 bytes apart, and the
                                        kernel ran ~25% slower on those scattered reads
 Needs K % 64 == 0 and a group size that is a multiple of 64 (the default model's 64 is). It serves
-any number of activation rows (blocks of up to 8 share each decoded weight chunk); for long
-prompts the linear method's per-shape timing still picks dequantize-then-matmul where that wins.
+any number of activation rows (blocks of up to 8 share each decoded weight chunk); the linear method
+sends it calls of up to KernelPlan.int4_k64_max_rows rows (quant/kernels.py: a fixed rule, no timing) and
+dequantizes then runs one dense matmul above that.
 A software prefetch 4 KB ahead of the weight stream gained 10-30% out of cache here (two A/B runs).
 """
 
