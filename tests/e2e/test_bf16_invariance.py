@@ -1,18 +1,24 @@
 """bf16 greedy outputs are token-identical across batching, chunked prefill, prefix hits, preemption and
 speculation (ModelConfig.batch_invariant): the bf16 counterpart of test_equivalence.py. It holds where
-the linears are batch-invariant, on AMX CPUs (docs/native_kernels.md); elsewhere bf16 is not claimed
-invariant and the module skips, saying so."""
+the dense bf16 linears are batch-invariant (native.bf16_linears_batch_invariant): on AMX CPUs (AMX tiles at
+any row count) and on AVX2-only CPUs (our AVX2 kernel at any row count; oneDNN has no bf16 path there),
+docs/native_kernels.md. On AVX-512 without AMX, bf16 rows past the few-row kernel go to oneDNN, bf16 is not
+claimed invariant, and the module skips, saying so."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.conftest import isa_skip_reason
 from tests.e2e.test_equivalence import mixed_prompts
 from tokenmill import LLM, SamplingParams, native
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not native.has_amx(), reason="bf16 batch invariance needs the AMX kernel (AMX-BF16 CPU)"),
+    pytest.mark.skipif(
+        not native.bf16_linears_batch_invariant(),
+        reason=isa_skip_reason("bf16 batch invariance", "AMX-BF16 or an AVX2-only CPU"),
+    ),
 ]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
