@@ -14,6 +14,7 @@ byte-level BPE and SentencePiece-style tokenizers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -153,6 +154,20 @@ class SSEStream:
     async def close(self) -> None:
         for s in self.streams:
             s.close()
+
+
+@dataclass
+class ChatRun:
+    """One chat request on the engine (OpenAIServing.chat): the chat completion body, or with stream its chunks
+    (chat.completion.chunk bodies as dicts; an engine failure ends them with an error body {"error": ...}).
+    A streaming caller hands `streams` to its SSEStream, which aborts them once the response is over."""
+
+    request_id: str
+    num_prompt_tokens: int
+    """The rendered prompt's tokens (known before the first chunk)."""
+    streams: list[RequestStream]
+    response: dict[str, Any] | None = None
+    chunks: AsyncIterator[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -520,19 +535,31 @@ class OpenAIServing:
                 "stop_reason": c.stop_reason,
             }
 
-        return self._stream(streams, n, "text_completion", request_id, created, model, include_usage, head, choice)
+        return _sse_body(
+            self._chunks(streams, n, "text_completion", request_id, created, model, include_usage, head, choice)
+        )
 
     # --- chat ----------------------------------------------------------------------------------
 
     async def create_chat_completion(
         self, req: ChatCompletionRequest
     ) -> tuple[dict[str, Any] | None, SSEStream | None]:
+        run = await self.chat(req)
+        if run.chunks is None:
+            return run.response, None
+        return None, SSEStream(_sse_body(run.chunks), run.streams)
+
+    async def chat(self, req: ChatCompletionRequest) -> ChatRun:
+        """The chat core every chat-shaped API runs through: chat completions here, and the Responses and
+        Anthropic Messages endpoints, which translate their requests into a ChatCompletionRequest and the
+        ChatRun back (chat template, tools, structured outputs and sampling are decided here only).
+        Raises OpenAIError."""
         model = self.resolve_model(req.model)
         choice = req.effective_tool_choice
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and choice != "none" else None
-        text = self._render_chat(req.messages, req.add_generation_prompt, tools)
+        tools = _chat_tools(req)
+        prompt = await self._chat_prompt(req)
+        ids, text = prompt.token_ids, prompt.text
         max_tokens = req.effective_max_tokens
-        ids = await self._encode(text, False, max_tokens, "messages")
         self._check_length(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         constraint = None
@@ -549,10 +576,10 @@ class OpenAIServing:
         top_n = req.top_logprobs or 0
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return None, SSEStream(
-                self._stream_chat(req, model, request_id, created, streams[0], include_usage, top_n, tools is not None),
-                streams,
+            chunks = self._stream_chat(
+                req, model, request_id, created, streams[0], include_usage, top_n, tools is not None
             )
+            return ChatRun(request_id, len(ids), streams, chunks=chunks)
         out = (await _collect(streams)).outputs[0]
         choices = []
         for c in out.outputs:
@@ -575,14 +602,24 @@ class OpenAIServing:
                 )
             )
         usage = _Usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
-        return ChatCompletionResponse(
+        response = ChatCompletionResponse(
             id=request_id,
             created=created,
             model=model,
             choices=choices,
             usage=usage.info(),
             kv_transfer_params=out.kv_transfer_params,
-        ).model_dump(), None
+        ).model_dump()
+        return ChatRun(request_id, len(ids), streams, response=response)
+
+    async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """The token ids of the prompt chat(req) would run (messages and tools through the chat template)."""
+        self.resolve_model(req.model)
+        return (await self._chat_prompt(req)).token_ids
+
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
+        text = self._render_chat(req.messages, req.add_generation_prompt, _chat_tools(req))
+        return _Prompt(await self._encode(text, False, req.effective_max_tokens, "messages"), text)
 
     def _chat_logprobs(self, c: CompletionOutput, start: int, end: int, top_n: int) -> list[dict[str, Any]]:
         """The chat format's `content` list for tokens [start, end) of a choice: a token without an entry gets
@@ -610,7 +647,7 @@ class OpenAIServing:
         include_usage: bool,
         top_n: int,
         with_tools: bool = False,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[dict[str, Any]]:
         head = [
             {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             for k in range(req.n)
@@ -641,11 +678,11 @@ class OpenAIServing:
                 out["stop_reason"] = c.stop_reason
             return out
 
-        return self._stream(
+        return self._chunks(
             [stream], req.n, "chat.completion.chunk", request_id, created, model, include_usage, head, choice
         )
 
-    async def _stream(
+    async def _chunks(
         self,
         streams: list[RequestStream],
         n: int,
@@ -656,10 +693,11 @@ class OpenAIServing:
         include_usage: bool,
         head: list[dict[str, Any]],
         choice: Callable[[int, CompletionOutput, _ChoiceState], dict[str, Any]],
-    ) -> AsyncIterator[str]:
-        """The SSE body of both streaming endpoints. The engine sends deltas (output_kind "delta"; a lagging
-        reader gets them joined), so each chunk is built from what is new only: `head` first (echo, the
-        role), then per engine output one choice per sample with news (`choice` formats it), usage, [DONE]."""
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of both streaming endpoints, as dicts (_sse_body writes them as SSE). The engine sends
+        deltas (output_kind "delta"; a lagging reader gets them joined), so each chunk is built from what is new
+        only: `head` first (echo, the role), then per engine output one choice per sample with news (`choice`
+        formats it), then usage; an engine failure ends them with an error body."""
         chunk = _chunk_writer(request_id, obj, created, model, include_usage)
         states = [_ChoiceState() for _ in range(len(streams) * n)]
         usage = _Usage()
@@ -684,22 +722,19 @@ class OpenAIServing:
                     yield chunk(choices)
             if include_usage:
                 usage.completion_tokens = sum(st.num_tokens for st in states)
-                yield _sse(
-                    {
-                        "id": request_id,
-                        "object": obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": usage.to_dict(),
-                    }
-                )
+                yield {
+                    "id": request_id,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage.to_dict(),
+                }
         except EngineDeadError as e:
-            yield _sse(engine_unavailable(e).to_dict())
+            yield engine_unavailable(e).to_dict()
         finally:
             for s in streams:
                 s.close()
-        yield "data: [DONE]\n\n"
 
     # --- tokenizer endpoints -------------------------------------------------------------------
 
@@ -730,6 +765,13 @@ class OpenAIServing:
 
 
 _MIN_LOGPROB = -9999.0  # NOTE: JSON has no -inf; vLLM clamps the same way
+
+
+def _chat_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools a chat request offers the model (none with tool_choice "none")."""
+    if not req.tools or req.effective_tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
 def _kv_transfer(params: dict[str, Any] | None, num_prompts: int) -> KVTransferRequest | None:
@@ -777,14 +819,22 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-def _chunk_writer(request_id: str, obj: str, created: int, model: str, include_usage: bool):
-    """choices -> one SSE event; with include_usage every chunk but the last carries usage: null."""
+async def _sse_body(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """OpenAI's SSE body: one event per chunk, then [DONE]."""
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+        async for body in chunks:
+            yield _sse(body)
+    yield "data: [DONE]\n\n"
 
-    def chunk(choices: list[dict[str, Any]]) -> str:
+
+def _chunk_writer(request_id: str, obj: str, created: int, model: str, include_usage: bool):
+    """choices -> one chunk; with include_usage every chunk but the last carries usage: null."""
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         body: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
         if include_usage:
             body["usage"] = None
-        return _sse(body)
+        return body
 
     return chunk
 
