@@ -36,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"Require 'Authorization: Bearer <key>' on /v1/*, /tokenize, /detokenize and /debug/* "
         f"(default: ${API_KEY_ENV} if set, else no auth)",
     )
+    g.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        help="Responses kept in memory for previous_response_id and GET /v1/responses/{id}, least recently used "
+        "evicted first; 0 keeps none (default: 1024)",
+    )
     g.add_argument("--disable-log-stats", action="store_true", help="Do not log the periodic stats line")
     g.add_argument("--log-stats-interval", type=float, default=10.0, help="Seconds between stats lines (default: 10)")
     g.add_argument(
@@ -78,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.responses_store_size < 0:
+        raise ValueError(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
     for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
         if not value > 0:
             raise ValueError(f"{flag} must be a positive number of seconds, got {value}")
@@ -94,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         model_root=config.model.model,
         api_key=api_key,
         log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
+        responses_store_size=args.responses_store_size,
     )
     logging.getLogger("tokenmill").setLevel(logging.INFO)
     return serve(

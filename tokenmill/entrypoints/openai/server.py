@@ -4,7 +4,8 @@
     gate: 401 without the key, 503 while loading
     routes -> OpenAIServing -> AsyncEngine  ---->  EngineCore.step() loop
 
-Endpoints: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
+Endpoints: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; POST /v1/responses with
+GET/DELETE /v1/responses/{id} (responses.py); GET /v1/models,
 /v1/models/{id}, /health, /metrics, /version, /debug/kv_cache (free blocks and the KV pool's
 integrity check, for tests and operators), /kv/plan (prompt length and local prefix hit, for the router),
 /dashboard and /dashboard/stream (the live page and its SSE feed: see dashboard.py).
@@ -67,6 +68,7 @@ from tokenmill.entrypoints.openai.protocol import (
     TokenizeResponse,
     UnsupportedParameterError,
 )
+from tokenmill.entrypoints.openai.responses import ResponsesRequest, ResponsesServing, ResponseStore
 from tokenmill.entrypoints.openai.serving import OpenAIError, OpenAIServing, SSEStream, engine_unavailable
 from tokenmill.metrics import EngineMetrics, StatLogger
 
@@ -94,6 +96,9 @@ class ServerSettings:
     """None disables the periodic stats log line."""
     dashboard_interval_s: float = 0.5
     """Seconds between two updates of the dashboard's live feed (only while a page is open)."""
+    responses_store_size: int = 1024
+    """Responses kept for previous_response_id and GET /v1/responses/{id}, least recently used evicted; 0 keeps
+    none."""
 
 
 def _error_response(
@@ -183,6 +188,7 @@ _UNION_HINTS = {
     "prompt": "expected a string, a list of strings, a list of token ids, or a list of token-id lists",
     "stop": "expected a string or a list of strings",
     "messages": "expected a list of messages {role, content}; content is a string or a list of text parts",
+    "input": "expected a string or a list of items of type message, function_call or function_call_output",
 }
 
 
@@ -321,19 +327,36 @@ def build_app(
             )
         return JSONResponse(body)
 
+    async def generate(request: Request, is_stream: bool | None, work: Callable[[], Any]) -> Response:
+        """A generating endpoint's answer: the SSE body at once when streaming, else the JSON body, cancelled (and
+        aborted in the engine) if the client disconnects first."""
+        if is_stream:
+            return respond(await work())
+        return await _cancel_on_disconnect(request, lambda: _json(work(), respond))
+
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_ERROR_RESPONSES, **_SSE_RESPONSE})
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        if body.stream:
-            return respond(await serving.create_completion(body))
-        return await _cancel_on_disconnect(request, lambda: _json(serving.create_completion(body), respond))
+        return await generate(request, body.stream, lambda: serving.create_completion(body))
 
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_ERROR_RESPONSES, **_SSE_RESPONSE}
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        if body.stream:
-            return respond(await serving.create_chat_completion(body))
-        return await _cancel_on_disconnect(request, lambda: _json(serving.create_chat_completion(body), respond))
+        return await generate(request, body.stream, lambda: serving.create_chat_completion(body))
+
+    responses = ResponsesServing(serving, ResponseStore(settings.responses_store_size))
+
+    @app.post("/v1/responses", responses={**_ERROR_RESPONSES, **_SSE_RESPONSE})
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await generate(request, body.stream, lambda: responses.create(body))
+
+    @app.get("/v1/responses/{response_id}", responses=_ERROR_RESPONSES)
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.get(response_id))
+
+    @app.delete("/v1/responses/{response_id}", responses=_ERROR_RESPONSES)
+    async def delete_response(response_id: str) -> JSONResponse:
+        return JSONResponse(responses.delete(response_id))
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
     async def list_models() -> ModelList:
