@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=None,
-        help=f"Require 'Authorization: Bearer <key>' on /v1/*, /tokenize, /detokenize and /debug/* "
-        f"(default: ${API_KEY_ENV} if set, else no auth)",
+        help=f"Require 'Authorization: Bearer <key>' (or 'x-api-key: <key>') on /v1/*, /tokenize, /detokenize and "
+        f"/debug/* (default: ${API_KEY_ENV} if set, else no auth)",
     )
     g.add_argument(
         "--responses-store-size",

@@ -5,7 +5,8 @@
     routes -> OpenAIServing -> AsyncEngine  ---->  EngineCore.step() loop
 
 Endpoints: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; POST /v1/responses with
-GET/DELETE /v1/responses/{id} (responses.py); GET /v1/models,
+GET/DELETE /v1/responses/{id} (responses.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's
+API, anthropic_messages.py; errors on these paths in Anthropic's shape); GET /v1/models,
 /v1/models/{id}, /health, /metrics, /version, /debug/kv_cache (free blocks and the KV pool's
 integrity check, for tests and operators), /kv/plan (prompt length and local prefix hit, for the router),
 /dashboard and /dashboard/stream (the live page and its SSE feed: see dashboard.py).
@@ -53,6 +54,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import tokenmill
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, EngineNotReadyError
+from tokenmill.entrypoints.openai.anthropic_messages import (
+    CountTokensRequest,
+    MessagesRequest,
+    MessagesServing,
+    anthropic_error_body,
+    is_messages_path,
+)
 from tokenmill.entrypoints.openai.dashboard import COOKIE_NAME, DashboardFeed, dashboard_cookie, page_html
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -102,11 +110,15 @@ class ServerSettings:
 
 
 def _error_response(
-    status: int, message: str, type: str, param: str | None = None, code: str | None = None
+    status: int, message: str, type: str, param: str | None = None, code: str | None = None, path: str = ""
 ) -> JSONResponse:
-    return JSONResponse(
-        OpenAIError(message, status_code=status, type=type, param=param, code=code).to_dict(), status_code=status
-    )
+    return _error_json(OpenAIError(message, status_code=status, type=type, param=param, code=code), path)
+
+
+def _error_json(err: OpenAIError, path: str) -> JSONResponse:
+    """err in the shape of the API that `path` belongs to: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    body = anthropic_error_body(err) if is_messages_path(path) else err.to_dict()
+    return JSONResponse(body, status_code=err.status_code)
 
 
 class GateMiddleware:
@@ -128,12 +140,13 @@ class GateMiddleware:
                 await resp(scope, receive, send)
                 return
         elif self.api_key is not None and path.startswith(_PROTECTED_PREFIXES):
-            if not self._has_bearer(scope):
+            if not self._has_key(scope):
                 resp = _error_response(
                     401,
-                    "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
+                    "Incorrect or missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
                     "invalid_request_error",
                     code="invalid_api_key",
+                    path=path,
                 )
                 await resp(scope, receive, send)
                 return
@@ -144,24 +157,33 @@ class GateMiddleware:
             else:
                 msg = "the model is still loading; retry shortly"
             resp = _error_response(
-                503, msg, "service_unavailable", code="model_loading" if not status.is_dead else "engine_dead"
+                503,
+                msg,
+                "service_unavailable",
+                code="model_loading" if not status.is_dead else "engine_dead",
+                path=path,
             )
             resp.headers["Retry-After"] = "5"
             await resp(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
-    def _has_bearer(self, scope: Scope) -> bool:
+    def _has_key(self, scope: Scope) -> bool:
+        """The key as 'Authorization: Bearer <key>' or as 'x-api-key: <key>' (Anthropic's header)."""
         assert self.api_key is not None
-        auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            return True
+        x_api_key = headers.get(b"x-api-key")
+        return x_api_key is not None and hmac.compare_digest(x_api_key.strip(), self.api_key.encode())
 
     def _dashboard_gate(self, scope: Scope, path: str) -> Response | None:
         """None lets the request through: a Bearer header or the dashboard cookie. `?api_key=<key>` on the
         page trades the key for the cookie (303 back to the bare page, so the key leaves the address bar)."""
         assert self.api_key is not None
-        if self._has_bearer(scope):
+        if self._has_key(scope):
             return None
         expected = dashboard_cookie(self.api_key)
         cookies = SimpleCookie()
@@ -192,7 +214,8 @@ _UNION_HINTS = {
 }
 
 
-def _validation_error(exc: RequestValidationError) -> JSONResponse:
+def _validation_error(exc: RequestValidationError, path: str = "") -> JSONResponse:
+    """A 400 naming the field, in the shape of the API that `path` belongs to."""
     errors = exc.errors()
     first = errors[0] if errors else {}
     ctx_err = (first.get("ctx") or {}).get("error")
@@ -203,11 +226,16 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
             "invalid_request_error",
             param=ctx_err.param,
             code="unsupported_parameter" if "not supported" in str(ctx_err) else None,
+            path=path,
         )
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return _error_response(
-            400, f"The request body is not valid JSON: {detail}", "invalid_request_error", code="invalid_json"
+            400,
+            f"The request body is not valid JSON: {detail}",
+            "invalid_request_error",
+            code="invalid_json",
+            path=path,
         )
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     # NOTE: union members show up as loc entries like "str" or "list[str]"; keep the field path only.
@@ -216,7 +244,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     kind = first.get("type")
     if kind == "extra_forbidden":
         msg = f"Unrecognized request argument supplied: {param}"
-        return _error_response(400, msg, "invalid_request_error", param=param, code="unknown_parameter")
+        return _error_response(400, msg, "invalid_request_error", param=param, code="unknown_parameter", path=path)
     if kind == "missing":
         return _error_response(
             400,
@@ -224,6 +252,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
             "invalid_request_error",
             param=param,
             code="missing_required_parameter",
+            path=path,
         )
     msg = first.get("msg", "invalid request")
     field = loc[0] if loc else None
@@ -235,7 +264,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
         msg = f"Invalid value for '{param}': {msg}"
     if len(errors) > 1:
         msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return _error_response(400, msg, "invalid_request_error", param=param, code="invalid_value")
+    return _error_response(400, msg, "invalid_request_error", param=param, code="invalid_value", path=path)
 
 
 async def _cancel_on_disconnect(request: Request, work: Callable[[], Any]) -> Any:
@@ -297,24 +326,27 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc)
+        return _validation_error(exc, request.url.path)
 
     @app.exception_handler(OpenAIError)
     async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.to_dict(), status_code=exc.status_code)
+        return _error_json(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found" if exc.status_code == 404 else None
-        return _error_response(exc.status_code, str(exc.detail), "invalid_request_error", code=kind)
+        return _error_response(
+            exc.status_code, str(exc.detail), "invalid_request_error", code=kind, path=request.url.path
+        )
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, (EngineDeadError, EngineNotReadyError)):
-            err = engine_unavailable(exc)
-            return JSONResponse(err.to_dict(), status_code=err.status_code)
+            return _error_json(engine_unavailable(exc), request.url.path)
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _error_response(500, f"internal server error: {type(exc).__name__}", "server_error")
+        return _error_response(
+            500, f"internal server error: {type(exc).__name__}", "server_error", path=request.url.path
+        )
 
     def respond(result: tuple[dict[str, Any] | None, SSEStream | None]) -> Response:
         body, sse = result
@@ -357,6 +389,16 @@ def build_app(
     @app.delete("/v1/responses/{response_id}", responses=_ERROR_RESPONSES)
     async def delete_response(response_id: str) -> JSONResponse:
         return JSONResponse(responses.delete(response_id))
+
+    messages = MessagesServing(serving)
+
+    @app.post("/v1/messages", responses={**_ERROR_RESPONSES, **_SSE_RESPONSE})
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        return await generate(request, body.stream, lambda: messages.create(body))
+
+    @app.post("/v1/messages/count_tokens", responses=_ERROR_RESPONSES)
+    async def count_message_tokens(body: CountTokensRequest) -> JSONResponse:
+        return JSONResponse(await messages.count_tokens(body))
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
     async def list_models() -> ModelList:
