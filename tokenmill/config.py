@@ -391,6 +391,11 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.tree is None or self.tree.max_depth is None else self.tree.max_depth
 
     @property
+    def reads_target_tables(self) -> bool:
+        """The proposer's heads embed with the target's table and project onto its LM head (eagle, medusa)."""
+        return self.method in ("eagle", "medusa")
+
+    @property
     def max_draft_tokens(self) -> int:
         """Most draft tokens a request carries in a step: gamma for chains, the node budget for trees."""
         return self.num_speculative_tokens if self.tree is None else self.tree.max_nodes

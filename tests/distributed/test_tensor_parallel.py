@@ -7,6 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.test_disaggregation import drain, prompts
+
+# the spec_decode tests' trained heads (importing a module's fixtures is how pytest shares them)
+from tests.spec_decode.test_eagle import corpus, trained_head  # noqa: F401
+from tests.spec_decode.test_medusa import medusa_corpus, trained_medusa  # noqa: F401
 from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.tensor_parallel import check_tensor_parallel
@@ -98,15 +102,35 @@ def test_tp2_with_an_ngram_tree_equals_tp1_without(tiny_llama, tmp_path):
     assert sd["num_accepted_tokens"] > 0 and moved > 0  # trees verified, paths off the first branch moved
 
 
-def test_tp_refuses_speculation_it_cannot_split(tiny_llama):
-    with pytest.raises(ValueError, match="takes method ngram"):
-        EngineCore(
-            EngineConfig.from_kwargs(
-                model=str(tiny_llama),
-                tensor_parallel_size=2,
-                speculative_config={"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3},
-            )
-        )
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "medusa", "ngram_adaptive"])
+def test_tp2_with_a_draft_model_or_head_equals_tp1_without(tiny_llama, method, request):
+    """A draft model or head runs whole on rank 0 alone, between the broadcast steps: a self-draft loads its own
+    copy (the target on rank 0 is a shard), EAGLE and Medusa read the target's tables before the head is split,
+    and the adaptive controller, which cannot time a shard alone, learns from the steps (this hung before)."""
+    ps = [[9] * 6, [1, 5, 6, 7, 8, 5, 6, 7] * 3] + prompts(2, seed=5, lo=20, hi=30)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(block_size=4, num_gpu_blocks_override=40, max_num_batched_tokens=32)
+    want, _, _ = run(tiny_llama, ps, 1, params, **kw)
+    spec: dict = {"num_speculative_tokens": 3, "adaptive": False}
+    if method == "draft_model":
+        spec.update(method="draft_model", model=str(tiny_llama))  # the target itself: its drafts are accepted
+    elif method == "eagle":  # heads trained on the tiny model by the spec_decode tests' fixtures
+        spec.update(method="eagle", model=str(request.getfixturevalue("trained_head")[0]))
+    elif method == "medusa":
+        spec.update(method="medusa", model=str(request.getfixturevalue("trained_medusa")[0]))
+    else:
+        spec.update(method="ngram", adaptive=True, prompt_lookup_min=1)
+    got, (reduces, _), stats = run(tiny_llama, ps, 2, params, speculative_config=spec, **kw)
+    assert got == want and reduces > 0
+    sd = stats.spec_decode
+    assert sd["num_draft_tokens"] > 0
+    if method == "ngram_adaptive":  # the controller's choices follow step timings: only the tokens must agree
+        return
+    _, _, one = run(tiny_llama, ps, 1, params, speculative_config=spec, **kw)
+    counted = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    assert {k: sd[k] for k in counted} == {k: one.spec_decode[k] for k in counted}  # the same drafts as TP = 1
+    if method != "medusa":  # heads trained on a random tiny model's corpus do not generalise to these prompts
+        assert sd["num_accepted_tokens"] > 0
 
 
 def test_a_rank_that_dies_while_starting_is_reported_at_once(tiny_llama, tmp_path):

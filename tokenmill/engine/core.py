@@ -150,13 +150,6 @@ class EngineCore:
             raise ValueError("tensor_parallel_size > 1 runs on CPU here")
         if tp > 1 and config.kv_transfer is not None:
             raise ValueError("tensor_parallel_size > 1 runs without KV transfer here")
-        spec = config.speculative
-        if tp > 1 and spec is not None and spec.method != "ngram":
-            raise ValueError(
-                f"with tensor_parallel_size > 1, speculative decoding takes method ngram (chains or trees, with or "
-                f"without a datastore), not {spec.method!r}: a draft model or head would run the target's shards "
-                f"on rank 0 alone"
-            )
 
     # ------------------------------------------------------------------ intake
     def add_request(

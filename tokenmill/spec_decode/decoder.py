@@ -47,7 +47,7 @@ class SpeculativeDecoder:
         self.adaptive = AdaptiveGamma(
             config.tree_max_depth, config.adaptive, tree_nodes=None if config.tree is None else config.tree.max_nodes
         )
-        if config.adaptive:
+        if config.adaptive and ctx.target is not None:  # a tensor-parallel shard cannot run alone: no prior
             self.adaptive.calibrate(_dense_forward(ctx.target, ctx.device))
         self.draft_probs: dict[str, torch.Tensor] = {}
         """request id -> q of its pending sampled drafts [k, V] (absent: point masses)."""

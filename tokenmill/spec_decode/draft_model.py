@@ -50,7 +50,7 @@ def truncated_layer_ids(num_layers: int, keep: int) -> list[int]:
 
 
 def build_draft_model(
-    target: CausalLM,
+    target: CausalLM | None,
     target_arch: ModelArchConfig,
     draft: str,
     target_model: str,
@@ -58,11 +58,12 @@ def build_draft_model(
     dtype: torch.dtype,
     device: str,
 ) -> tuple[CausalLM, ModelArchConfig]:
-    """The draft network. Naming the target's own checkpoint shares its weights (no copy); with
-    num_layers it keeps only truncated_layer_ids(...) of them."""
+    """The draft network. Naming the target's own checkpoint shares its weights (no copy) when the whole target
+    is at hand (`target`; None: a tensor-parallel shard, so the checkpoint loads again, whole); with num_layers it
+    keeps only truncated_layer_ids(...) of them."""
     from tokenmill.models.loader import load_model, reset_buffers, resolve_model_path
 
-    if resolve_model_path(draft).resolve() == resolve_model_path(target_model).resolve():
+    if target is not None and resolve_model_path(draft).resolve() == resolve_model_path(target_model).resolve():
         source, arch = target, target_arch
     else:
         loaded = load_model(draft, dtype=dtype, device=device, load_tokenizer=False)

@@ -29,7 +29,7 @@ from tokenmill.attention.metadata import forward_context
 from tokenmill.core.step_io import StepTokens
 from tokenmill.layers.sampler import SamplingMetadata
 from tokenmill.spec_decode.draft_model import DraftModelProposer, draft_loop
-from tokenmill.spec_decode.eagle_head import EagleHead, load_eagle_head, target_tables
+from tokenmill.spec_decode.eagle_head import EagleHead, load_eagle_head
 from tokenmill.spec_decode.proposer import DraftRequest, Proposal, draft_budget
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class EagleProposer(DraftModelProposer):
     @classmethod
     def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> EagleProposer:
         assert config.model is not None  # SpeculativeConfig requires it for method eagle
-        embed, lm = target_tables(ctx.target)
+        embed, lm = ctx.tables()
         head = load_eagle_head(config.model, ctx.target_arch, embed, lm, ctx.dtype, ctx.device)
         return cls(head, config.tree, config.tree_max_depth, ctx.max_model_len, **cls.pool_args(config, ctx))
 

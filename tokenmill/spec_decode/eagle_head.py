@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -162,8 +162,17 @@ class EagleHead(nn.Module):
         )
 
 
-def target_tables(target: CausalLM) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding table [V, H], LM-head weight [V, H]) of a target, dense in its dtype, whatever
+class TargetTables(NamedTuple):
+    """A target's token tables, dense in its dtype: what a draft head embeds with and projects onto."""
+
+    embed: torch.Tensor
+    """The embedding table [V, H]."""
+    lm_head: torch.Tensor
+    """The LM-head weight [V, H] (equal to `embed` when tied)."""
+
+
+def target_tables(target: CausalLM) -> TargetTables:
+    """The embedding table and LM-head weight of a whole (unsplit) target, dense in its dtype, whatever
     its embedding or head kernels (quantized, prepacked, tied or not): read through the model's
     own forward paths, so the head sees exactly what the target computes with."""
     from tokenmill.quant.head import QuantizedEmbedding
@@ -177,7 +186,7 @@ def target_tables(target: CausalLM) -> tuple[torch.Tensor, torch.Tensor]:
         dev = norm.weight.device
         embed = table.dense_table()
         lm = target.compute_logits(torch.eye(H, dtype=norm.weight.dtype, device=dev)).t()
-    return embed, lm.to(embed.dtype).contiguous()
+    return TargetTables(embed, lm.to(embed.dtype).contiguous())
 
 
 def read_head_config(path: Path, fmt: str, version: int, missing: str) -> dict:

@@ -234,10 +234,8 @@ class MedusaProposer:
 
     @classmethod
     def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> MedusaProposer:
-        from tokenmill.spec_decode.eagle_head import target_tables
-
         assert config.model is not None  # SpeculativeConfig requires it for method medusa
-        _, lm = target_tables(ctx.target)
+        lm = ctx.tables().lm_head
         heads, acc = load_medusa(
             config.model, ctx.target_arch.hidden_size, ctx.target_arch.vocab_size, lm, ctx.dtype, ctx.device
         )

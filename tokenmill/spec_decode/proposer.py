@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from tokenmill.config import KVCacheSpec, ModelArchConfig, SpeculativeConfig
     from tokenmill.core.step_io import StepInput
     from tokenmill.models.causal_lm import CausalLM
+    from tokenmill.spec_decode.eagle_head import TargetTables
     from tokenmill.worker.model_runner import FeatureSink, ModelRunner, RunnerModel
 
     RunnerFactory = Callable[[RunnerModel, ModelArchConfig, KVCacheSpec, int], ModelRunner]
@@ -30,8 +31,10 @@ class ProposerContext:
     """What a proposer may use of the runner it drafts for: the target's handles, its pool's layout, and a factory
     for a runner of its own (a draft model or head with a paged cache), never the engine or the scheduler."""
 
-    target: CausalLM
-    """The target model (EAGLE reads its tables; a self-draft shares its weights)."""
+    target: CausalLM | None
+    """The whole target when it runs alone in this process (a self-draft shares its weights, the adaptive
+    controller times it); None on tensor-parallel rank 0, whose shard all-reduces with the other ranks in every
+    layer and so never runs alone (a self-draft then loads its own copy; the controller learns from steps)."""
     target_arch: ModelArchConfig
     target_model: str
     """The target's checkpoint as the user named it (a draft naming the same one shares its weights)."""
@@ -45,6 +48,8 @@ class ProposerContext:
     new_runner: RunnerFactory
     """(model, arch, kv_spec, seed) -> a runner of the draft's own, with the C++ layer loop where its layout has one
     (worker/executor.build_runner passes it; spec_decode never imports the worker)."""
+    tables: Callable[[], TargetTables]
+    """The target's embedding and LM-head tables, dense (EAGLE and Medusa heads read them), made on first call."""
 
 
 def draft_budget(req: DraftRequest, gamma: int, max_model_len: int) -> int:

@@ -30,6 +30,7 @@ from tokenmill.worker.model_runner import ModelRunner
 if TYPE_CHECKING:
     from tokenmill.models.causal_lm import CausalLM
     from tokenmill.models.loader import LoadedModel
+    from tokenmill.spec_decode.eagle_head import TargetTables
     from tokenmill.worker.model_runner import RunnerModel
 
 logger = logging.getLogger("tokenmill")
@@ -107,30 +108,42 @@ def load_target(mc: ModelConfig, load_tokenizer: bool = True) -> LoadedModel:
     )
 
 
-def build_runner(
-    model: CausalLM,
-    arch: ModelArchConfig,
-    opts: RunnerOptions,
-    use_decode_loop: bool = True,
-    with_speculator: bool = True,
-    samples: bool = True,
-) -> ModelRunner:
-    """The target's runner, with its speculator when opts.speculative is set (and `with_speculator`: a
-    tensor-parallel rank > 0 follows rank 0's drafts and never proposes). use_decode_loop: False for a
-    tensor-parallel shard (its layers all-reduce, which the C++ loop does not); samples: False for a
-    tensor-parallel rank > 0 (ModelRunner)."""
+@dataclass(frozen=True)
+class TPRank:
+    """Which tensor-parallel rank a runner serves: its model is a shard whose layers all-reduce with the other
+    ranks, so it never runs outside a broadcast step and the C++ layer loop (no all-reduce) does not run it."""
+
+    rank: int
+    tables: TargetTables | None = None
+    """Rank 0: the target's embedding and LM-head tables, read before the model was split (a draft head's need:
+    `SpeculativeConfig.reads_target_tables`); None otherwise."""
+
+
+def build_runner(model: CausalLM, arch: ModelArchConfig, opts: RunnerOptions, tp: TPRank | None = None) -> ModelRunner:
+    """The target's runner, with its speculator when opts.speculative is set. tp: None for a whole model; rank 0
+    of a split model samples, verifies and drafts (a draft model or head runs whole, on rank 0 alone); ranks 1..
+    follow rank 0's steps, drafts included, and neither sample nor draft."""
     mc = opts.model
     device = torch.device(mc.device)
     speculator = None
-    if opts.speculative is not None and with_speculator:  # lazy import: engines without speculation never load it
+    spec = opts.speculative
+    if spec is not None and (tp is None or tp.rank == 0):  # lazy import: plain engines never load it
         from tokenmill.spec_decode.decoder import SpeculativeDecoder
+        from tokenmill.spec_decode.eagle_head import target_tables
         from tokenmill.spec_decode.proposer import ProposerContext
 
         def new_runner(draft: RunnerModel, draft_arch: ModelArchConfig, kv: KVCacheSpec, seed: int) -> ModelRunner:
-            return ModelRunner(draft, draft_arch, kv, device, seed=seed, use_decode_loop=use_decode_loop)
+            return ModelRunner(draft, draft_arch, kv, device, seed=seed)  # a draft is whole: the C++ loop runs it
+
+        def tables() -> TargetTables:
+            if tp is None:
+                return target_tables(model)
+            if tp.tables is None:
+                raise ValueError(f"speculative method {spec.method!r} got no target tables on rank 0")
+            return tp.tables
 
         ctx = ProposerContext(
-            model,
+            model if tp is None else None,
             arch,
             mc.model,
             mc.torch_dtype,
@@ -140,8 +153,9 @@ def build_runner(
             opts.max_model_len,
             mc.seed,
             new_runner,
+            tables,
         )
-        speculator = SpeculativeDecoder(opts.speculative, ctx)
+        speculator = SpeculativeDecoder(spec, ctx)
     return ModelRunner(
         model,
         arch,
@@ -149,9 +163,9 @@ def build_runner(
         device,
         seed=mc.seed,
         speculator=speculator,
-        use_decode_loop=use_decode_loop,
+        use_decode_loop=tp is None,
         prompts_per_token=mc.attends_prompts_per_token,
-        samples=samples,
+        samples=tp is None or tp.rank == 0,
     )
 
 

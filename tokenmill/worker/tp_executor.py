@@ -29,7 +29,7 @@ from tokenmill.distributed.tensor_parallel import (
     make_group,
     shard_model,
 )
-from tokenmill.worker.executor import RunnerOptions
+from tokenmill.worker.executor import RunnerOptions, TPRank
 from tokenmill.worker.process import SpawnedWorker, WorkerDiedError, watch
 
 if TYPE_CHECKING:
@@ -89,9 +89,7 @@ def _rank_main(spec: RankSpec, shm_data: torch.Tensor | None, shm_flags: torch.T
         )
         group = make_group(spec.port, spec.rank, spec.size, spec.timeout_s, shm=shm)
         loaded = build_shard(spec.opts.model.model, spec.opts.model.torch_dtype, group)
-        runner = build_runner(
-            loaded.model, loaded.config, spec.opts, use_decode_loop=False, with_speculator=False, samples=False
-        )
+        runner = build_runner(loaded.model, loaded.config, spec.opts, TPRank(spec.rank))
         group.store.set(_ready_key(spec.rank), "1")
     except Exception:  # noqa: BLE001 - rank 0 sees this rank exit; the traceback goes to this rank's stderr
         traceback.print_exc()
@@ -152,11 +150,16 @@ class TPExecutor:
             for w in self.workers:
                 w.close(timeout_s=1.0)
             raise
+        tables = None
+        if opts.speculative is not None and opts.speculative.reads_target_tables:  # before the head is split
+            from tokenmill.spec_decode.eagle_head import target_tables
+
+            tables = target_tables(model)
         shard_model(model, self.group)
         self.model = model
         self.pending_moves: list[PathMove] = []
         """The K/V moves of the last step's verified trees, which ranks 1.. replay before the next step."""
-        self.runner = build_runner(model, model.config, opts, use_decode_loop=False)
+        self.runner = build_runner(model, model.config, opts, TPRank(0, tables))
         keys = [_ready_key(r) for r in range(1, size)]  # every rank built its shard and runner
 
         def ready(poll_s: float) -> bool:
