@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -16,6 +17,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob, holding the sampled token plus the top-N.
 SampleLogprobs = list[dict[int, Logprob]]
+
+# One entry per prompt token: None for the first, then token id -> Logprob holding the prompt's token plus the top-N.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -118,12 +122,16 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
-    prompt_logprobs: list | None = field(default=None)
+    prompt_logprobs: PromptLogprobs | None = field(default=None)
+    """SamplingParams.prompt_logprobs: per prompt position (None for the first), once the whole prompt is computed;
+    a delta output carries them once."""
     is_delta: bool = False
     """outputs hold only what is new since the previous output (SamplingParams.output_kind "delta")."""
     kv_transfer_params: dict | None = None
     """A prefill worker's finished request: where its prompt K/V wait for a decode worker (the fields of
     distributed/kv_connector.PullFromPrefill), passed on to the decode worker's request."""
+    embedding: list[float] | None = None
+    """A pooling request's (SamplingParams.pooling) L2-normalised embedding, once finished."""
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """Two consecutive outputs as one (a reader that lagged): deltas are joined choice by choice,
@@ -142,6 +150,33 @@ class RequestOutput:
             later.finished,
             later.metrics,
             later.num_cached_tokens,
-            later.prompt_logprobs,
+            later.prompt_logprobs if later.prompt_logprobs is not None else self.prompt_logprobs,
             True,
+            later.kv_transfer_params,
+            later.embedding if later.embedding is not None else self.embedding,
         )
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's name: one prompt's embedding."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's shape)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+def truncate_embedding(embedding: list[float], dimensions: int) -> list[float]:
+    """Matryoshka-style: the first `dimensions` values, L2-normalised again (plain Python: the server's threads
+    stay free of torch). E.g. [0.6, 0.8, 0.0] to 1 -> [1.0]."""
+    head = embedding[:dimensions]
+    norm = math.sqrt(math.fsum(x * x for x in head))
+    return [x / norm for x in head] if norm > 0 else head

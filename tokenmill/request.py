@@ -15,6 +15,7 @@ from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.distributed.kv_connector import KVTransferRequest
+    from tokenmill.outputs import Logprob
 
 RequestId = NewType("RequestId", str)
 
@@ -82,6 +83,12 @@ class Request:
         self.stop_reason: int | str | None = None
         self.logprobs: list = []
         self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
+        """Per prompt position so far (the first has none: None), while sampling_params.prompt_logprobs asks."""
+        self.embedding: list[float] | None = None
+        """A pooling request's L2-normalised embedding, once its prompt is computed."""
         # timing
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -104,6 +111,29 @@ class Request:
     def clear_drafts(self) -> None:
         self.spec_token_ids = []
         self.spec_parents = None
+
+    @property
+    def is_prompt_only(self) -> bool:
+        """It finishes once its prompt is computed, without sampling (max_tokens 0: prompt logprobs, pooling)."""
+        return self.max_tokens == 0
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some positions are still missing."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Its prompt must be computed from position 0, without a prefix-cache hit: every position's logits
+        (prompt logprobs still missing) or hidden state (mean pooling) is read."""
+        return self.needs_prompt_logprobs or self.sampling_params.pooling == "mean"
+
+    def add_prompt_logprobs(self, start_pos: int, entries: list[dict[int, Logprob]]) -> None:
+        """A chunk's prompt logprobs, for positions start_pos, start_pos + 1, ...; positions already held (a chunk
+        computed again after preemption) are skipped."""
+        held = self.prompt_logprobs
+        assert held is not None and start_pos <= len(held), "prompt logprobs arrive in position order"
+        held.extend(entries[len(held) - start_pos :])
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,9 @@ _GREEDY_EPS = 1e-5
 
 OUTPUT_KINDS = ("cumulative", "delta", "final")
 
+POOLING_TYPES = ("last", "mean")
+"""How an embedding pools a prompt's final hidden states: the last token's, or the mean over every token."""
+
 
 @dataclass(frozen=True)
 class StructuredOutputs:
@@ -86,11 +89,19 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating past the EOS token."""
     max_tokens: int | None = 16
-    """Maximum number of generated tokens; None means up to the max model length."""
+    """Maximum number of generated tokens; None means up to the max model length. 0: compute the prompt only
+    and finish without sampling (for prompt_logprobs, or an embedding's pooling)."""
     min_tokens: int = 0
     """EOS and stop_token_ids are suppressed until this many tokens were generated."""
     logprobs: int | None = None
     """Return the log-probability of the sampled token plus the top-N alternatives."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of every prompt token given the tokens before it, plus the top-N alternatives
+    at each position (vLLM's RequestOutput.prompt_logprobs: None for the first token). Such a prompt skips the
+    prefix cache: every position's logits are computed (docs/apis.md)."""
+    pooling: str | None = None
+    """Embedding instead of text: pool the prompt's final hidden states ("last" token or "mean"), L2-normalised,
+    into RequestOutput.embedding. Needs max_tokens 0."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
     include_stop_str_in_output: bool = False
@@ -130,14 +141,23 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if not self.repetition_penalty > 0:
             raise bad("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 0):
+            raise bad("max_tokens", "must be an integer >= 0")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", "must be an integer in [0, 20]")
+        if self.pooling is not None:
+            if self.pooling not in POOLING_TYPES:
+                raise bad("pooling", f"must be one of {', '.join(POOLING_TYPES)}")
+            if self.max_tokens != 0:
+                raise bad("pooling", "needs max_tokens 0 (an embedding generates nothing)")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -146,6 +166,11 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         if self.output_kind not in OUTPUT_KINDS:
             raise bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
+
+    @property
+    def is_prompt_only(self) -> bool:
+        """The request computes its prompt and finishes without sampling (max_tokens 0)."""
+        return self.max_tokens == 0
 
     @property
     def is_greedy(self) -> bool:

@@ -13,7 +13,9 @@ from tokenmill.models.loader import ModelLoadError, load_model
 @pytest.mark.parametrize(
     "kwargs, name",
     [
-        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(max_tokens=0, pooling="cls"), "pooling"),
         (dict(temperature=-0.1), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),

@@ -35,6 +35,7 @@ class FakeCore:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = 64
         self.vocab_size = FakeTokenizer.vocab_size
+        self.hidden_size = 8
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int], float]] = {}
         self.thread_ids: set[int] = set()
         self.aborted: list[str] = []

@@ -52,8 +52,12 @@ class ScheduledRequest:
 
     @property
     def is_sampling(self) -> bool:
-        """True if this step reaches the request's last token, so its logits are sampled."""
-        return self.start_pos + self.num_new_tokens == self.request.num_tokens_with_spec
+        """True if this step reaches the request's last token, so its logits are sampled (never for a prompt-only
+        request: it finishes there)."""
+        return (
+            self.start_pos + self.num_new_tokens == self.request.num_tokens_with_spec
+            and not self.request.is_prompt_only
+        )
 
     @property
     def token_ids(self) -> list[int]:
@@ -423,7 +427,7 @@ class Scheduler:
                     > self.config.max_num_seqs
                 ):
                     break  # pending samples (n > 1) will need sequence slots too
-                computed = self.kv.get_computed_blocks(req)
+                computed = self._computed_blocks(req)
                 num_new = req.num_tokens - computed.num_tokens
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
@@ -502,12 +506,20 @@ class Scheduler:
         for req in plan.admit:
             if budget <= 0:
                 break
-            computed = self.kv.get_computed_blocks(req)
+            computed = self._computed_blocks(req)
             num_new = min(req.num_tokens - computed.num_tokens, budget, plan.take[req.request_id])
             if not self._admit(req, num_new, computed, out, now):
                 break
             budget -= num_new
         return budget
+
+    def _computed_blocks(self, req: Request) -> ComputedBlocks:
+        """The prefix-cache hit a waiting request is admitted with. None for a request that reads every prompt
+        position (prompt logprobs still missing, mean pooling: `Request.computes_whole_prompt`): a hit would skip
+        positions, so it recomputes its whole prompt (counted as a miss in the prefix-cache stats)."""
+        if req.computes_whole_prompt:
+            return ComputedBlocks([], 0, [[] for _ in self.kv.groups[1:]])
+        return self.kv.get_computed_blocks(req)
 
     def _admit(self, req: Request, num_new: int, computed: ComputedBlocks, out: SchedulerOutput, now: float) -> bool:
         """Move a waiting request to running with num_new tokens scheduled after its prefix hit; False (and
@@ -577,6 +589,7 @@ class Scheduler:
                 s.fork_of,
                 None if req.spec_parents is None else req.spec_parents[: s.num_spec_tokens],
                 new_tables[1:],
+                req.needs_prompt_logprobs and s.num_new_tokens > 0 and s.start_pos < req.num_prompt_tokens - 1,
             )
 
         scheduled = [chunk(s) for s in out.scheduled]
@@ -607,6 +620,17 @@ class Scheduler:
             if req.is_finished:
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            chunk_logprobs = output.prompt_logprobs.get(req.request_id)
+            if chunk_logprobs is not None:
+                req.add_prompt_logprobs(chunk_logprobs.start_pos, chunk_logprobs.entries)
+            if req.is_prompt_only:  # no sampling: it ends once its prompt is computed
+                if req.num_computed_tokens >= req.num_tokens:
+                    req.embedding = output.pooled.get(req.request_id)
+                    req.status = RequestStatus.FINISHED_LENGTH
+                    req.first_token_time = req.last_token_time = now
+                    changed.append(req)
+                    self._retire(req, now)
+                continue
             res = results.get(req.request_id)
             if res is None:
                 continue
@@ -633,16 +657,22 @@ class Scheduler:
             req.last_token_time = now
             changed.append(req)
             if req.is_finished:
-                self.requests.pop(req.request_id, None)
-                self.running.remove(req)
-                req.finished_time = now
-                if isinstance(req.kv_transfer, HoldForDecode):  # a prefill worker's request: keep its K/V
-                    self.connector.add_hold(req.request_id, self.kv.hold(req, req.request_id))
-                else:
-                    self.kv.free(req)
-                self.kv.forget(req.request_id)
-                self.finished_since_step.append(req.request_id)
+                self._retire(req, now)
         return changed
+
+    def _retire(self, req: Request, now: float) -> None:
+        """A running request that finished in update(): out of the running list, its blocks freed (or held for a
+        decode worker), its row dropped by the runner at the next step."""
+        self.requests.pop(req.request_id, None)
+        self.running.remove(req)
+        req.finished_time = now
+        if isinstance(req.kv_transfer, HoldForDecode):  # a prefill worker's request: keep its K/V
+            assert self.connector is not None, "only a connector's engine accepts HoldForDecode"
+            self.connector.add_hold(req.request_id, self.kv.hold(req, req.request_id))
+        else:
+            self.kv.free(req)
+        self.kv.forget(req.request_id)
+        self.finished_since_step.append(req.request_id)
 
     def _check_stop(self, req: Request, tok: int) -> bool:
         p = req.sampling_params

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -76,6 +77,9 @@ class ScheduledChunk:
     first (spec_decode/tree.py). None: a chain."""
     new_group_block_ids: list[list[int]] = field(default_factory=list)
     """Groups 1.. : blocks appended to each table since then (empty lists for a one-group model: none)."""
+    wants_prompt_logprobs: bool = False
+    """Return the logprobs of the prompt tokens this chunk's logits predict (`PromptLogprobs`): the request asked
+    (SamplingParams.prompt_logprobs) and still misses some. Only such chunks have logits at every position."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,22 @@ class SamplerResult:
     slots by the runner). None for chains and plain sampling."""
 
 
+@dataclass
+class PromptLogprobs:
+    """One prompt chunk's prompt logprobs: the logits at positions [p, q) of the chunk predict prompt tokens
+    p + 1 .. q (those that are prompt tokens), each an entry {token id: Logprob} with the prompt's own token and
+    the top-N (SamplingParams.prompt_logprobs) of the raw model distribution.
+
+        prompt [t0 t1 t2 t3 t4], chunks [0, 3) and [3, 5):
+        chunk 1 -> start_pos 1, entries for t1 t2 t3 (logits at 0, 1, 2)
+        chunk 2 -> start_pos 4, entries for t4       (logits at 3; those at 4 sample the first output)
+    """
+
+    start_pos: int
+    """The prompt position of the first entry."""
+    entries: list[dict[int, Logprob]]
+
+
 @dataclass(frozen=True)
 class Drafts:
     """Draft tokens a runner proposes for a request's next step (speculative decoding, spec_decode/)."""
@@ -180,6 +200,11 @@ class StepOutput:
     path_moves: list[PathMove] = field(default_factory=list)
     """The K/V moves this step's tree verification made in the runner's cache: tensor-parallel ranks 1..,
     which do not verify, make the same moves in theirs (worker/tp_executor.py)."""
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    """request id -> its chunk's prompt logprobs (chunks with ScheduledChunk.wants_prompt_logprobs)."""
+    pooled: dict[str, list[float]] = field(default_factory=dict)
+    """request id -> its L2-normalised pooled final hidden states (SamplingParams.pooling), from the step that
+    computed its last prompt token."""
 
 
 @dataclass(slots=True)

@@ -52,6 +52,8 @@ class EngineCoreLike(Protocol):
     max_model_len: int
     vocab_size: int
     """Largest token id + 1 that the model accepts (its embedding rows)."""
+    hidden_size: int
+    """The size of the model's final hidden states: what an embedding (SamplingParams.pooling) holds."""
 
     def add_request(
         self,
@@ -251,6 +253,7 @@ class AsyncEngine:
         self.tokenizer: Tokenizer | None = None
         self.max_model_len: int | None = None
         self.vocab_size: int | None = None
+        self.hidden_size: int | None = None
 
     # --- lifecycle (event loop) ------------------------------------------------------------
 
@@ -419,6 +422,7 @@ class AsyncEngine:
             self.tokenizer = core.tokenizer
             self.max_model_len = core.max_model_len
             self.vocab_size = core.vocab_size
+            self.hidden_size = core.hidden_size
             self._core = core
             self._snapshot(core, time.time())
         except BaseException as e:  # noqa: BLE001 - reported to every waiter and /health

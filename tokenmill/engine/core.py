@@ -63,6 +63,8 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = self.arch.vocab_size
         """Largest token id + 1 that the model accepts (its embedding rows; the tokenizer may count fewer)."""
+        self.hidden_size = self.arch.hidden_size
+        """The size of the final hidden states: what an embedding (SamplingParams.pooling) holds."""
         self.max_model_len = min(
             mc.max_model_len or self.arch.max_position_embeddings, self.arch.max_position_embeddings
         )
@@ -224,6 +226,8 @@ class EngineCore:
             child_params = params
             if params.n > 1 and params.seed is not None:
                 child_params = params.clone(seed=params.seed + i)
+            if i > 0 and params.prompt_logprobs is not None:  # the first sample's prompt logprobs are the request's
+                child_params = child_params.clone(prompt_logprobs=None)
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
                 cid,
@@ -254,8 +258,13 @@ class EngineCore:
         )
         if grammar is not None:
             self.structured.add([c.request_id for c in children], grammar)
-        # Samples 2..n fork from the first once its prompt is computed (shared blocks, CoW).
-        self.scheduler.add_request(children[0], forks=children[1:])
+        # Samples 2..n fork from the first once its prompt is computed (shared blocks, CoW). Prompt-only samples
+        # never sample, so there is nothing to fork from: each computes the prompt (later ones from the cache).
+        if params.is_prompt_only:
+            for child in children:
+                self.scheduler.add_request(child)
+        else:
+            self.scheduler.add_request(children[0], forks=children[1:])
         self.num_prompt_tokens += n_prompt * params.n
 
     def _check_kv_transfer(self, kvt: KVTransferRequest, n_prompt: int, params: SamplingParams) -> None:
@@ -267,6 +276,12 @@ class EngineCore:
             )
         if params.n != 1:
             raise InvalidRequest("kv_transfer_params: disaggregated requests take n = 1", "n")
+        if params.prompt_logprobs is not None or params.is_prompt_only:
+            raise InvalidRequest(
+                "kv_transfer_params: prompt logprobs, embeddings and max_tokens 0 need the prompt computed on one "
+                "worker; send them without kv_transfer_params",
+                "kv_transfer_params",
+            )
         if isinstance(kvt, HoldForDecode) and not cfg.serves_kv:
             raise InvalidRequest(
                 f"kv_transfer_params: a {cfg.kv_role} worker does not hold K/V for others "

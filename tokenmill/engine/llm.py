@@ -18,7 +18,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchRunner
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.stats import EngineStats
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, truncate_embedding
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -78,6 +78,26 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling: str = "last",
+        dimensions: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (vLLM's LLM.embed): the prompt's final hidden states pooled ("last"
+        token or "mean") and L2-normalised; dimensions: keep the first values, normalised again (Matryoshka).
+        The prompts are batched through the scheduler like any prefill and finish without sampling."""
+        if dimensions is not None and not 0 < dimensions <= self.engine.arch.hidden_size:
+            raise ValueError(f"dimensions must be in [1, {self.engine.arch.hidden_size}], got {dimensions}")
+        outs = self.generate(prompts, SamplingParams(max_tokens=0, pooling=pooling, output_kind="final"), use_tqdm)
+        result = []
+        for o in outs:
+            assert o.embedding is not None, "a pooling request finishes with its embedding"
+            vec = o.embedding if dimensions is None else truncate_embedding(o.embedding, dimensions)
+            result.append(EmbeddingRequestOutput(o.request_id, EmbeddingOutput(vec), o.prompt_token_ids, o.finished))
+        return result
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, cache_salt: str | None = None

@@ -30,6 +30,8 @@ class Emitted:
     num_chars: int = 0
     cumulative_logprob: float = 0.0
     finished: bool = False
+    has_prompt_logprobs: bool = False
+    """The request's prompt logprobs went out (a delta output carries them once)."""
 
 
 @dataclass
@@ -124,6 +126,8 @@ class OutputProcessor:
     def _decoded_logprobs(self, lps: list) -> list:
         assert self.tokenizer is not None  # requests are detokenized (their IncrementalDetokenizer) with it too
         for d in lps:
+            if d is None:  # the first prompt token's entry
+                continue
             for tok, lp in d.items():
                 if lp.decoded_token is None:
                     lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
@@ -142,6 +146,13 @@ class OutputProcessor:
             finished_time=time.time() if finished else None,
             num_generation_tokens=max(r.num_output_tokens for r in parent.children),
         )
+
+    def _prompt_logprobs(self, parent: ParentRequest) -> list | None:
+        """The request's prompt logprobs (its first sample computed them), decoded, once all positions are in."""
+        first = parent.children[0]
+        if first.prompt_logprobs is None or first.needs_prompt_logprobs:
+            return None
+        return self._decoded_logprobs(first.prompt_logprobs)
 
     def _cumulative(self, parent: ParentRequest, finished: bool, held: dict | None) -> RequestOutput:
         """Everything so far (output_kind "cumulative" or "final")."""
@@ -169,7 +180,9 @@ class OutputProcessor:
             finished,
             self._metrics(parent, finished),
             num_cached_tokens=parent.children[0].num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs(parent),
             kv_transfer_params=held,
+            embedding=parent.children[0].embedding,
         )
 
     def _delta(self, parent: ParentRequest, finished: bool, held: dict | None) -> RequestOutput:
@@ -195,6 +208,10 @@ class OutputProcessor:
                     req.sample_index, text, list(new_ids), req.status.finish_reason, req.stop_reason, lps, cum, n
                 )
             )
+        prompt_logprobs = None
+        if not parent.emitted[0].has_prompt_logprobs:
+            prompt_logprobs = self._prompt_logprobs(parent)
+            parent.emitted[0].has_prompt_logprobs = prompt_logprobs is not None
         return RequestOutput(
             parent.request_id,
             parent.prompt,
@@ -203,6 +220,8 @@ class OutputProcessor:
             finished,
             self._metrics(parent, finished),
             num_cached_tokens=parent.children[0].num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
             is_delta=True,
             kv_transfer_params=held,
+            embedding=parent.children[0].embedding,
         )

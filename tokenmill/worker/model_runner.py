@@ -52,6 +52,7 @@ from tokenmill.layers.sampler import Sampler, SamplingMetadata, masks_from_bytes
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import cpu_decode
 from tokenmill.worker.kv_cache_ops import add_forked_samples, compact_accepted_path, copy_blocks
+from tokenmill.worker.prompt_outputs import prompt_outputs
 
 if TYPE_CHECKING:
     from tokenmill.models.interface import DecoderLayout
@@ -87,6 +88,9 @@ class RequestState:
     """KV-cache groups 1.. (sliding-window models): their tables."""
     max_tokens: int
     """Outputs the request may have in all (NewRequestData.max_tokens)."""
+    pool_sum: torch.Tensor | None = None  # [hidden_size] float32
+    """Mean pooling: the sum of the final hidden states of positions [0, num_pooled) (worker/prompt_outputs.py)."""
+    num_pooled: int = 0
 
     @classmethod
     def new(cls, d: NewRequestData) -> RequestState:
@@ -295,16 +299,28 @@ class ModelRunner:
         if forked:
             logits_indices, sampling = add_forked_samples(forked, logits_indices, sampling)
         hidden = self.run_model(inp)  # [num_tokens, hidden]
+        prompt = prompt_outputs(step, batch, self.requests, hidden, self.model.compute_logits)
         if self.feature_sink is not None and not any(s.num_spec_tokens for s in batch):
             self.feature_sink(batch, hidden)
         if not sampling:
-            return StepOutput(spec_metrics=self.speculator.metrics() if self.speculator is not None else None)
+            return StepOutput(
+                spec_metrics=self.speculator.metrics() if self.speculator is not None else None,
+                prompt_logprobs=prompt.prompt_logprobs,
+                pooled=prompt.pooled,
+            )
         sampled = self.sample(step, batch, sampling, hidden, logits_indices)
         if self.speculator is None:
-            return StepOutput(sampled.results)
+            return StepOutput(sampled.results, prompt_logprobs=prompt.prompt_logprobs, pooled=prompt.pooled)
         self.speculator.observe_target_step(batch, time.perf_counter() - t0)
         drafts = self.speculator.propose(self.draft_requests(sampling, sampled.results))
-        return StepOutput(sampled.results, drafts, self.speculator.metrics(), sampled.path_moves)
+        return StepOutput(
+            sampled.results,
+            drafts,
+            self.speculator.metrics(),
+            sampled.path_moves,
+            prompt.prompt_logprobs,
+            prompt.pooled,
+        )
 
     def run_model(self, inp: StepInputs) -> torch.Tensor:
         """The forward over a step's inputs: the C++ layer loop where it serves the step (its attention plan and
