@@ -50,20 +50,98 @@ def test_miss_then_full_hit_recomputes_last_token():
     assert free_order(kv) == [3, 4, 5, 6, 7, 8, 9, 2, 1, 0]
     b = make_request("b", list(range(10)))
     computed = kv.get_computed_blocks(b)
-    assert [x.block_id for x in computed.blocks] == [0, 1] and computed.num_tokens == 8
+    # full blocks 0, 1 and a's tail (block 2 holds token 8): everything but the last token
+    assert [x.block_id for x in computed.blocks] == [0, 1] and computed.num_tokens == 9
+    assert computed.tail is not None and computed.tail == (kv.pool.blocks[2], 1)
     assert admit(kv, b) == [0, 1, 3]
-    assert kv.stats.hits == 8
+    assert kv.take_block_copies() == [BlockCopy(2, 3)]  # the tail is copied, never written
+    assert kv.stats.hits == 9
+    assert kv.pool.blocks[2].block_hash is not None  # still cached
     kv.check_integrity()
 
 
-def test_prompt_of_whole_blocks_keeps_last_block_uncached():
+def test_prompt_of_whole_blocks_copies_its_last_block():
     kv = make_kv_manager()
     a = make_request("a", list(range(8)))
     admit(kv, a)
     finish(kv, a)
     b = make_request("b", list(range(8)))
-    # 2 full blocks cached, but the last token must be recomputed: only block 0 is served
-    assert [x.block_id for x in kv.get_computed_blocks(b).blocks] == [0]
+    # 2 full blocks cached, but the last token must be recomputed: block 0 is served, block 1 is copied for the
+    # 3 tokens before the last
+    computed = kv.get_computed_blocks(b)
+    assert [x.block_id for x in computed.blocks] == [0] and computed.tail == (kv.pool.blocks[1], 3)
+    assert computed.num_tokens == 7
+    assert admit(kv, b) == [0, 2]
+    assert kv.take_block_copies() == [BlockCopy(1, 2)]
+    kv.check_integrity()
+
+
+def test_a_tail_serves_the_next_turn_and_stays_cached():
+    """A conversation's next turn extends the last one: its tokens in a's partly filled block are copied."""
+    kv = make_kv_manager()
+    a = make_request("a", list(range(10)))
+    admit(kv, a)
+    finish(kv, a)
+    b = make_request("b", list(range(10)) + [10, 11])
+    computed = kv.get_computed_blocks(b)
+    assert computed.num_tokens == 10 and computed.tail == (kv.pool.blocks[2], 2)
+    assert admit(kv, b) == [0, 1, 3]
+    assert kv.take_block_copies() == [BlockCopy(2, 3)]
+    c = make_request("c", list(range(9)) + [77, 78])  # shares one of the tail's two tokens
+    assert kv.get_computed_blocks(c).tail == (kv.pool.blocks[2], 1)
+    kv.check_integrity()
+
+
+def test_sibling_tails_the_longest_common_prefix_wins():
+    """Beams: requests that share 8 tokens and end in different partial blocks; each later request takes the
+    tail that shares the most tokens with it."""
+    kv = make_kv_manager(12)
+    x = make_request("x", list(range(8)) + [8, 9, 20])
+    y = make_request("y", list(range(8)) + [8, 30])
+    assert admit(kv, x) == [0, 1, 2]
+    assert admit(kv, y) == [0, 1, 3]
+    finish(kv, x)
+    finish(kv, y)
+    assert kv.get_computed_blocks(make_request("p", list(range(8)) + [8, 9, 20, 21])).tail == (kv.pool.blocks[2], 3)
+    assert kv.get_computed_blocks(make_request("q", list(range(8)) + [8, 30, 31])).tail == (kv.pool.blocks[3], 2)
+    assert kv.get_computed_blocks(make_request("r", list(range(8)) + [8, 9, 55])).tail == (kv.pool.blocks[2], 2)
+    assert kv.get_computed_blocks(make_request("s", list(range(8)) + [5, 6])).tail is None
+    salted = make_request("t", list(range(8)) + [8, 9, 20, 21], salt="other")
+    assert kv.get_computed_blocks(salted).num_tokens == 0  # another tenant sees neither blocks nor tails
+    kv.check_integrity()
+
+
+def test_a_tail_is_cached_only_when_its_last_holder_frees_it():
+    """n > 1 / forks share a partly filled block; the holder that stays writes into it in place, so the block
+    becomes a tail only when the last holder frees it, with that holder's tokens."""
+    kv = make_kv_manager()
+    a = make_request("a", list(range(6)))
+    admit(kv, a)
+    b = make_request("b", list(range(6)))
+    kv.fork(a, b, 6)  # b holds [0, 1] too (block 1: tokens 4, 5)
+    b.num_computed_tokens = 6
+    finish(kv, a)
+    assert kv.pool.blocks[1].block_hash is None  # b still holds it (and may write into it)
+    b.append_output_token(42)
+    assert kv.allocate_slots(b, 1) == []  # b writes position 6 in place: it is the only holder now
+    b.num_computed_tokens = 7
+    finish(kv, b)
+    got = kv.get_computed_blocks(make_request("c", list(range(6)) + [42, 43]))
+    assert got.tail == (kv.pool.blocks[1], 3) and got.num_tokens == 7
+    kv.check_integrity()
+
+
+def test_an_evicted_tail_is_found_no_more():
+    kv = make_kv_manager(num_blocks=4)
+    a = make_request("a", list(range(6)))  # blocks 0, 1 (tail: tokens 4, 5)
+    admit(kv, a)
+    finish(kv, a)
+    assert free_order(kv) == [2, 3, 1, 0]
+    c = make_request("c", [100 + i for i in range(10)])  # takes 2, 3 and the tail's block 1
+    assert admit(kv, c) == [2, 3, 1]
+    assert kv.get_computed_blocks(make_request("d", list(range(6)) + [9])).tail is None
+    assert not kv.pool.tails
+    kv.check_integrity()
 
 
 def test_partial_hit_and_miss():
@@ -87,7 +165,7 @@ def test_lru_eviction_order():
     assert free_order(kv) == [3, 4, 5, 2, 1, 0]
     c = make_request("c", [100 + i for i in range(17)])  # 5 blocks, no hit: takes 3, 4, 5, 2, 1
     assert admit(kv, c) == [3, 4, 5, 2, 1]
-    assert kv.pool.num_evictions == 1  # block 1 (a's 2nd block) evicted, block 0 kept
+    assert kv.pool.num_evictions == 2  # block 2 (a's tail) and block 1 (a's 2nd block) evicted, block 0 kept
     h0 = hash_block(None, [0, 1, 2, 3])
     assert kv.pool.cached.get(h0) is kv.pool.blocks[0]
     assert hash_block(h0, [4, 5, 6, 7]) not in kv.pool.cached
@@ -206,13 +284,13 @@ def test_block_map_names_every_block_and_its_holders():
     kv = make_kv_manager(6)
     a = make_request("a", list(range(10)))
     assert admit(kv, a) == [0, 1, 2]
-    finish(kv, a)  # its two full blocks stay cached, the partial one does not
-    assert kv.block_map() == BlockMap("cc....", {})
+    finish(kv, a)  # its two full blocks stay cached, and the partial one as a tail
+    assert kv.block_map() == BlockMap("ccc...", {})
     b = make_request("b", list(range(8)) + [50, 51])
     assert admit(kv, b) == [0, 1, 3]
     c = make_request("c", list(range(4)) + [60, 61])
     assert admit(kv, c) == [0, 4]
-    assert kv.block_map() == BlockMap("su.uu.", {"b": [0, 1, 3], "c": [0, 4]})
+    assert kv.block_map() == BlockMap("sucuu.", {"b": [0, 1, 3], "c": [0, 4]})
     finish(kv, c)
     kv.hold(b, "t1")  # a finished prefill's blocks kept for a decode worker
-    assert kv.block_map() == BlockMap("hh.h..", {"t1": [0, 1, 3]})
+    assert kv.block_map() == BlockMap("hhchc.", {"t1": [0, 1, 3]})

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput, TokenSplit
-from tokenmill.core.step_io import SamplerResult, StepOutput
+from tokenmill.core.step_io import BlockCopy, SamplerResult, StepOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -181,17 +181,18 @@ def test_without_chunked_prefill_a_prompt_waits_for_room_and_blocks_the_queue():
 
 
 def test_prefix_hit_costs_only_the_uncached_tokens():
-    """A waiting prompt with cached leading blocks starts after them and spends budget on the rest only."""
+    """A waiting prompt with cached leading blocks (and a cached tail) starts after them and spends budget on the
+    rest only."""
     sched = make_scheduler(budget=10, chunked=False)
     sched.add_request(make_request("a", list(range(10))))
     assert summary(step(sched)) == [("a", 10, 0, [0, 1, 2])]
-    sched.finish_request("a", RequestStatus.FINISHED_ABORTED)  # frees 2, 1, 0; 0 and 1 stay cached
+    sched.finish_request("a", RequestStatus.FINISHED_ABORTED)  # frees 2, 1, 0; 0, 1 and the tail 2 stay cached
     sched.config = replace(sched.config, max_num_batched_tokens=3)
     b = make_request("b", list(range(10)))
     sched.add_request(b)
     out = step(sched)
-    assert summary(out) == [("b", 2, 8, [0, 1, 3])]
-    assert (b.num_cached_tokens, b.num_computed_tokens, b.output_token_ids) == (8, 10, [7])
+    assert summary(out) == [("b", 1, 9, [0, 1, 3])] and out.block_copies == [BlockCopy(2, 3)]
+    assert (b.num_cached_tokens, b.num_computed_tokens, b.output_token_ids) == (9, 10, [7])
 
 
 def test_max_num_seqs_caps_admission_until_a_request_leaves():

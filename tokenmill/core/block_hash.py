@@ -12,13 +12,26 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import NewType, TypeAlias
+from typing import NamedTuple, NewType, TypeAlias
 
 BlockHash = NewType("BlockHash", bytes)
 
-BlockKey: TypeAlias = BlockHash | tuple[int, BlockHash]
-"""A block's prefix-cache key: group 0's blocks are keyed by their hash, group g's by (g, hash)
-(the same tokens are different K/V in another KV-cache group)."""
+
+class TailKey(NamedTuple):
+    """The prefix-cache key of a partly filled last block (one-group models): what precedes it and what it holds.
+    Tails are found by their parent, then by the longest common prefix of their tokens with a request's."""
+
+    parent: BlockHash | None
+    """The hash of the full block before it (None: it is the first block)."""
+    salt: str | None
+    """The cache_salt of its request (the chain of a first block carries none)."""
+    tokens: tuple[int, ...]
+    """The tokens whose K/V it holds, 1 .. block_size - 1 of them."""
+
+
+BlockKey: TypeAlias = BlockHash | tuple[int, BlockHash] | TailKey
+"""A block's prefix-cache key: group 0's full blocks are keyed by their hash, group g's by (g, hash)
+(the same tokens are different K/V in another KV-cache group), a tail block by its TailKey."""
 
 _ROOT = BlockHash(b"tokenmill-root")
 

@@ -7,13 +7,18 @@ Free queue (doubly linked, O(1) removal from the middle):
 A block whose ref_cnt drops to 0 joins the back. A free block that still has a hash stays
 findable in `cached` until it is popped for reuse (eviction = least recently freed first).
 A cache hit on a free block takes it out of the queue again ("touch").
+
+Tail blocks (a request's partly filled last block, registered when its last holder frees it) are
+cached the same way under a TailKey, and also listed under their parent (`tails`), so a lookup can
+find the one whose tokens share the longest prefix with a request's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from tokenmill.core.block_hash import BlockKey
+from tokenmill.core.block_hash import BlockHash, BlockKey, TailKey
 
 
 @dataclass(eq=False)
@@ -26,6 +31,13 @@ class KVCacheBlock:
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_cnt}{', cached' if self.block_hash else ''})"
+
+
+class TailHit(NamedTuple):
+    """A cached tail block whose first num_tokens tokens continue a request's prefix hit."""
+
+    block: KVCacheBlock
+    num_tokens: int
 
 
 class FreeBlockQueue:
@@ -73,6 +85,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockKey, KVCacheBlock] = {}
+        self.tails: dict[tuple[BlockHash | None, str | None], dict[tuple[int, ...], KVCacheBlock]] = {}
+        """(parent hash, salt) -> tokens -> the cached tail block holding them (the entries of `cached` under a
+        TailKey, indexed by what precedes them)."""
         self.num_evictions = 0
         self.num_cached_free_blocks = 0
         """Free blocks that still carry a hash (kept as a counter: stats run every step)."""
@@ -95,11 +110,7 @@ class BlockPool:
         for _ in range(n):
             b = self.free_queue.popleft()
             if b.block_hash is not None:  # evict from the prefix cache
-                self.num_cached_free_blocks -= 1
-                if self.cached.get(b.block_hash) is b:
-                    del self.cached[b.block_hash]
-                b.block_hash = None
-                self.num_evictions += 1
+                self._uncache(b)
             assert b.ref_cnt == 0
             b.ref_cnt = 1
             out.append(b)
@@ -130,13 +141,47 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached.setdefault(block_hash, block)
 
+    def cache_tail(self, block: KVCacheBlock, key: TailKey) -> None:
+        """Register a free tail block (its last holder just freed it); a tail already cached with the same tokens
+        stays, and this block is plain free."""
+        assert block.ref_cnt == 0 and block.block_hash is None
+        if not self.enable_caching or key in self.cached:
+            return
+        block.block_hash = key
+        self.cached[key] = block
+        self.tails.setdefault((key.parent, key.salt), {})[key.tokens] = block
+        self.num_cached_free_blocks += 1
+
+    def longest_tail(self, parent: BlockHash | None, salt: str | None, tokens: list[int]) -> TailHit | None:
+        """The cached tail after `parent` whose tokens share the longest prefix with `tokens`, or None."""
+        best: TailHit | None = None
+        for held, block in self.tails.get((parent, salt), {}).items():
+            n = 0
+            for a, b in zip(held, tokens):
+                if a != b:
+                    break
+                n += 1
+            if n > 0 and (best is None or n > best.num_tokens):
+                best = TailHit(block, n)
+        return best
+
     def evict(self, block: KVCacheBlock) -> None:
         """Drop a free block's prefix-cache entry now (as reuse would); it stays free."""
         assert block.ref_cnt == 0, f"{block} is in use"
-        if block.block_hash is None:
-            return
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
+        if block.block_hash is not None:
+            self._uncache(block)
+
+    def _uncache(self, block: KVCacheBlock) -> None:
+        """A free block's prefix-cache entry goes (it is evicted)."""
+        key = block.block_hash
+        assert key is not None and block.ref_cnt == 0
+        if self.cached.get(key) is block:
+            del self.cached[key]
+            if isinstance(key, TailKey):
+                siblings = self.tails[(key.parent, key.salt)]
+                del siblings[key.tokens]
+                if not siblings:
+                    del self.tails[(key.parent, key.salt)]
         block.block_hash = None
         self.num_cached_free_blocks -= 1
         self.num_evictions += 1
@@ -158,3 +203,6 @@ class BlockPool:
                 )
         for h, b in self.cached.items():
             assert b.block_hash == h, f"{b} cached under a different hash"
+            if isinstance(h, TailKey):
+                assert self.tails[(h.parent, h.salt)][h.tokens] is b, f"{b}: tail not indexed"
+        assert sum(map(len, self.tails.values())) == sum(isinstance(h, TailKey) for h in self.cached), "tail index"

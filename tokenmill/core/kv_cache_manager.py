@@ -16,6 +16,19 @@ that others also hold, `allocate_slots` gives it a fresh block and queues (src, 
     B decodes position 3 -> b2 is shared: B gets b9, copy (2 -> 9), b2.ref = 1
             A [b7 b2]   B [b7 b9]   (A then writes into b2 in place)
 
+Tails. When the last holder of a request's partly filled last block frees it, the block stays in the
+prefix cache as a tail, keyed by the hash of the full block before it and the tokens it holds. A later
+request whose full-block hit ends there takes the tail with the longest common prefix: the tail's K/V
+are copied into the request's own block (the tail stays cached, unwritten), and the hit grows by that
+prefix. Beam search, which resubmits each beam as a new request one token longer, then computes one
+token per beam and round, and a chat's next turn does not recompute the end of the last one.
+
+    A (10 tokens) freed: [b0 b1 | b2: 8 9 . .] -> b0, b1 cached by hash, b2 cached as tail (hash(b1), (8, 9))
+    B = A's tokens + [10, 11]: full hits b0 b1, tail b2 with 2 tokens -> B [b0 b1 b5], copy (2 -> 5),
+        10 tokens computed, tokens 10 and 11 to compute
+
+One-group models only (a window's tails would need every group's).
+
 KV-cache groups (models with sliding-window layers, Gemma 3). The layers are split into groups of
 equal size, each of one kind (global, or a window of W tokens); every group has its own block table,
 and a block of the one pool holds one group's layers (the runner's group_size cache tensors: layer i
@@ -37,8 +50,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.config import KVCacheGroup
-from tokenmill.core.block_hash import BlockHash, BlockKey, extend_block_hashes
-from tokenmill.core.block_pool import BlockPool, KVCacheBlock
+from tokenmill.core.block_hash import BlockHash, BlockKey, TailKey, extend_block_hashes
+from tokenmill.core.block_pool import BlockPool, KVCacheBlock, TailHit
 from tokenmill.core.step_io import BlockCopy
 from tokenmill.request import Request
 
@@ -55,6 +68,9 @@ class ComputedBlocks:
     num_tokens: int
     group_blocks: list[list[KVCacheBlock]] = field(default_factory=list)
     """Groups 1.. : their hits over the same blocks (NULL_BLOCK where a window no longer needs one)."""
+    tail: TailHit | None = None
+    """A cached tail continuing the full blocks (its tokens are counted in num_tokens): copied into the request's
+    own next block when it is admitted."""
 
     def per_group(self) -> list[list[KVCacheBlock]]:
         return [self.blocks, *self.group_blocks]
@@ -164,9 +180,11 @@ class KVCacheManager:
         w = self.groups[g].sliding_window
         return 0 if w is None else max(0, num_computed - w + 1) // self.block_size
 
-    def get_computed_blocks(self, req: Request) -> ComputedBlocks:
+    def get_computed_blocks(self, req: Request, tails: bool = True) -> ComputedBlocks:
         """Longest run of cached full blocks at the start of the request's tokens (in every windowed group:
-        the blocks the next query sees). The last token is never served from cache: its logits are needed.
+        the blocks the next query sees), then (one-group models, `tails`) a cached block that continues it: the
+        full block holding the last token, or the tail sharing the most tokens. The last token is never served
+        from cache: its logits are needed.
         Pure lookup: stats are counted by `allocate_slots` once the request is actually admitted."""
         if not self.enable_caching:
             return ComputedBlocks([], 0, [[] for _ in self.groups[1:]])
@@ -200,7 +218,17 @@ class KVCacheManager:
                 assert b is not None, "n was cut back until every group holds its blocks first..n-1"
                 hits.append(b)
             per_group.append(hits)
-        return ComputedBlocks(per_group[0], n * self.block_size, per_group[1:])
+        tail = None
+        start = n * self.block_size
+        if tails and len(self.groups) == 1 and req.num_tokens - 1 > start:
+            if req.num_tokens == start + self.block_size:  # block n is full but holds the last token: its cached
+                b = get(hashes[n])  # copy serves the others
+                tail = None if b is None else TailHit(b, self.block_size - 1)
+            if tail is None:
+                end = min(req.num_tokens - 1, start + self.block_size - 1)
+                parent = hashes[n - 1] if n else None
+                tail = self.pool.longest_tail(parent, req.cache_salt, req.all_token_ids[start:end])
+        return ComputedBlocks(per_group[0], start + (tail.num_tokens if tail else 0), per_group[1:], tail)
 
     # --------------------------------------------------------------- allocation
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -254,10 +282,16 @@ class KVCacheManager:
             self.stats.queries += req.num_tokens
             self.stats.hits += computed.num_tokens
         out: list[KVCacheBlock] = []
-        for t, h, n, cw in zip(tables, hits, num_new, cow):
+        for g, (t, h, n, cw) in enumerate(zip(tables, hits, num_new, cow)):
             self.pool.touch([b for b in h if b is not NULL_BLOCK])
             t.extend(h)
             new = self.pool.get_new_blocks(n + len(cw))
+            if g == 0 and computed is not None and computed.tail is not None:
+                # the tail's K/V into the request's own block (it follows the hits); src == dst if this very
+                # allocation reused the tail's block: its K/V are still in place
+                assert n > 0 and len(t) * self.block_size < num_computed, "the tail's tokens need a block"
+                if new[0] is not computed.tail.block:
+                    self.pending_copies.append(BlockCopy(computed.tail.block.block_id, new[0].block_id))
             for j, dst in zip(cw, new[n:]):
                 src = t[j]
                 if j * self.block_size < num_computed:  # holds computed tokens: copy them
@@ -329,12 +363,26 @@ class KVCacheManager:
         self.num_cached[req.request_id] = num_full
 
     def free(self, req: Request) -> None:
-        """Release the request's blocks, tail first so its last blocks are evicted first."""
-        for t in self.tables.pop(req.request_id, []):
+        """Release the request's blocks, tail first so its last blocks are evicted first. A partly filled last
+        block whose last holder this was stays cached as a tail (one-group models)."""
+        tables = self.tables.pop(req.request_id, [])
+        for t in tables:
             self.pool.free_blocks([b for b in reversed(t) if b is not NULL_BLOCK])
+        if self.enable_caching and len(tables) == 1:
+            self._cache_tail(req, tables[0])
         self.num_cached.pop(req.request_id, None)
         if req.is_finished:
             self.req_hashes.pop(req.request_id, None)
+
+    def _cache_tail(self, req: Request, table: list[KVCacheBlock]) -> None:
+        num_real = min(req.num_computed_tokens, req.num_tokens)  # K/V of real tokens (not drafts) in place
+        j, r = divmod(num_real, self.block_size)
+        if r == 0 or j >= len(table) or table[j].ref_cnt > 0 or table[j].block_hash is not None:
+            return  # no partly filled block, or others still hold (and may write) it
+        hashes = self.block_hashes(req)
+        start = j * self.block_size
+        key = TailKey(hashes[j - 1] if j else None, req.cache_salt, tuple(req.all_token_ids[start : start + r]))
+        self.pool.cache_tail(table[j], key)
 
     def forget(self, request_id: str) -> None:
         self.req_hashes.pop(request_id, None)

@@ -305,7 +305,7 @@ class Scheduler:
         """Admit a request whose prompt K/V a prefill worker holds: blocks for its whole prompt (after the local
         prefix hit), the pull queued, no token budget spent. False if the pool cannot supply the blocks."""
         assert self.connector is not None, "the engine accepts pulls from a prefill worker only with a connector"
-        computed = self.kv.get_computed_blocks(req)
+        computed = self.kv.get_computed_blocks(req, tails=False)  # pulls come in whole blocks
         plan = self.connector.plan_load(source, req.num_tokens, computed.num_tokens, self.block_size)
         if plan.num_blocks == 0:  # everything but the last token is cached here: an ordinary admission
             req.kv_transfer = None
