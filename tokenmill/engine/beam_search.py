@@ -8,16 +8,16 @@ token with logprobs = 2W (W = beam_width), and steps the engine until all of the
      alive; an EOS among the top W ranks completes a hypothesis;
   3. the survivors are the next round's beams.
 
-The prefix cache shares the K/V of every full block between a beam, its earlier rounds and its
-siblings, so a round computes only each beam's partly filled last block:
+The prefix cache shares every full block between a beam, its earlier rounds and its siblings, and
+its tails (core/kv_cache_manager.py) hand each new request its parent's partly filled last block by
+copy, so a round computes one token per beam:
 
-    round r:     A [p p p a1 | a2 x .]      request for A+x: block 0 is a prefix-cache hit,
-    round r+1:   A [p p p a1 | a2 x y]      block 1 (3 tokens) is recomputed, one token sampled
+    round r:     request A+x   [p p p a1 | a2 x]         computes x; A+x's block 1 becomes a tail on finish
+    round r+1:   request A+x+y [p p p a1 | a2 x y]       block 0 hit, tail copied (a2 x), computes y
 
-This is vLLM's beam search, and it costs up to block_size - 1 recomputed tokens per beam and round
-over an engine-internal fork (benchmarks/beam_before_after.py measures it); in exchange the engine
-core has no second, token-level request API. Without prefix caching every round recomputes whole
-prompts.
+This is vLLM's beam search; the engine core has no second, token-level request API for it
+(benchmarks/beam_before_after.py compares it with the engine-internal forks it replaced). Without
+prefix caching every round recomputes whole prompts.
 
 Scores: cumulative logprob / (generated tokens ** length_penalty), as in Hugging Face; beams run
 until max_tokens or until no beam is alive.
