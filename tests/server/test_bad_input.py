@@ -9,7 +9,7 @@ from tests.server.conftest import MODEL
 
 pytestmark = pytest.mark.slow
 
-CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+CMPL, CHAT, EMBD = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
 MSGS = [{"role": "user", "content": "hi"}]
 
 
@@ -54,7 +54,21 @@ CASES = [
     ("unsupported-logit-bias", "POST", CMPL, cmpl(logit_bias={"50256": -100}), 400, "logit_bias"),
     ("unsupported-suffix", "POST", CMPL, cmpl(suffix="end"), 400, "suffix"),
     ("unsupported-best-of", "POST", CMPL, cmpl(best_of=3), 400, "best_of"),
-    ("unsupported-echo-logprobs", "POST", CMPL, cmpl(echo=True, logprobs=1), 400, "logprobs"),
+    ("huge-prompt-logprobs", "POST", CMPL, cmpl(prompt_logprobs=21), 400, "prompt_logprobs"),
+    ("chat-stream-prompt-logprobs", "POST", CHAT, chat(stream=True, prompt_logprobs=1), 400, "prompt_logprobs"),
+    ("negative-max-tokens-echo", "POST", CMPL, cmpl(max_tokens=-1, echo=True, logprobs=1), 400, "max_tokens"),
+    ("embeddings-missing-input", "POST", EMBD, {"model": MODEL}, 400, "input"),
+    ("embeddings-input-wrong-type", "POST", EMBD, {"input": 12}, 400, "input"),
+    ("embeddings-empty-string", "POST", EMBD, {"input": ""}, 400, "input"),
+    ("embeddings-empty-list", "POST", EMBD, {"input": []}, 400, "input"),
+    ("embeddings-empty-token-list", "POST", EMBD, {"input": [[1, 2], []]}, 400, "input"),
+    ("embeddings-token-out-of-range", "POST", EMBD, {"input": [1, 10**9]}, 400, "input"),
+    ("embeddings-over-long", "POST", EMBD, {"input": "hello " * 2000}, 400, "input"),
+    ("embeddings-bad-encoding", "POST", EMBD, {"input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
+    ("embeddings-dimensions-over-hidden", "POST", EMBD, {"input": "hi", "dimensions": 100000}, 400, "dimensions"),
+    ("embeddings-zero-dimensions", "POST", EMBD, {"input": "hi", "dimensions": 0}, 400, "dimensions"),
+    ("embeddings-unknown-field", "POST", EMBD, {"input": "hi", "pooling": "cls"}, 400, "pooling"),
+    ("embeddings-unknown-model", "POST", EMBD, {"input": "hi", "model": "gpt-9"}, 404, "model"),
     (
         "tool-of-unknown-type",
         "POST",

@@ -7,6 +7,7 @@ import logging
 import os
 
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.sampling_params import POOLING_TYPES
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 
@@ -42,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="Responses kept in memory for previous_response_id and GET /v1/responses/{id}, least recently used "
         "evicted first; 0 keeps none (default: 1024)",
+    )
+    g.add_argument(
+        "--embedding-pooling",
+        default="last",
+        choices=list(POOLING_TYPES),
+        help="How /v1/embeddings pools the prompt's final hidden states (after the final norm): the last token's, "
+        "or their mean; L2-normalised either way (default: last)",
     )
     g.add_argument("--disable-log-stats", action="store_true", help="Do not log the periodic stats line")
     g.add_argument("--log-stats-interval", type=float, default=10.0, help="Seconds between stats lines (default: 10)")
@@ -104,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key,
         log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
         responses_store_size=args.responses_store_size,
+        embedding_pooling=args.embedding_pooling,
     )
     logging.getLogger("tokenmill").setLevel(logging.INFO)
     return serve(

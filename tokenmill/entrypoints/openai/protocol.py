@@ -142,6 +142,13 @@ class SamplingFields(OpenAIBaseModel):
     min_tokens: NonNegInt = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="vLLM's extra: the log-probability of every prompt token plus the top-N alternatives at each "
+        "position (the first token's entry is null); such a prompt is computed whole, without the prefix cache.",
+    )
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(
@@ -242,7 +249,9 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         ..., description="A string, a list of strings, a list of token ids, or a list of token-id lists."
     )
-    max_tokens: int | None = Field(16, ge=1, le=_MAX_INT)
+    max_tokens: int | None = Field(
+        16, ge=0, le=_MAX_INT, description="0 generates nothing: with echo and logprobs, the prompt's logprobs only."
+    )
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
     best_of: int | None = Field(None, ge=1, le=128)
@@ -258,11 +267,14 @@ class CompletionRequest(SamplingFields):
             raise UnsupportedParameterError("best_of", "best_of different from n is not supported by tokenmill")
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise UnsupportedParameterError("prompt", "prompt must not be empty")
-        if self.echo and self.logprobs is not None:
-            raise UnsupportedParameterError(
-                "logprobs", "echo together with logprobs needs prompt logprobs, which tokenmill does not support"
-            )
         return self
+
+    @property
+    def effective_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs the engine computes: vLLM's prompt_logprobs, or with echo OpenAI's logprobs N (the echoed
+        prompt's tokens come with theirs), whichever asks for more alternatives."""
+        asked = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(asked) if asked else None
 
 
 class ChatMessage(BaseModel):
@@ -366,6 +378,10 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
+        if self.prompt_logprobs is not None and self.stream:
+            raise UnsupportedParameterError(
+                "prompt_logprobs", "prompt_logprobs are returned by non-streaming chat completions only"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameterError("top_logprobs", "top_logprobs needs logprobs set to true")
         choice = self.tool_choice
@@ -395,6 +411,28 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    """POST /v1/embeddings."""
+
+    model: str | None = Field(None, description="Served model name; defaults to the first one.")
+    input: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        ..., description="A string, a list of strings, a list of token ids, or a list of token-id lists."
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: a list of numbers; base64: the float32 values, little-endian, base64-encoded."
+    )
+    dimensions: int | None = Field(
+        None, ge=1, le=_MAX_INT, description="Keep the first N values, L2-normalised again (at most the hidden size)."
+    )
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> EmbeddingRequest:
+        if isinstance(self.input, list) and (len(self.input) == 0 or any(x == [] for x in self.input)):
+            raise UnsupportedParameterError("input", "input must not be empty")
+        return self
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -462,12 +500,22 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's prompt_logprobs (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    """vLLM's extra (prompt_logprobs asked): per prompt position, None for the first."""
 
 
 class CompletionResponse(BaseModel):
@@ -516,8 +564,29 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    """vLLM's extra (prompt_logprobs asked): per position of the rendered prompt, None for the first."""
     kv_transfer_params: dict[str, Any] | None = None
     """A prefill worker's answer: where the prompt's K/V wait for a decode worker."""
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+    """The values, or with encoding_format base64 their float32 bytes (little-endian) in base64."""
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):

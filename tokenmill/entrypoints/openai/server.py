@@ -4,7 +4,7 @@
     gate: 401 without the key, 503 while loading
     routes -> OpenAIServing -> AsyncEngine  ---->  EngineCore.step() loop
 
-Endpoints: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; POST /v1/responses with
+Endpoints: POST /v1/completions, /v1/chat/completions, /v1/embeddings, /tokenize, /detokenize; POST /v1/responses with
 GET/DELETE /v1/responses/{id} (responses.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's
 API, anthropic_messages.py; errors on these paths in Anthropic's shape); GET /v1/models,
 /v1/models/{id}, /health, /metrics, /version, /debug/kv_cache (free blocks and the KV pool's
@@ -69,6 +69,8 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -107,6 +109,8 @@ class ServerSettings:
     responses_store_size: int = 1024
     """Responses kept for previous_response_id and GET /v1/responses/{id}, least recently used evicted; 0 keeps
     none."""
+    embedding_pooling: str = "last"
+    """How /v1/embeddings pools the prompt's final hidden states: "last" token or "mean"."""
 
 
 def _error_response(
@@ -212,6 +216,8 @@ _UNION_HINTS = {
     "messages": "expected a list of messages {role, content}; content is a string or a list of text parts",
     "input": "expected a string or a list of items of type message, function_call or function_call_output",
 }
+_EMBEDDINGS_PATH = "/v1/embeddings"
+_EMBEDDINGS_INPUT_HINT = "expected a string, a list of strings, a list of token ids, or a list of token-id lists"
 
 
 def _validation_error(exc: RequestValidationError, path: str = "") -> JSONResponse:
@@ -259,6 +265,8 @@ def _validation_error(exc: RequestValidationError, path: str = "") -> JSONRespon
     same_field = [e for e in errors if [str(x) for x in e.get("loc", ()) if x != "body"][:1] == loc[:1]]
     if field in _UNION_HINTS and len(same_field) > 1:
         msg = _UNION_HINTS[field]  # NOTE: one pydantic error per union member says little; say what fits
+        if field == "input" and path == _EMBEDDINGS_PATH:
+            msg = _EMBEDDINGS_INPUT_HINT
         errors = [e for e in errors if e not in same_field] + [first]
     if param:
         msg = f"Invalid value for '{param}': {msg}"
@@ -297,7 +305,7 @@ def build_app(
     engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetrics | None = None, *, manage_engine: bool = True
 ) -> FastAPI:
     """The ASGI app. With manage_engine, the lifespan starts the engine thread and shuts it down."""
-    serving = OpenAIServing(engine, settings.served_model_names, settings.model_root)
+    serving = OpenAIServing(engine, settings.served_model_names, settings.model_root, settings.embedding_pooling)
     metrics = metrics or engine.metrics or EngineMetrics(settings.served_model_names[0], engine.stats)
     engine.metrics = metrics  # NOTE: the engine observes request latencies into the same registry
     feed = DashboardFeed(engine, metrics, settings.served_model_names[0], settings.dashboard_interval_s)
@@ -375,6 +383,10 @@ def build_app(
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await generate(request, body.stream, lambda: serving.create_chat_completion(body))
+
+    @app.post(_EMBEDDINGS_PATH, response_model=EmbeddingResponse, responses=_ERROR_RESPONSES)
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        return await generate(request, False, lambda: serving.create_embedding(body))
 
     responses = ResponsesServing(serving, ResponseStore(settings.responses_store_size))
 

@@ -14,10 +14,12 @@ byte-level BPE and SentencePiece-style tokenizers).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import json
 import logging
+import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -38,6 +40,10 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
     ModelCard,
     ModelList,
     PromptTokensDetails,
@@ -54,8 +60,8 @@ from tokenmill.entrypoints.openai.tool_calls import (
     tools_system_prompt,
 )
 from tokenmill.errors import InvalidRequest
-from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenmill.sampling_params import SamplingParams, StructuredOutputs
+from tokenmill.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, truncate_embedding
+from tokenmill.sampling_params import POOLING_TYPES, SamplingParams, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -197,12 +203,22 @@ class _Finals:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str], model_root: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_names: list[str],
+        model_root: str | None = None,
+        embedding_pooling: str = "last",
+    ) -> None:
+        """embedding_pooling: how /v1/embeddings pools the final hidden states ("last" token or "mean")."""
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
+        if embedding_pooling not in POOLING_TYPES:
+            raise ValueError(f"embedding pooling must be one of {', '.join(POOLING_TYPES)}, got {embedding_pooling!r}")
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.model_root = model_root
+        self.embedding_pooling = embedding_pooling
         self.num_tokenized_in_thread = 0
         """Texts tokenized in a worker thread (longer than INLINE_TOKENIZE_CHARS); tests read it."""
 
@@ -336,8 +352,10 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         structured: StructuredOutputs | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
-        """structured: a constraint of the server's own (tool calls) in place of the request's."""
+        """structured: a constraint of the server's own (tool calls) in place of the request's; prompt_logprobs: in
+        place of the request's (completions with echo)."""
         vocab = self.engine.vocab_size or self._tokenizer.vocab_size
         top_k = req.top_k if req.top_k is not None else 0
         if top_k >= vocab:
@@ -359,6 +377,7 @@ class OpenAIServing:
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 structured_outputs=structured or req.structured(),
@@ -410,25 +429,36 @@ class OpenAIServing:
 
     async def _completion_prompts(self, req: CompletionRequest) -> list[_Prompt]:
         """The prompts as token ids, each checked against the context length before more work on it."""
-        p = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        return await self._prompts(req.prompt, req.max_tokens, bool(req.echo), "prompt")
+
+    async def _prompts(
+        self, given: str | list[str] | list[int] | list[list[int]], max_tokens: int | None, with_text: bool, what: str
+    ) -> list[_Prompt]:
+        """Text, texts, token ids or token-id lists (completions' prompt, embeddings' input) as token ids, each
+        checked against the context length; with_text: token-id prompts decoded too (for echo)."""
+        p = [given] if isinstance(given, str) else given
         out = []
         if all(isinstance(x, str) for x in p):
             for text in p:
-                ids = await self._encode(text, True, req.max_tokens, "prompt")
-                self._check_length(len(ids), req.max_tokens, "prompt")
+                assert isinstance(text, str)
+                ids = await self._encode(text, True, max_tokens, what)
+                self._check_length(len(ids), max_tokens, what)
                 out.append(_Prompt(ids, text))
             return out
         for ids in [p] if all(isinstance(x, int) for x in p) else p:
-            self._check_length(len(ids), req.max_tokens, "prompt")
-            self._check_token_ids(ids, "prompt")
-            out.append(_Prompt(list(ids), self._tokenizer.decode(ids, skip_special_tokens=False) if req.echo else None))
+            assert isinstance(ids, list)
+            self._check_length(len(ids), max_tokens, what)
+            self._check_token_ids(ids, what)
+            out.append(
+                _Prompt(list(ids), self._tokenizer.decode(ids, skip_special_tokens=False) if with_text else None)
+            )
         return out
 
     async def create_completion(self, req: CompletionRequest) -> tuple[dict[str, Any] | None, SSEStream | None]:
         """Returns (response body, None) or (None, SSE iterator). Raises OpenAIError."""
         model = self.resolve_model(req.model)
         prompts = await self._completion_prompts(req)
-        params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        params = self._sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs=req.effective_prompt_logprobs)
         streams = await self._start(prompts, params, "cmpl", req.cache_salt, req.kv_transfer_params)
         request_id = f"cmpl-{streams[0].request_id.split('-', 1)[1]}"
         created = int(time.time())
@@ -446,9 +476,11 @@ class OpenAIServing:
             for c in out.outputs:
                 usage.completion_tokens += len(c.token_ids)
                 prefix = p.text if req.echo and p.text is not None else ""
-                lps = (
-                    self._completion_logprobs(c, 0, len(c.token_ids), len(prefix)) if req.logprobs is not None else None
-                )
+                lps = None
+                if req.logprobs is not None:
+                    lps = self._completion_logprobs(c, 0, len(c.token_ids), len(prefix))
+                    if req.echo:  # the echoed prompt's tokens first (OpenAI: the first one's logprob is null)
+                        lps = _joined(self._echo_logprobs(out.prompt_token_ids, out.prompt_logprobs), lps)
                 choices.append(
                     CompletionChoice(
                         index=i * req.n + c.index,
@@ -456,6 +488,9 @@ class OpenAIServing:
                         logprobs=lps,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=self._prompt_logprobs(out.prompt_logprobs)
+                        if req.prompt_logprobs is not None
+                        else None,
                     )
                 )
         choices.sort(key=lambda ch: ch.index)
@@ -503,6 +538,40 @@ class OpenAIServing:
             offset += len(t.text)
         return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
 
+    def _echo_logprobs(self, ids: list[int], entries: PromptLogprobs | None) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object for an echoed prompt: each token with its log-probability given the tokens
+        before it and its alternatives (null for the first token, which has no context), text offsets from 0."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float | None] | None] = []
+        text_offset: list[int] = []
+        offset = 0
+        for j, tid in enumerate(ids):
+            entry = entries[j] if entries is not None and j < len(entries) else None
+            own = entry.get(tid) if entry is not None else None
+            text = self._token_text(tid, own)
+            tokens.append(text)
+            text_offset.append(offset)
+            offset += len(text)
+            token_logprobs.append(_lp(own.logprob) if own is not None else None)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank) if entry is not None else None
+            top.append(None if ranked is None else {self._token_text(t, lp): _lp(lp.logprob) for t, lp in ranked})
+        return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
+
+    def _prompt_logprobs(self, entries: PromptLogprobs | None) -> list[dict[int, dict[str, Any]] | None] | None:
+        """vLLM's prompt_logprobs field: per prompt position {token id: {logprob, rank, decoded_token}}, None first."""
+        if entries is None:
+            return None
+        return [
+            None
+            if d is None
+            else {
+                t: {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": self._token_text(t, lp)}
+                for t, lp in d.items()
+            }
+            for d in entries
+        ]
+
     def _stream_completion(
         self,
         req: CompletionRequest,
@@ -515,28 +584,48 @@ class OpenAIServing:
     ) -> AsyncIterator[str]:
         n = req.n
         echo = [p.text or "" for p in prompts for _ in range(n)] if req.echo else None
+        # echo with logprobs: the prompt's text and logprobs go out in each choice's first chunk, once computed
+        fold = echo is not None and req.logprobs is not None
         head = (
             [
                 {"index": idx, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
                 for idx, text in enumerate(echo)
             ]
-            if echo
+            if echo and not fold
             else []
         )
+        prompt_lps: dict[int, PromptLogprobs] = {}
+        """Prompt index -> its prompt logprobs (the first output of its stream carries them)."""
+        started: set[int] = set()
+
+        def observe(i: int, out: RequestOutput) -> None:
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = out.prompt_logprobs
 
         def choice(idx: int, c: CompletionOutput, st: _ChoiceState) -> dict[str, Any]:
             offset = st.num_chars + (len(echo[idx]) if echo else 0)
             lps = self._completion_logprobs(c, 0, len(c.token_ids), offset) if req.logprobs is not None else None
-            return {
+            body = {
                 "index": idx,
                 "text": c.text,
                 "logprobs": lps,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
+            if idx not in started:
+                started.add(idx)
+                i = idx // n
+                if fold and echo is not None and lps is not None:
+                    body["text"] = echo[idx] + c.text
+                    body["logprobs"] = _joined(self._echo_logprobs(prompts[i].token_ids, prompt_lps.get(i)), lps)
+                if req.prompt_logprobs is not None:
+                    body["prompt_logprobs"] = self._prompt_logprobs(prompt_lps.get(i))
+            return body
 
         return _sse_body(
-            self._chunks(streams, n, "text_completion", request_id, created, model, include_usage, head, choice)
+            self._chunks(
+                streams, n, "text_completion", request_id, created, model, include_usage, head, choice, observe
+            )
         )
 
     # --- chat ----------------------------------------------------------------------------------
@@ -608,6 +697,7 @@ class OpenAIServing:
             model=model,
             choices=choices,
             usage=usage.info(),
+            prompt_logprobs=self._prompt_logprobs(out.prompt_logprobs) if req.prompt_logprobs is not None else None,
             kv_transfer_params=out.kv_transfer_params,
         ).model_dump()
         return ChatRun(request_id, len(ids), streams, response=response)
@@ -693,11 +783,13 @@ class OpenAIServing:
         include_usage: bool,
         head: list[dict[str, Any]],
         choice: Callable[[int, CompletionOutput, _ChoiceState], dict[str, Any]],
+        observe: Callable[[int, RequestOutput], None] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """The chunks of both streaming endpoints, as dicts (_sse_body writes them as SSE). The engine sends
         deltas (output_kind "delta"; a lagging reader gets them joined), so each chunk is built from what is new
         only: `head` first (echo, the role), then per engine output one choice per sample with news (`choice`
-        formats it), then usage; an engine failure ends them with an error body."""
+        formats it; `observe` sees each engine output first, with its prompt index), then usage; an engine failure
+        ends them with an error body."""
         chunk = _chunk_writer(request_id, obj, created, model, include_usage)
         states = [_ChoiceState() for _ in range(len(streams) * n)]
         usage = _Usage()
@@ -705,6 +797,8 @@ class OpenAIServing:
             if head:
                 yield chunk(head)
             async for i, out in _merge(streams):
+                if observe is not None:
+                    observe(i, out)
                 choices = []
                 for c in out.outputs:
                     idx = i * n + c.index
@@ -735,6 +829,31 @@ class OpenAIServing:
         finally:
             for s in streams:
                 s.close()
+
+    # --- embeddings ----------------------------------------------------------------------------
+
+    async def create_embedding(self, req: EmbeddingRequest) -> tuple[dict[str, Any], None]:
+        """POST /v1/embeddings: one prompt-only engine request per input, pooled (embedding_pooling) and
+        L2-normalised in the runner; dimensions keeps the first values, normalised again. Raises OpenAIError."""
+        model = self.resolve_model(req.model)
+        size = self.engine.hidden_size or 0
+        if req.dimensions is not None and req.dimensions > size:
+            raise OpenAIError(
+                f"dimensions ({req.dimensions}) exceeds the model's embedding size ({size})", param="dimensions"
+            )
+        prompts = await self._prompts(req.input, 0, False, "input")
+        params = SamplingParams(max_tokens=0, pooling=self.embedding_pooling, output_kind="final")
+        streams = await self._start(prompts, params, "embd", None)
+        finals = await _collect(streams)
+        data, num_tokens = [], 0
+        for i in range(len(prompts)):
+            out = finals.outputs[i]
+            assert out.embedding is not None, "a pooling request finishes with its embedding"
+            vec = out.embedding if req.dimensions is None else truncate_embedding(out.embedding, req.dimensions)
+            data.append(EmbeddingData(index=i, embedding=_encoded(vec, req.encoding_format)))
+            num_tokens += len(out.prompt_token_ids)
+        usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
+        return EmbeddingResponse(data=data, model=model, usage=usage).model_dump(), None
 
     # --- tokenizer endpoints -------------------------------------------------------------------
 
@@ -806,6 +925,18 @@ def _arguments(value: Any) -> Any:
         except json.JSONDecodeError:
             return value
     return value if value is not None else {}
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy logprobs objects (the echoed prompt's, the completion's) as one: each list concatenated."""
+    return {k: first[k] + then[k] for k in ("text_offset", "token_logprobs", "tokens", "top_logprobs")}
+
+
+def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
+    """An embedding as OpenAI sends it: the values, or ("base64") their float32 little-endian bytes in base64."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
+    return embedding
 
 
 def _lp(x: float | None) -> float | None:
