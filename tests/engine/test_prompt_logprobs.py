@@ -9,6 +9,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.step_io import StepInput
+from tokenmill.request import Request
 from tokenmill.worker import prompt_outputs
 
 PROMPTS = [
@@ -181,3 +182,46 @@ def test_runner_returns_chunks_in_step_output(tiny_llama):
     assert marked_chunks == [[(0, 5)], [(5, 5)], [(10, 2)]]
     starts = [(plp["r"].start_pos, len(plp["r"].entries)) for m, plp in seen if m]
     assert starts == [(1, 5), (6, 5), (11, 1)]
+
+
+def test_preempted_requests_keep_every_position(tiny_llama, hf, monkeypatch):
+    """A pool too small for four prompts and their outputs: requests are preempted mid-prompt and recomputed (from
+    position 0, their lookups skipped while positions are missing) and still return each position once."""
+    recomputed = []
+    add = Request.add_prompt_logprobs
+
+    def spy(self: Request, start_pos: int, entries: list) -> None:
+        assert self.prompt_logprobs is not None
+        recomputed.append(start_pos < len(self.prompt_logprobs))  # positions it already holds
+        add(self, start_pos, entries)
+
+    monkeypatch.setattr(Request, "add_prompt_logprobs", spy)
+    llm = LLM(
+        model=str(tiny_llama),
+        max_model_len=256,
+        num_gpu_blocks_override=20,
+        block_size=4,
+        max_num_batched_tokens=8,
+    )
+    prompts = [f"{i}: " + PROMPTS[0] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0 and any(recomputed), "the pool was meant to be too small"
+    for out in outs:
+        assert_matches_dense(hf, out.prompt_token_ids, out.prompt_logprobs, 1)
+    llm.check_integrity()
+
+
+def test_runner_in_another_process(tiny_llama, hf):
+    """The mp executor: prompt logprobs and pooled embeddings cross the process boundary in the step output."""
+    llm = LLM(model=str(tiny_llama), max_model_len=256, num_gpu_blocks_override=64, distributed_executor_backend="mp")
+    try:
+        out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=0, prompt_logprobs=2), use_tqdm=False)[0]
+        assert_matches_dense(hf, out.prompt_token_ids, out.prompt_logprobs, 2)
+        emb = torch.tensor(llm.embed(PROMPTS[0], pooling="mean", use_tqdm=False)[0].outputs.embedding)
+        with torch.no_grad():
+            h = hf.model(torch.tensor([out.prompt_token_ids])).last_hidden_state[0]
+        assert (emb - torch.nn.functional.normalize(h.mean(0), dim=0)).abs().max().item() < 1e-5
+        llm.check_integrity()
+    finally:
+        llm.engine.close()
