@@ -28,6 +28,51 @@ def num_mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def is_llguidance_json(grammar: str) -> bool:
+    """A grammar given in llguidance's own top-level form, {"grammars": [...]}, where one grammar may reference
+    another by name (`@body`): how composite constraints are written (structured/reasoning.py). Neither Lark nor
+    GBNF text can start with "{"."""
+    return grammar.lstrip().startswith("{")
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """llguidance's grammar for `spec` (a top-level JSON object, or Lark text), not yet checked against a
+    tokenizer; an InvalidRequest naming structured_outputs.<kind> when it cannot be built."""
+    import llguidance
+
+    M = llguidance.LLMatcher
+    kind = spec.kinds()[0]
+    param = f"structured_outputs.{kind}"
+    try:
+        if kind == "json" or kind == "json_object":
+            schema = _JSON_OBJECT_SCHEMA if kind == "json_object" else spec.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise InvalidRequest(f"{param}: the schema is not valid JSON: {e}", param) from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequest(f"{param}: a JSON schema must be an object", param)
+            return M.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        if kind == "regex":
+            assert spec.regex is not None
+            return M.grammar_from_regex(spec.regex)
+        if kind == "choice":
+            assert spec.choice is not None
+            return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+        assert spec.grammar is not None
+        if is_llguidance_json(spec.grammar):
+            json.loads(spec.grammar)  # NOTE: a clear message for broken JSON; llguidance checks the rest
+            return spec.grammar
+        from llguidance.gbnf_to_lark import any_to_lark  # GBNF (llama.cpp's) or Lark, either way
+
+        return M.grammar_from_lark(any_to_lark(spec.grammar))
+    except InvalidRequest:
+        raise
+    except Exception as e:  # noqa: BLE001 - llguidance raises ValueError/RuntimeError with its message
+        raise InvalidRequest(f"{param}: {e}", param) from None
+
+
 @dataclass(frozen=True)
 class CompiledGrammar:
     """A constraint ready to start matchers from: llguidance's grammar text and what it came from."""
@@ -105,29 +150,7 @@ class GrammarCompiler:
             return hit
         M = self._llg.LLMatcher
         param = f"structured_outputs.{kind}"
-        try:
-            if kind == "json" or kind == "json_object":
-                schema = _JSON_OBJECT_SCHEMA if kind == "json_object" else spec.json
-                if isinstance(schema, str):
-                    try:
-                        schema = json.loads(schema)
-                    except json.JSONDecodeError as e:
-                        raise InvalidRequest(f"{param}: the schema is not valid JSON: {e}", param) from None
-                if not isinstance(schema, (dict, bool)):
-                    raise InvalidRequest(f"{param}: a JSON schema must be an object", param)
-                grammar = M.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-            elif kind == "regex":
-                grammar = M.grammar_from_regex(spec.regex)
-            elif kind == "choice":
-                grammar = M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
-            else:
-                from llguidance.gbnf_to_lark import any_to_lark  # GBNF (llama.cpp's) or Lark, either way
-
-                grammar = M.grammar_from_lark(any_to_lark(spec.grammar))
-        except InvalidRequest:
-            raise
-        except Exception as e:  # noqa: BLE001 - llguidance raises ValueError/RuntimeError with its message
-            raise InvalidRequest(f"{param}: {e}", param) from None
+        grammar = grammar_text(spec)
         is_error, messages = M.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             raise InvalidRequest(f"{param}: {messages[0] if messages else 'invalid grammar'}", param)
