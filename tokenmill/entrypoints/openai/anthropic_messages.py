@@ -10,12 +10,15 @@
     max_tokens, stop_sequences, temperature, top_p, top_k -> max_completion_tokens, stop, the same
     output_config.format (json_schema)          -> response_format (the grammar engine)
     tools (input_schema), tool_choice (auto | any | tool | none), disable_parallel_tool_use -> the chat tools
+    thinking: enabled or adaptive (needs --reasoning-parser for enabled) -> the reply's reasoning as a thinking
+                                                 block first; disabled or absent -> no thinking block
     finish "length" -> stop_reason max_tokens; a stop sequence -> stop_sequence (and which); a call -> tool_use;
     else end_turn. usage: input_tokens counts the prompt tokens not read from the prefix cache, and
     cache_read_input_tokens those that were (Anthropic's split), so their sum is count_tokens' answer.
 
 Streaming events (SSE with `event:` lines): message_start, ping, then per content block content_block_start,
-content_block_delta (text_delta, or input_json_delta carrying a tool call's whole input), content_block_stop;
+content_block_delta (thinking_delta, text_delta, or input_json_delta with a fragment of a tool call's input as
+the model writes it), content_block_stop;
 then message_delta (stop_reason, stop_sequence, usage) and message_stop. An engine failure: an error event.
 
 Every error on these paths is Anthropic's shape, {"type": "error", "error": {"type", "message"}}: the server
@@ -35,8 +38,11 @@ from tokenmill.entrypoints.openai.chat_bridge import (
     ChatEnd,
     ChatReply,
     ChatUsage,
+    ReasoningTextDelta,
     TextDelta,
+    ToolCallArgs,
     ToolCallDone,
+    ToolCallStart,
     chat_events,
     chat_reply,
     chat_request,
@@ -171,8 +177,14 @@ class ToolChoice(AnthropicBaseModel):
 
 class ThinkingConfig(AnthropicBaseModel):
     type: Literal["enabled", "disabled", "adaptive"]
-    """adaptive (the model decides) is accepted: a model that does not reason decides not to."""
-    budget_tokens: int | None = None
+    """enabled or adaptive: the reply's reasoning comes back as a thinking block (enabled needs a server with
+    --reasoning-parser; adaptive is accepted either way: a model that does not reason decides not to)."""
+    budget_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
+    """Accepted and not enforced: the model's template decides how long it reasons (max_tokens bounds it)."""
+
+    @property
+    def is_shown(self) -> bool:
+        return self.type != "disabled"
 
 
 class JsonOutputFormat(AnthropicBaseModel):
@@ -201,12 +213,6 @@ class CountTokensRequest(AnthropicBaseModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
-
-    @model_validator(mode="after")
-    def _no_thinking(self) -> CountTokensRequest:
-        if self.thinking is not None and self.thinking.type == "enabled":
-            raise UnsupportedParameterError("thinking", "extended thinking is not supported by tokenmill")
-        return self
 
 
 class MessagesRequest(CountTokensRequest):
@@ -318,8 +324,15 @@ class MessagesServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
+    def _check_thinking(self, req: CountTokensRequest) -> None:
+        if req.thinking is not None and req.thinking.type == "enabled" and self.serving.chat_parsers.reasoning is None:
+            raise OpenAIError(
+                "extended thinking needs a reasoning model served with --reasoning-parser", param="thinking"
+            )
+
     async def count_tokens(self, req: CountTokensRequest) -> dict[str, Any]:
         """The prompt's tokens, rendered as /v1/messages renders it."""
+        self._check_thinking(req)
         chat = chat_request(chat_fields(req), PARAM_NAMES)
         try:
             ids = await self.serving.chat_prompt_ids(chat)
@@ -330,6 +343,7 @@ class MessagesServing:
     async def create(self, req: MessagesRequest) -> tuple[dict[str, Any] | None, SSEStream | None]:
         """Returns (message, None) or (None, SSE events). Raises OpenAIError (rendered in Anthropic's shape)."""
         model = self.serving.resolve_model(req.model)
+        self._check_thinking(req)
         chat = chat_request(chat_fields(req), PARAM_NAMES)
         try:
             run = await self.serving.chat(chat)
@@ -345,6 +359,8 @@ class MessagesServing:
         content = [_tool_use_block(c) for c in reply.calls]
         if reply.text or not reply.calls:
             content.insert(0, _text_block(reply.text))
+        if reply.reasoning is not None and _shows_thinking(req):
+            content.insert(0, _thinking_block(reply.reasoning))
         return {
             "id": message_id,
             "type": "message",
@@ -376,38 +392,78 @@ class MessagesServing:
         }
         yield _event("message_start", message=start)
         yield _event("ping")
-        index = 0
-        """The content block being written, or the next one."""
-        is_text_open = False
+        blocks = _Blocks()
+        shows_thinking = _shows_thinking(req)
         try:
             async for ev in chat_events(chat, chunks):
-                if isinstance(ev, TextDelta):
-                    if not is_text_open:
-                        yield _event("content_block_start", index=index, content_block=_text_block(""))
-                        is_text_open = True
-                    yield _event("content_block_delta", index=index, delta={"type": "text_delta", "text": ev.text})
-                    continue
-                if not is_text_open and isinstance(ev, ChatEnd) and index == 0:
-                    # an empty reply is one empty text block, as without stream
-                    yield _event("content_block_start", index=index, content_block=_text_block(""))
-                    is_text_open = True
-                if is_text_open:
-                    yield _event("content_block_stop", index=index)
-                    index += 1
-                    is_text_open = False
-                if isinstance(ev, ToolCallDone):
-                    block = {**_tool_use_block(ev.call), "input": {}}
-                    yield _event("content_block_start", index=index, content_block=block)
-                    delta = {"type": "input_json_delta", "partial_json": ev.call.arguments}
-                    yield _event("content_block_delta", index=index, delta=delta)
-                    yield _event("content_block_stop", index=index)
-                    index += 1
+                if isinstance(ev, ReasoningTextDelta):
+                    if shows_thinking:
+                        for e in blocks.open("thinking", _thinking_block("")):
+                            yield e
+                        yield blocks.delta({"type": "thinking_delta", "thinking": ev.text})
+                elif isinstance(ev, TextDelta):
+                    for e in blocks.open("text", _text_block("")):
+                        yield e
+                    yield blocks.delta({"type": "text_delta", "text": ev.text})
+                elif isinstance(ev, ToolCallStart):
+                    block = {**_tool_use_block(ToolCall(ev.name, "{}", ev.id)), "input": {}}
+                    for e in blocks.open("tool_use", block, is_new=True):
+                        yield e
+                elif isinstance(ev, ToolCallArgs):
+                    yield blocks.delta({"type": "input_json_delta", "partial_json": ev.text})
+                elif isinstance(ev, ToolCallDone):
+                    for e in blocks.close():
+                        yield e
                 else:
+                    assert isinstance(ev, ChatEnd)
+                    if not blocks.has_text_or_tool:  # an empty reply is one empty text block, as without stream
+                        for e in blocks.open("text", _text_block("")):
+                            yield e
+                    for e in blocks.close():
+                        yield e
                     stop = _stop(ev.reply, req.stop_sequences)
                     yield _event("message_delta", delta=stop, usage=_usage(ev.reply.usage))
                     yield _event("message_stop")
         except OpenAIError as e:
             yield _event("error", error=anthropic_error_body(e)["error"])
+
+
+def _shows_thinking(req: MessagesRequest) -> bool:
+    return req.thinking is not None and req.thinking.is_shown
+
+
+class _Blocks:
+    """The content blocks of a streamed message: at most one open, numbered from 0."""
+
+    def __init__(self) -> None:
+        self.index = 0
+        """The open block's index, or the next one's."""
+        self.kind: str | None = None
+        self.has_text_or_tool = False
+
+    def open(self, kind: str, block: dict[str, Any], is_new: bool = False) -> list[str]:
+        """Events that make a block of `kind` the open one (the one open already, unless is_new)."""
+        if self.kind == kind and not is_new:
+            return []
+        out = self.close()
+        self.kind = kind
+        self.has_text_or_tool |= kind != "thinking"
+        return [*out, _event("content_block_start", index=self.index, content_block=block)]
+
+    def delta(self, delta: dict[str, Any]) -> str:
+        return _event("content_block_delta", index=self.index, delta=delta)
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        self.index += 1
+        return [_event("content_block_stop", index=self.index - 1)]
+
+
+def _thinking_block(text: str) -> dict[str, Any]:
+    """A thinking block; its signature is empty (tokenmill does not sign, and drops thinking blocks sent back)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _text_block(text: str) -> dict[str, Any]:

@@ -3,8 +3,9 @@ ChatCompletionRequest, run it through OpenAIServing.chat (the chat completions c
 structured outputs, sampling, the engine), and read the result back through the types here.
 
     API request --(its module)--> ChatCompletionRequest --> OpenAIServing.chat --> ChatRun
-    ChatRun.response --chat_reply--> ChatReply                         --(its module)--> API response
-    ChatRun.chunks   --chat_events--> TextDelta / ToolCallDone / ChatEnd --(its module)--> API SSE events
+    ChatRun.response --chat_reply--> ChatReply                                  --(its module)--> API response
+    ChatRun.chunks   --chat_events--> ReasoningTextDelta / TextDelta /
+                                      ToolCallStart / ToolCallArgs / ToolCallDone / ChatEnd --(its module)--> SSE
 
 A translated request that the chat core refuses is a 400 naming the calling API's field (`param_names` maps the
 chat field to it), so a client never reads a field name of an API it did not call.
@@ -21,6 +22,7 @@ from pydantic import ValidationError
 
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, UnsupportedParameterError
 from tokenmill.entrypoints.openai.serving import OpenAIError
+from tokenmill.entrypoints.openai.text_stream import StrippedStream
 from tokenmill.entrypoints.openai.tool_calls import ToolCall
 
 
@@ -71,6 +73,8 @@ class ChatReply:
 
     text: str = ""
     """The prose (tool-call blocks removed)."""
+    reasoning: str | None = None
+    """The reasoning (--reasoning-parser), None when there is none."""
     calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str | None = None
     """The chat core's: "stop", "length", "tool_calls" or "abort"."""
@@ -85,6 +89,7 @@ def chat_reply(response: dict[str, Any]) -> ChatReply:
     message = choice["message"]
     return ChatReply(
         text=message.get("content") or "",
+        reasoning=message.get("reasoning_content"),
         calls=[_tool_call(c) for c in message.get("tool_calls") or []],
         finish_reason=choice.get("finish_reason"),
         stop_reason=choice.get("stop_reason"),
@@ -93,13 +98,33 @@ def chat_reply(response: dict[str, Any]) -> ChatReply:
 
 
 @dataclass
+class ReasoningTextDelta:
+    text: str
+
+
+@dataclass
 class TextDelta:
     text: str
 
 
 @dataclass
+class ToolCallStart:
+    """A call begins: its id and name (its arguments follow as ToolCallArgs)."""
+
+    id: str
+    name: str
+
+
+@dataclass
+class ToolCallArgs:
+    """A fragment of the arguments of the call started last."""
+
+    text: str
+
+
+@dataclass
 class ToolCallDone:
-    """A tool call, whole (the chat core sends each once its block closes)."""
+    """The call started last is complete (nothing more of it follows)."""
 
     call: ToolCall
 
@@ -111,56 +136,76 @@ class ChatEnd:
     reply: ChatReply
 
 
-async def chat_events(
-    req: ChatCompletionRequest, chunks: AsyncIterator[dict[str, Any]]
-) -> AsyncIterator[TextDelta | ToolCallDone | ChatEnd]:
+ChatEvent = ReasoningTextDelta | TextDelta | ToolCallStart | ToolCallArgs | ToolCallDone | ChatEnd
+
+
+class _OpenCall:
+    def __init__(self, index: int, call_id: str, name: str) -> None:
+        self.index, self.id, self.name = index, call_id, name
+        self.arguments: list[str] = []
+
+    def done(self) -> ToolCallDone:
+        return ToolCallDone(ToolCall(self.name, "".join(self.arguments), self.id))
+
+
+async def chat_events(req: ChatCompletionRequest, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[ChatEvent]:
     """The chunks of streamed `req` (made by chat_request, so they end with usage) as events of its first choice.
-    With tools, the prose is trimmed as the reply without stream trims it (parse_reply), so both say the same.
-    An engine failure in the stream raises OpenAIError."""
+    Tool calls arrive as OpenAI streams them (a head with id and name, then argument fragments); a call is done
+    when prose, another call or the end follows it. Within one chunk: reasoning, the open call's fragments, prose,
+    then new calls (the order they can have in the reply). With tools, the prose is trimmed as the reply without
+    stream trims it (parse_reply), so both say the same. An engine failure in the stream raises OpenAIError."""
     reply = ChatReply()
     text: list[str] = []
-    trim = _ProseTrimmer() if req.tools and req.effective_tool_choice != "none" else None
+    reasoning: list[str] = []
+    trim = StrippedStream() if req.tools and req.effective_tool_choice != "none" else None
+    call: _OpenCall | None = None
     async for chunk in chunks:
         if "error" in chunk:
             e = chunk["error"]
             raise OpenAIError(e["message"], status_code=503, type=e["type"], code=e.get("code"))
         for choice in chunk["choices"]:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                reasoning.append(delta["reasoning_content"])
+                yield ReasoningTextDelta(delta["reasoning_content"])
+            pieces = delta.get("tool_calls") or []
+            k = 0  # NOTE: the open call's fragments come first in a chunk, before any head
+            while k < len(pieces) and call is not None and "id" not in pieces[k]:
+                if pieces[k]["index"] == call.index and pieces[k]["function"].get("arguments"):
+                    call.arguments.append(pieces[k]["function"]["arguments"])
+                    yield ToolCallArgs(pieces[k]["function"]["arguments"])
+                k += 1
             content = delta.get("content") or ""
             if trim is not None:
                 content = trim.feed(content)
             if content:
+                if call is not None:
+                    reply.calls.append((done := call.done()).call)
+                    yield done
+                    call = None
                 text.append(content)
                 yield TextDelta(content)
-            for c in delta.get("tool_calls") or []:
-                call = _tool_call(c)
-                reply.calls.append(call)
-                yield ToolCallDone(call)
+            for c in pieces[k:]:
+                if "id" in c:  # a new call's head
+                    if call is not None:
+                        reply.calls.append((done := call.done()).call)
+                        yield done
+                    call = _OpenCall(c["index"], c["id"], c["function"].get("name") or "")
+                    yield ToolCallStart(call.id, call.name)
+                if call is not None and c["index"] == call.index and c["function"].get("arguments"):
+                    call.arguments.append(c["function"]["arguments"])
+                    yield ToolCallArgs(c["function"]["arguments"])
             if choice.get("finish_reason") is not None:
                 reply.finish_reason = choice["finish_reason"]
                 reply.stop_reason = choice.get("stop_reason")
         if chunk.get("usage"):
             reply.usage = ChatUsage.from_dict(chunk["usage"])
+    if call is not None:
+        reply.calls.append((done := call.done()).call)
+        yield done
     reply.text = "".join(text)
+    reply.reasoning = "".join(reasoning) if reasoning else None
     yield ChatEnd(reply)
-
-
-class _ProseTrimmer:
-    """Streamed prose as the joined prose .strip()ped: leading whitespace dropped, whitespace held back until
-    more text follows it (dropped if none does)."""
-
-    def __init__(self) -> None:
-        self.held = ""
-        self.is_started = False
-
-    def feed(self, delta: str) -> str:
-        text = self.held + delta
-        if not self.is_started:
-            text = text.lstrip()
-            self.is_started = bool(text)
-        body = text.rstrip()
-        self.held = text[len(body) :]
-        return body
 
 
 def tool_call_message(calls: list[ToolCall], text: str | None = None) -> dict[str, Any]:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.entrypoints.openai.reasoning import REASONING_PARSERS
+from tokenmill.entrypoints.openai.tool_calls import TOOL_PARSERS
 from tokenmill.sampling_params import POOLING_TYPES
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
@@ -36,6 +39,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"Require 'Authorization: Bearer <key>' (or 'x-api-key: <key>') on /v1/*, /tokenize, /detokenize and "
         f"/debug/* (default: ${API_KEY_ENV} if set, else no auth)",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="A Jinja chat template in place of the model's: a file's path, or the template itself (vLLM's flag)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="How tool calls are written and read: hermes (<tool_call> tags), llama3_json (Llama 3.x JSON) or "
+        "pythonic ([f(a=1)]) (default: read off the chat template, hermes when it has no tool format)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="Split the reasoning between <think> tags from replies into reasoning_content (and reasoning items, "
+        "thinking blocks); constraints apply after it (default: off)",
     )
     g.add_argument(
         "--responses-store-size",
@@ -105,11 +127,15 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     names = args.served_model_name or [config.model.model]
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    chat_template = read_chat_template(args.chat_template) if args.chat_template is not None else None
     engine = AsyncEngine(config)
     settings = ServerSettings(
         served_model_names=names,
         model_root=config.model.model,
         api_key=api_key,
+        chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval,
         responses_store_size=args.responses_store_size,
         embedding_pooling=args.embedding_pooling,
@@ -125,6 +151,16 @@ def run(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
     )
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the value itself when it is a template (it has a Jinja tag)."""
+    path = Path(value)
+    if "{" not in value:
+        if not path.is_file():
+            raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+        return path.read_text()
+    return value
 
 
 def _default_model() -> str:

@@ -546,6 +546,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    """vLLM's field: the reply's reasoning (--reasoning-parser), null without."""
     tool_calls: list[dict[str, Any]] | None = None
 
 

@@ -7,6 +7,8 @@
     max_output_tokens, temperature, top_p -> max_completion_tokens, temperature, top_p
     text.format (text | json_object | json_schema) -> response_format (the grammar engine)
     tools (function), tool_choice, parallel_tool_calls -> the chat tools (tool_calls.py parses the calls)
+    reasoning (effort, summary)  -> accepted; with --reasoning-parser the reply's reasoning is a reasoning item
+    input reasoning items        -> dropped (the model's earlier reasoning, as chat templates drop it)
     previous_response_id -> the stored conversation of that response, then this input
 
 Stored responses (store: true, the default) live in ResponseStore, an LRU bounded by `--responses-store-size`:
@@ -16,11 +18,14 @@ request renders exactly what the chat endpoint would for the whole history. Erro
 Streaming events, each with a sequence_number from 0, in this order:
 
     response.created, response.in_progress
-    per output item (a message with text, or a function_call), in the order the model wrote them:
+    per output item (reasoning, a message with text, or a function_call), in the order the model wrote them:
+      reasoning:     response.output_item.added, response.content_part.added (reasoning_text),
+                     response.reasoning_text.delta..., response.reasoning_text.done, response.content_part.done,
+                     response.output_item.done
       message:       response.output_item.added, response.content_part.added, response.output_text.delta...,
                      response.output_text.done, response.content_part.done, response.output_item.done
-      function_call: response.output_item.added, response.function_call_arguments.delta (whole),
-                     response.function_call_arguments.done, response.output_item.done
+      function_call: response.output_item.added, response.function_call_arguments.delta... (fragments as the
+                     model writes them), response.function_call_arguments.done, response.output_item.done
     response.completed (or response.incomplete when max_output_tokens cut it short)
     an engine failure: error, then response.failed
 """
@@ -39,8 +44,11 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from tokenmill.entrypoints.openai.chat_bridge import (
     ChatEnd,
     ChatReply,
+    ReasoningTextDelta,
     TextDelta,
+    ToolCallArgs,
     ToolCallDone,
+    ToolCallStart,
     chat_events,
     chat_reply,
     chat_request,
@@ -74,7 +82,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "background": ((None, False), "background responses are not supported by tokenmill"),
     "conversation": ((None,), "conversation is not supported by tokenmill (use previous_response_id)"),
     "prompt": ((None,), "prompt templates are not supported by tokenmill"),
-    "reasoning": ((None,), "reasoning is not supported by tokenmill"),
     "max_tool_calls": ((None,), "max_tool_calls is not supported by tokenmill"),
     "top_logprobs": ((None, 0), "top_logprobs is not supported by tokenmill's Responses API"),
     "truncation": ((None, "disabled"), "truncation other than 'disabled' is not supported by tokenmill"),
@@ -127,6 +134,25 @@ class FunctionCallOutputItem(OpenAIBaseModel):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
+class ReasoningInputItem(OpenAIBaseModel):
+    """A reasoning item a client sends back from an earlier response: accepted and dropped."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] | None = None
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+class ReasoningConfig(OpenAIBaseModel):
+    """Accepted: whether and how much a model reasons is its chat template's choice here."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 def _item_kind(v: Any) -> str | None:
     """An input item's type; a message may leave it out ({"role", "content"})."""
     if isinstance(v, dict):
@@ -137,7 +163,8 @@ def _item_kind(v: Any) -> str | None:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningInputItem, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
 
@@ -198,7 +225,7 @@ class ResponsesRequest(OpenAIBaseModel):
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -300,7 +327,7 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 out[-1] = tool_call_message([call], last["content"])
             else:
                 out.append(tool_call_message([call]))
-        else:
+        elif isinstance(item, FunctionCallOutputItem):
             out.append(tool_result_message(item.call_id, item.text()))
     return out
 
@@ -319,6 +346,15 @@ def _text_part(text: str) -> dict[str, Any]:
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     content = [_text_part(text)] if status != "in_progress" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [_reasoning_part(text)] if status != "in_progress" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def _call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
@@ -370,7 +406,10 @@ class _Call:
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {
+                "effort": req.reasoning.effort if req.reasoning else None,
+                "summary": req.reasoning.summary if req.reasoning else None,
+            },
             "store": req.store is not False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": _dump(req.text.format) if req.text and req.text.format else {"type": "text"}},
@@ -463,6 +502,9 @@ class ResponsesServing:
 
     def _output(self, reply: ChatReply) -> list[dict[str, Any]]:
         output = []
+        if reply.reasoning is not None:  # NOTE: complete once anything follows it, as a stream closes it
+            status = "completed" if reply.text or reply.calls else _status(reply)
+            output.append(_reasoning_item(_new_id("rs"), reply.reasoning, status))
         if reply.text or not reply.calls:
             output.append(_message_item(_new_id("msg"), reply.text, _status(reply)))
         output += [_call_item(_new_id("fc"), c, "completed") for c in reply.calls]
@@ -482,80 +524,120 @@ class ResponsesServing:
         yield events.write("response.created", response=call.body("in_progress", [], None))
         yield events.write("response.in_progress", response=call.body("in_progress", [], None))
         output: list[dict[str, Any]] = []
-        message = _OpenMessage(events, output)
+        reasoning = _OpenText(events, output, is_reasoning=True)
+        message = _OpenText(events, output, is_reasoning=False)
+        function = _OpenCall(events, output)
         try:
             async for ev in chat_events(chat, chunks):
-                if isinstance(ev, TextDelta):
-                    for e in message.delta(ev.text):
-                        yield e
+                if isinstance(ev, ReasoningTextDelta):
+                    out = reasoning.delta(ev.text)
+                elif isinstance(ev, TextDelta):
+                    out = reasoning.close("completed") + message.delta(ev.text)
+                elif isinstance(ev, ToolCallStart):
+                    out = reasoning.close("completed") + message.close("completed") + function.start(ev.id, ev.name)
+                elif isinstance(ev, ToolCallArgs):
+                    out = function.delta(ev.text)
                 elif isinstance(ev, ToolCallDone):
-                    for e in message.close("completed") + self._call_events(events, output, ev.call):
-                        yield e
-                elif isinstance(ev, ChatEnd):
-                    if not output:  # an empty reply is one empty message, as without stream
-                        for e in message.delta(""):
-                            yield e
-                    for e in message.close(_status(ev.reply)):
-                        yield e
+                    out = function.done(ev.call)
+                else:
+                    assert isinstance(ev, ChatEnd)
+                    status = _status(ev.reply)
+                    out = reasoning.close(status)
+                    if not message.is_used and not function.is_used:  # one message always, as without stream
+                        out += message.delta("")
+                    out += message.close(status)
                     body = self._finish(call, ev.reply, output)
-                    yield events.write(f"response.{body['status']}", response=body)
+                    out.append(events.write(f"response.{body['status']}", response=body))
+                for e in out:
+                    yield e
         except OpenAIError as e:
             yield events.write("error", code=e.code, message=e.message, param=e.param)
             failed = call.body("failed", output, None)
             failed["error"] = {"code": "server_error", "message": e.message}
             yield events.write("response.failed", response=failed)
 
-    @staticmethod
-    def _call_events(events: _EventWriter, output: list[dict[str, Any]], call: ToolCall) -> list[str]:
-        item_id, idx = _new_id("fc"), len(output)
-        output.append(_call_item(item_id, call, "completed"))
-        where = {"item_id": item_id, "output_index": idx}
-        return [
-            events.write("response.output_item.added", output_index=idx, item=_call_item(item_id, call, "in_progress")),
-            events.write("response.function_call_arguments.delta", **where, delta=call.arguments),
-            events.write("response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments),
-            events.write("response.output_item.done", output_index=idx, item=output[-1]),
-        ]
 
+class _OpenText:
+    """The streamed message (or reasoning) item being written: its events, from the first delta to close()."""
 
-class _OpenMessage:
-    """The streamed message item being written: its events, from the first delta to close()."""
-
-    def __init__(self, events: _EventWriter, output: list[dict[str, Any]]) -> None:
+    def __init__(self, events: _EventWriter, output: list[dict[str, Any]], is_reasoning: bool) -> None:
         self.events = events
         self.output = output
+        self.is_reasoning = is_reasoning
+        self.kind = "reasoning_text" if is_reasoning else "output_text"
         self.text: list[str] | None = None
-        """The text so far; None while no message is open."""
+        """The text so far; None while no item is open."""
+        self.is_used = False
+
+    def _item(self, item_id: str, text: str, status: str) -> dict[str, Any]:
+        return (_reasoning_item if self.is_reasoning else _message_item)(item_id, text, status)
+
+    def _part(self, text: str) -> dict[str, Any]:
+        return _reasoning_part(text) if self.is_reasoning else _text_part(text)
+
+    def _extra(self) -> dict[str, Any]:
+        return {} if self.is_reasoning else {"logprobs": []}
 
     def delta(self, text: str) -> list[str]:
         out = []
         if self.text is None:
-            item = _message_item(_new_id("msg"), "", "in_progress")
+            item = self._item(_new_id("rs" if self.is_reasoning else "msg"), "", "in_progress")
             self.output.append(item)
-            self.text = []
+            self.text, self.is_used = [], True
             out += [
                 self.events.write("response.output_item.added", output_index=len(self.output) - 1, item=item),
-                self.events.write("response.content_part.added", **self._where(), part=_text_part("")),
+                self.events.write("response.content_part.added", **self._where(), part=self._part("")),
             ]
         if text:
             self.text.append(text)
-            out.append(self.events.write("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
+            out.append(self.events.write(f"response.{self.kind}.delta", **self._where(), delta=text, **self._extra()))
         return out
 
     def close(self, status: str) -> list[str]:
         if self.text is None:
             return []
         where, whole = self._where(), "".join(self.text)
-        self.output[-1] = _message_item(where["item_id"], whole, status)
+        self.output[-1] = self._item(where["item_id"], whole, status)
         self.text = None
         return [
-            self.events.write("response.output_text.done", **where, text=whole, logprobs=[]),
+            self.events.write(f"response.{self.kind}.done", **where, text=whole, **self._extra()),
             self.events.write("response.content_part.done", **where, part=self.output[-1]["content"][0]),
             self.events.write("response.output_item.done", output_index=where["output_index"], item=self.output[-1]),
         ]
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.output[-1]["id"], "output_index": len(self.output) - 1, "content_index": 0}
+
+
+class _OpenCall:
+    """The streamed function_call item being written: added at its head, argument deltas, done at its end."""
+
+    def __init__(self, events: _EventWriter, output: list[dict[str, Any]]) -> None:
+        self.events = events
+        self.output = output
+        self.where: dict[str, Any] | None = None
+        self.is_used = False
+
+    def start(self, call_id: str, name: str) -> list[str]:
+        item = _call_item(_new_id("fc"), ToolCall(name, "", call_id), "in_progress")
+        self.output.append(item)
+        self.where, self.is_used = {"item_id": item["id"], "output_index": len(self.output) - 1}, True
+        return [self.events.write("response.output_item.added", output_index=len(self.output) - 1, item=item)]
+
+    def delta(self, text: str) -> list[str]:
+        assert self.where is not None, "arguments come after their call's head"
+        return [self.events.write("response.function_call_arguments.delta", **self.where, delta=text)]
+
+    def done(self, call: ToolCall) -> list[str]:
+        assert self.where is not None, "a call ends after its head"
+        where, self.where = self.where, None
+        self.output[where["output_index"]] = item = _call_item(where["item_id"], call, "completed")
+        return [
+            self.events.write(
+                "response.function_call_arguments.done", **where, name=call.name, arguments=call.arguments
+            ),
+            self.events.write("response.output_item.done", output_index=where["output_index"], item=item),
+        ]
 
 
 class _EventWriter:

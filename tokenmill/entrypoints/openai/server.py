@@ -61,6 +61,7 @@ from tokenmill.entrypoints.openai.anthropic_messages import (
     anthropic_error_body,
     is_messages_path,
 )
+from tokenmill.entrypoints.openai.chat_output import ChatParsers
 from tokenmill.entrypoints.openai.dashboard import COOKIE_NAME, DashboardFeed, dashboard_cookie, page_html
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -111,6 +112,12 @@ class ServerSettings:
     none."""
     embedding_pooling: str = "last"
     """How /v1/embeddings pools the prompt's final hidden states: "last" token or "mean"."""
+    chat_template: str | None = None
+    """A Jinja chat template in place of the model's (--chat-template)."""
+    tool_call_parser: str | None = None
+    """The tool-call format (--tool-call-parser); None: read off the chat template."""
+    reasoning_parser: str | None = None
+    """How reasoning is split from replies (--reasoning-parser); None: it is not."""
 
 
 def _error_response(
@@ -305,7 +312,14 @@ def build_app(
     engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetrics | None = None, *, manage_engine: bool = True
 ) -> FastAPI:
     """The ASGI app. With manage_engine, the lifespan starts the engine thread and shuts it down."""
-    serving = OpenAIServing(engine, settings.served_model_names, settings.model_root, settings.embedding_pooling)
+    serving = OpenAIServing(
+        engine,
+        settings.served_model_names,
+        settings.model_root,
+        settings.embedding_pooling,
+        chat_template=settings.chat_template,
+        chat_parsers=ChatParsers(settings.tool_call_parser, settings.reasoning_parser),
+    )
     metrics = metrics or engine.metrics or EngineMetrics(settings.served_model_names[0], engine.stats)
     engine.metrics = metrics  # NOTE: the engine observes request latencies into the same registry
     feed = DashboardFeed(engine, metrics, settings.served_model_names[0], settings.dashboard_interval_s)
@@ -636,6 +650,7 @@ def serve(
                 logger.info(
                     "model loaded; serving %s on http://%s:%d", ", ".join(settings.served_model_names), host, port
                 )
+                app.state.serving.describe_chat_parsers()
             except EngineDeadError as e:
                 logger.error("%s; shutting down", e)
                 failed = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -29,6 +30,7 @@ import jinja2
 
 from tokenmill.distributed.kv_connector import HoldForDecode, KVTransferRequest, PullFromPrefill
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from tokenmill.entrypoints.openai.chat_output import ChatParsers, ReplyFormat, ReplyStream, reply_parts
 from tokenmill.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -46,22 +48,17 @@ from tokenmill.entrypoints.openai.protocol import (
     EmbeddingUsage,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     PromptTokensDetails,
     SamplingFields,
     TokenizeRequest,
     UsageInfo,
 )
-from tokenmill.entrypoints.openai.tool_calls import (
-    TOOL_CLOSE,
-    TOOL_OPEN,
-    StreamingToolParser,
-    parse_reply,
-    tool_call_grammar,
-    tools_system_prompt,
-)
 from tokenmill.errors import InvalidRequest
 from tokenmill.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, truncate_embedding
 from tokenmill.sampling_params import POOLING_TYPES, SamplingParams, StructuredOutputs
+from tokenmill.structured.reasoning import after_reasoning
+from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -209,8 +206,13 @@ class OpenAIServing:
         served_model_names: list[str],
         model_root: str | None = None,
         embedding_pooling: str = "last",
+        *,
+        chat_template: str | None = None,
+        chat_parsers: ChatParsers | None = None,
     ) -> None:
-        """embedding_pooling: how /v1/embeddings pools the final hidden states ("last" token or "mean")."""
+        """embedding_pooling: how /v1/embeddings pools the final hidden states ("last" token or "mean");
+        chat_template: in place of the model's (--chat-template); chat_parsers: how chat replies are read
+        (--tool-call-parser, --reasoning-parser)."""
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         if embedding_pooling not in POOLING_TYPES:
@@ -219,6 +221,10 @@ class OpenAIServing:
         self.served_model_names = list(served_model_names)
         self.model_root = model_root
         self.embedding_pooling = embedding_pooling
+        self.chat_template = chat_template
+        self.chat_parsers = chat_parsers or ChatParsers()
+        self._templated: Tokenizer | None = None
+        """The engine's tokenizer with chat_template in place of its own."""
         self.num_tokenized_in_thread = 0
         """Texts tokenized in a worker thread (longer than INLINE_TOKENIZE_CHARS); tests read it."""
 
@@ -233,6 +239,11 @@ class OpenAIServing:
             )
         return name
 
+    def describe_chat_parsers(self) -> None:
+        """Log how chat replies are read (the tool-call format chosen and why, the reasoning parser)."""
+        with contextlib.suppress(OpenAIError):  # NOTE: nothing to say before the model has loaded
+            self.chat_parsers.tool_parser(self._tokenizer.chat_template)
+
     def models(self) -> ModelList:
         return ModelList(
             data=[
@@ -246,7 +257,11 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         if tok is None:
             raise engine_unavailable(RuntimeError("the model is still loading"))
-        return tok
+        if self.chat_template is None:
+            return tok
+        if self._templated is None or self._templated.hf is not tok.hf:
+            self._templated = dataclasses.replace(tok, chat_template=self.chat_template)
+        return self._templated
 
     @functools.cached_property
     def _max_token_chars(self) -> int:
@@ -295,23 +310,15 @@ class OpenAIServing:
                 if (m.model_extra or {}).get("tool_call_id"):
                     msg["tool_call_id"] = m.model_extra["tool_call_id"]
                 msgs.append(msg)
-            elif calls:  # Hermes format, as the model was asked to write it (tool_calls.py)
-                blocks = "".join(
-                    f"{TOOL_OPEN}\n"
-                    + json.dumps(
-                        {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))},
-                        ensure_ascii=False,
-                    )
-                    + f"\n{TOOL_CLOSE}\n"
-                    for c in calls
-                )
-                msgs.append({"role": role, "content": (m.text() + "\n" if m.text() else "") + blocks.rstrip("\n")})
+            elif calls:  # in the tool parser's format, as the model was asked to write it (tool_calls.py)
+                blocks = self.chat_parsers.tool_parser(tok.chat_template).render_calls(calls)
+                msgs.append({"role": role, "content": (m.text() + "\n" if m.text() else "") + blocks})
             elif role == "tool":
                 msgs.append({"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"})
             else:
                 msgs.append({"role": role, "content": m.text()})
         if tools is not None and not native_tools:
-            block = tools_system_prompt(tools)
+            block = self.chat_parsers.tool_parser(tok.chat_template).system_prompt(tools)
             if msgs and msgs[0]["role"] == "system":
                 msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + block}
             else:
@@ -644,41 +651,32 @@ class OpenAIServing:
         ChatRun back (chat template, tools, structured outputs and sampling are decided here only).
         Raises OpenAIError."""
         model = self.resolve_model(req.model)
-        choice = req.effective_tool_choice
         tools = _chat_tools(req)
         prompt = await self._chat_prompt(req)
         ids, text = prompt.token_ids, prompt.text
         max_tokens = req.effective_max_tokens
         self._check_length(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        constraint = None
-        if tools is not None and choice != "auto":  # "required" or a named function: calls by grammar
-            funcs = [
-                t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice.function.name
-            ]
-            parallel = req.parallel_tool_calls is not False and choice == "required"
-            constraint = StructuredOutputs(grammar=tool_call_grammar(funcs, parallel))
-        params = self._sampling_params(req, max_tokens, logprobs, constraint)
+        fmt = self._reply_format(req, tools, text or "")
+        params = self._sampling_params(req, max_tokens, logprobs, self._chat_constraint(req, tools, fmt))
         streams = await self._start([_Prompt(ids, text)], params, "chatcmpl", req.cache_salt, req.kv_transfer_params)
         request_id = f"chatcmpl-{streams[0].request_id.split('-', 1)[1]}"
         created = int(time.time())
         top_n = req.top_logprobs or 0
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = self._stream_chat(
-                req, model, request_id, created, streams[0], include_usage, top_n, tools is not None
-            )
+            chunks = self._stream_chat(req, model, request_id, created, streams[0], include_usage, top_n, fmt)
             return ChatRun(request_id, len(ids), streams, chunks=chunks)
         out = (await _collect(streams)).outputs[0]
         choices = []
         for c in out.outputs:
-            message, reason = ChatResponseMessage(content=c.text), c.finish_reason
-            if tools is not None:
-                parsed = parse_reply(c.text)
-                calls = parsed.calls if req.parallel_tool_calls is not False else parsed.calls[:1]
-                if calls:
-                    message = ChatResponseMessage(content=parsed.content, tool_calls=[k.to_dict() for k in calls])
-                    reason = "tool_calls" if reason == "stop" else reason
+            parts = reply_parts(fmt, c.text)
+            message = ChatResponseMessage(
+                content=parts.content,
+                reasoning_content=parts.reasoning,
+                tool_calls=[k.to_dict() for k in parts.calls] or None,
+            )
+            reason = "tool_calls" if parts.calls and c.finish_reason == "stop" else c.finish_reason
             choices.append(
                 ChatChoice(
                     index=c.index,
@@ -701,6 +699,36 @@ class OpenAIServing:
             kv_transfer_params=out.kv_transfer_params,
         ).model_dump()
         return ChatRun(request_id, len(ids), streams, response=response)
+
+    def _reply_format(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None, prompt: str) -> ReplyFormat:
+        """How this request's replies are read (chat_output.py); prompt: the rendered prompt."""
+        reasoning = self.chat_parsers.reasoning
+        return ReplyFormat(
+            reasoning=reasoning,
+            is_reasoning_open=reasoning is not None and reasoning.is_open_after(prompt),
+            tools=self.chat_parsers.tool_parser(self._tokenizer.chat_template) if tools is not None else None,
+            tool_names=frozenset(t["function"]["name"] for t in tools or []),
+            is_one_call=req.parallel_tool_calls is False,
+        )
+
+    def _chat_constraint(
+        self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None, fmt: ReplyFormat
+    ) -> StructuredOutputs | None:
+        """The grammar a chat reply follows: forced tool calls (tool_choice "required" or a named function) in the
+        tool parser's format, or the request's own constraint; with a reasoning parser, only after the reasoning."""
+        choice = req.effective_tool_choice
+        constraint = req.structured()
+        if tools is not None and choice != "auto" and fmt.tools is not None:
+            named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+            funcs = [t["function"] for t in tools if named is None or t["function"]["name"] == named]
+            parallel = req.parallel_tool_calls is not False and choice == "required"
+            constraint = StructuredOutputs(grammar=fmt.tools.grammar(funcs, parallel))
+        if constraint is None or fmt.reasoning is None:
+            return constraint
+        try:
+            return after_reasoning(constraint, fmt.reasoning.fence(fmt.is_reasoning_open))
+        except InvalidRequest as e:
+            raise OpenAIError(e.message, param=e.param, code=e.code) from e
 
     async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         """The token ids of the prompt chat(req) would run (messages and tools through the chat template)."""
@@ -736,33 +764,25 @@ class OpenAIServing:
         stream: RequestStream,
         include_usage: bool,
         top_n: int,
-        with_tools: bool = False,
+        fmt: ReplyFormat,
     ) -> AsyncIterator[dict[str, Any]]:
         head = [
             {"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             for k in range(req.n)
         ]
-        parsers = [StreamingToolParser() for _ in range(req.n)] if with_tools else None
-        one_call = req.parallel_tool_calls is False
+        replies = [ReplyStream(fmt) for _ in range(req.n)]
 
         def choice(idx: int, c: CompletionOutput, st: _ChoiceState) -> dict[str, Any]:
             lps = {"content": self._chat_logprobs(c, 0, len(c.token_ids), top_n)} if req.logprobs else None
-            delta: dict[str, Any] = {"content": c.text} if c.text else {}
-            reason = c.finish_reason
-            if parsers is not None:  # prose streams as content; each call arrives whole once its block closes
-                p = parsers[idx]
-                first = p.num_calls
-                prose, calls = p.feed(c.text)
-                if c.finish_reason is not None:
-                    prose += p.flush()
-                if one_call:
-                    calls = calls[: max(0, 1 - first)]
-                    p.num_calls = min(p.num_calls, 1)
-                delta = {"content": prose} if prose else {}
-                if calls:
-                    delta["tool_calls"] = [k.to_dict(index=first + j) for j, k in enumerate(calls)]
-                if reason == "stop" and p.num_calls:
-                    reason = "tool_calls"
+            r = replies[idx].feed(c.text, c.finish_reason is not None)
+            delta: dict[str, Any] = {}
+            if r.reasoning:
+                delta["reasoning_content"] = r.reasoning
+            if r.content:
+                delta["content"] = r.content
+            if r.chunks:  # OpenAI's shape: a call's head (id, name, arguments ""), then argument fragments
+                delta["tool_calls"] = [k.to_dict() for k in r.chunks]
+            reason = "tool_calls" if c.finish_reason == "stop" and replies[idx].num_calls else c.finish_reason
             out = {"index": idx, "delta": delta, "logprobs": lps, "finish_reason": reason}
             if c.finish_reason is not None:
                 out["stop_reason"] = c.stop_reason
@@ -915,16 +935,6 @@ def _kv_transfer(params: dict[str, Any] | None, num_prompts: int) -> KVTransferR
     raise OpenAIError(
         "kv_transfer_params needs do_remote_decode or do_remote_prefill set to true", param="kv_transfer_params"
     )
-
-
-def _arguments(value: Any) -> Any:
-    """A tool call's arguments as the model wrote them: OpenAI sends JSON text, some clients an object."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value if value is not None else {}
 
 
 def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:

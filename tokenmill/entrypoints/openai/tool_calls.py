@@ -1,24 +1,30 @@
-"""Tool calling for chat templates without a tool format of their own (the default model's ChatML): the tools
-go into the system prompt and the model answers a call as JSON between tags, as Hermes and Qwen2.5 do:
+"""Tool calls: what a parsed call is, the ToolParser protocol, and the registry of formats
+(`--tool-call-parser`, vLLM's names; the modules are in tool_parsers/ and imported on first use):
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+    hermes       <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>   (Hermes, Qwen2.5/3)
+    llama3_json  [<|python_tag|>]{"name": "f", "parameters": {...}}[; {...}]    (Llama 3.1-3.3)
+    pythonic     [f(a=1, b="x"), g()]                                            (Llama 3.2 / 4, parsed with ast)
 
-The parser below and the grammar for tool_choice "required" or a named function agree on that format: the
-grammar is Lark with llguidance's `%json` (each call's object constrained by its function's parameter schema),
-so a constrained call always parses. With "auto" the model may answer in prose or call; its text is parsed.
-A template that renders `tools` itself (it mentions the variable) gets them through the template instead.
+Without the flag the format is read off the chat template (detect_tool_parser); a template without a tool
+format of its own (the default model's ChatML) gets hermes, with the tools in the system prompt.
+
+Each parser owns its format end to end: the system-prompt block and the rendering of earlier calls for a
+template that has no format, the grammar that forces calls (tool_choice "required" or a named function), and
+the parsing of replies, whole or streamed. A streamed call goes out as OpenAI streams them: one chunk with its
+index, id, type and name and empty arguments, then the arguments in fragments as the model writes them. The
+whole-reply parse is the streamer run over the reply in one piece, so both give the same calls. A call that
+does not parse stays in the content (never an error); once a call's fragments have gone out, text that breaks
+it later cannot be taken back (the stream ends that call where it broke).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import uuid
-from dataclasses import dataclass
-from typing import Any
-
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
 
 
 @dataclass(frozen=True)
@@ -40,9 +46,54 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class ToolCallChunk:
+    """One streamed piece of call `index`: its head (id and name, arguments "") or a fragment of its arguments."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+    """Set on the head only."""
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.name is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True)
+class CutCalls:
+    """The reply ended inside calls already streamed: calls from `index` on never finished, and `text` is what
+    the model wrote of them. A stream cannot take them back; a whole reply keeps that text as content."""
+
+    index: int
+    text: str
+
+
+@dataclass
+class ToolDeltas:
+    """What one piece of a reply gave: prose to stream now, and call chunks (flush: and the calls cut short)."""
+
+    prose: str = ""
+    chunks: list[ToolCallChunk] = field(default_factory=list)
+    cut: CutCalls | None = None
+
+    def __iadd__(self, other: ToolDeltas) -> ToolDeltas:
+        self.prose += other.prose
+        self.chunks += other.chunks
+        self.cut = other.cut or self.cut
+        return self
+
+
+@dataclass(frozen=True)
 class ParsedReply:
     content: str | None
-    """The text outside the tool-call blocks (None when there is none)."""
+    """The text outside the calls, stripped (None when there is none)."""
     calls: list[ToolCall]
 
 
@@ -50,138 +101,107 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
-    """The system-prompt block that tells a template-less model which functions it may call and how."""
-    sigs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return (
-        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-        f"{sigs}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-        f"within {TOOL_OPEN}{TOOL_CLOSE} XML tags:\n{TOOL_OPEN}\n"
-        '{"name": <function-name>, "arguments": <args-json-object>}\n'
-        f"{TOOL_CLOSE}"
-    )
-
-
-def call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    params = function.get("parameters") or {"type": "object", "properties": {}}
-    return {
-        "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": params},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-
-
-def tool_call_grammar(functions: list[dict[str, Any]], parallel: bool) -> str:
-    """Lark (llguidance) for one tool-call block (with `parallel`: up to one per function), each a call of one
-    of `functions`, its arguments constrained by that function's parameter schema."""
-    schema = call_schema(functions[0]) if len(functions) == 1 else {"anyOf": [call_schema(f) for f in functions]}
-    schema["x-guidance"] = {"whitespace_flexible": False}  # compact JSON, as the parser and clients expect
-    # NOTE: at most one call per function offered: a small model told "one or more" repeats its call forever
-    repeat = f"{{1,{len(functions)}}}" if parallel and len(functions) > 1 else ""
-    return f'start: call{repeat}\ncall: "{TOOL_OPEN}\\n" body "\\n{TOOL_CLOSE}\\n"\nbody: %json {json.dumps(schema)}\n'
-
-
-def parse_reply(text: str) -> ParsedReply:
-    """Split a reply into its prose and its complete tool-call blocks; a block that does not parse as a call
-    stays in the prose (the client sees what the model wrote)."""
-    calls: list[ToolCall] = []
-    prose: list[str] = []
-    pos = 0
-    while True:
-        start = text.find(TOOL_OPEN, pos)
-        if start < 0:
-            prose.append(text[pos:])
-            break
-        end = text.find(TOOL_CLOSE, start)
-        if end < 0:
-            prose.append(text[pos:])
-            break
-        call = _parse_call(text[start + len(TOOL_OPEN) : end])
-        if call is None:
-            prose.append(text[pos : end + len(TOOL_CLOSE)])
-            pos = end + len(TOOL_CLOSE)
-        else:
-            prose.append(text[pos:start])
-            calls.append(call)
-            pos = end + len(TOOL_CLOSE)
-            while text.startswith("\n", pos):  # the newline that ends a block belongs to it
-                pos += 1
-    content = "".join(prose).strip()
-    return ParsedReply(content or None, calls)
-
-
-def _parse_call(body: str) -> ToolCall | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models send the arguments already as text
+def call_arguments(value: Any) -> Any:
+    """A call's arguments sent back by a client, as the model wrote them: OpenAI sends JSON text, some clients an
+    object; text that is not JSON stays text."""
+    if isinstance(value, str):
         try:
-            args = json.loads(args)
+            return json.loads(value)
         except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False), new_call_id())
+            return value
+    return value if value is not None else {}
 
 
-class StreamingToolParser:
-    """Feeds on a reply's text deltas; hands back the prose to stream now and each tool call once its block is
-    complete (OpenAI's delta shape: one tool_calls entry per call with its name and whole arguments). Text that
-    might be the start of TOOL_OPEN is held back until it is not."""
-
-    def __init__(self) -> None:
-        self._buf = ""
-        self._in_call = False
-        self.num_calls = 0
-
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
-        self._buf += delta
-        prose: list[str] = []
-        calls: list[ToolCall] = []
-        while True:
-            if self._in_call:
-                end = self._buf.find(TOOL_CLOSE)
-                if end < 0:
-                    break
-                call = _parse_call(self._buf[:end])
-                if call is None:
-                    prose.append(TOOL_OPEN + self._buf[: end + len(TOOL_CLOSE)])
-                else:
-                    calls.append(call)
-                self._buf = (
-                    self._buf[end + len(TOOL_CLOSE) :].lstrip("\n") if call else self._buf[end + len(TOOL_CLOSE) :]
-                )
-                self._in_call = False
-                continue
-            start = self._buf.find(TOOL_OPEN)
-            if start >= 0:
-                prose.append(self._buf[:start])
-                self._buf = self._buf[start + len(TOOL_OPEN) :]
-                self._in_call = True
-                continue
-            keep = _partial_suffix(self._buf, TOOL_OPEN)
-            prose.append(self._buf[: len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep :]
-            break
-        self.num_calls += len(calls)
-        return "".join(prose), calls
-
-    def flush(self) -> str:
-        """At the end of the reply: whatever was held back (an unfinished block stays text)."""
-        rest = (TOOL_OPEN if self._in_call else "") + self._buf
-        self._buf, self._in_call = "", False
-        return rest
+def assemble_calls(chunks: Iterable[ToolCallChunk]) -> list[ToolCall]:
+    """Streamed chunks joined into whole calls, by index."""
+    heads: dict[int, ToolCallChunk] = {}
+    args: dict[int, list[str]] = {}
+    for c in chunks:
+        if c.name is not None:
+            heads[c.index] = c
+        args.setdefault(c.index, []).append(c.arguments)
+    return [ToolCall(heads[i].name or "", "".join(args[i]), heads[i].id or new_call_id()) for i in sorted(heads)]
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
+class ToolStreamer(Protocol):
+    def feed(self, delta: str) -> ToolDeltas: ...
+
+    def flush(self) -> ToolDeltas:
+        """At the end of the reply: what was held back (an unfinished call that never went out is prose; one
+        that did is `cut`)."""
+        ...
+
+
+class ToolParser(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
+        """The system-prompt block that tells a model whose template has no tool format how to call."""
+        ...
+
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        """An assistant turn's calls (OpenAI's shape, arguments as text or object) as the model writes them."""
+        ...
+
+    def grammar(self, functions: list[dict[str, Any]], parallel: bool) -> str:
+        """Lark (llguidance) for forced calls of `functions` in this format: one call, or with `parallel` up to one
+        per function, each call's arguments constrained by its parameter schema."""
+        ...
+
+    def streamer(self, tool_names: frozenset[str]) -> ToolStreamer:
+        """A parser for one reply; tool_names: the functions offered (untagged formats read only those)."""
+        ...
+
+
+def parse_reply(parser: ToolParser, text: str, tool_names: frozenset[str]) -> ParsedReply:
+    """A whole reply split into its prose and its calls: the streamer run in one piece (calls cut short by the
+    end of the reply are content)."""
+    s = parser.streamer(tool_names)
+    out = s.feed(text)
+    out += s.flush()
+    chunks, prose = out.chunks, out.prose
+    if out.cut is not None:
+        chunks = [c for c in chunks if c.index < out.cut.index]
+        prose += out.cut.text
+    return ParsedReply(prose.strip() or None, assemble_calls(chunks))
+
+
+TOOL_PARSERS = {
+    "hermes": "tokenmill.entrypoints.openai.tool_parsers.hermes:HermesToolParser",
+    "llama3_json": "tokenmill.entrypoints.openai.tool_parsers.llama3_json:Llama3JsonToolParser",
+    "pythonic": "tokenmill.entrypoints.openai.tool_parsers.pythonic:PythonicToolParser",
+}
+"""--tool-call-parser names (vLLM's) -> module:class, imported on first use."""
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(TOOL_PARSERS))}")
+    module, cls = TOOL_PARSERS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+class ToolParserChoice(NamedTuple):
+    name: str
+    why: str
+
+
+_TEMPLATE_MARKERS = (
+    ("pythonic", "func_name1(", "the template asks for calls as [func_name1(params_name1=...)]"),
+    ("hermes", "<tool_call>", "the template writes <tool_call> tags"),
+    ("llama3_json", "<|python_tag|>", "the template writes <|python_tag|>"),
+    ("llama3_json", '"parameters"', 'the template asks for {"name": ..., "parameters": ...} JSON'),
+)
+"""Text a chat template's tool format contains -> the parser that reads it; the first match wins."""
+
+
+def detect_tool_parser(template: str | None) -> ToolParserChoice:
+    """The tool-call format a chat template's own tool format is written in (hermes when it has none or when
+    none of the markers is in it)."""
+    if not template or "tools" not in template:
+        return ToolParserChoice("hermes", "the chat template has no tool format: tools go in the system prompt")
+    for name, marker, why in _TEMPLATE_MARKERS:
+        if marker in template:
+            return ToolParserChoice(name, why)
+    return ToolParserChoice("hermes", "the chat template reads tools but names no known call format")
