@@ -133,6 +133,22 @@ def test_ablation_rows(tiny_llama, tmp_path):
     assert r["prefix_caching"]["on"]["cached_prompt_tokens"] > 0 == r["prefix_caching"]["off"]["cached_prompt_tokens"]
 
 
+def test_ablation_speculation_methods_on_held_out_chats(tiny_llama, tmp_path):
+    methods = {f"ngram{k}": {"method": "ngram", "num_speculative_tokens": k} for k in (4, 2)}
+    r = run_json(
+        tmp_path,
+        ["bench", "ablation", "--model", str(tiny_llama), *ENGINE, "--only", "speculation", "--plot-dir", ""]
+        + ["--spec-workload", "chat", "--spec-num-prompts", "2", "--spec-output-len", "6"]
+        + ["--spec-methods", json.dumps(methods)],
+    )
+    s = r["speculation"]
+    assert s["methods"] == ["ngram4", "ngram2"] and s["off"]["decode_tok_s"] > 0
+    for name in s["methods"]:  # each method against the one plain run of the same process
+        assert s[name]["speedup"] == pytest.approx(s[name]["decode_tok_s"] / s["off"]["decode_tok_s"])
+        assert s[name]["config"] == methods[name]
+    assert s["speedup"] == s["ngram4"]["speedup"] and "2 held-out ShareGPT chats" in s["workload"]
+
+
 def test_bad_dataset_path_is_a_clear_error(tiny_llama, capsys):
     assert (
         main(
@@ -153,7 +169,7 @@ def test_bad_dataset_path_is_a_clear_error(tiny_llama, capsys):
     assert "--dataset" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("sub", ["latency", "throughput", "serve", "roofline", "ablation"])
+@pytest.mark.parametrize("sub", ["latency", "throughput", "serve", "roofline", "ablation", "suite"])
 def test_help(sub, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", sub, "--help"])

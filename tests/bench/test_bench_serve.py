@@ -6,8 +6,10 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -146,6 +148,7 @@ def test_sweep_table_json_and_plots(stub_server, tmp_path, capsys):
     )
     url, state = stub_server
     state["bodies"].clear()
+    serve.warm_up(url, "stub-model", _requests(1)[0], args)
     runs = serve.run_sweep(url, "stub-model", _requests(4), [50.0, math.inf], [None, 2], args)
     assert len(runs) == 4 and all(r["metrics"]["completed"] == 4 for r in runs)
     salts = [b.get("cache_salt") for b in state["bodies"][1:]]  # after the warm-up request: 4 per point
@@ -172,3 +175,68 @@ def test_sharegpt_filter_and_stats():
     s = summarize([1.0, 2.0, 3.0, 4.0])
     assert s["mean"] == 2.5 and s["median"] == 2.5 and s["p99"] == pytest.approx(3.97)
     assert math.isnan(summarize([])["mean"])
+
+
+FAKE_VLLM_PYTHON = """#!{python}
+# Stands in for vLLM's interpreter: answers the import probe, and as `bench serve` writes a result in vLLM's
+# keys and its own arguments beside it.
+import json, pathlib, sys
+code, argv = sys.argv[2], sys.argv[3:]
+if "vllm.__version__" in code:
+    print("0.0+fake")
+    sys.exit(0)
+assert "from vllm.benchmarks.serve import add_cli_args, main" in code
+out = pathlib.Path(argv[argv.index("--result-dir") + 1])
+(out / "argv.json").write_text(json.dumps(argv))
+result = dict(completed=2, duration=4.0, total_input_tokens=30, total_output_tokens=10, request_throughput=0.5,
+              output_throughput=2.5, total_token_throughput=10.0, errors=["", "timeout"])
+for name, base in (("ttft", 100.0), ("tpot", 10.0), ("itl", 9.0), ("e2el", 140.0)):
+    result.update({{f"mean_{{name}}_ms": base, f"median_{{name}}_ms": base, f"std_{{name}}_ms": 1.0,
+                   f"p90_{{name}}_ms": 2 * base, f"p99_{{name}}_ms": 3 * base}})
+(out / argv[argv.index("--result-filename") + 1]).write_text(json.dumps(result))
+"""
+
+
+def fake_vllm(tmp_path):
+    venv, model = tmp_path / "venv", tmp_path / "hf"
+    (venv / "bin").mkdir(parents=True)
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    py = venv / "bin" / "python"
+    py.write_text(FAKE_VLLM_PYTHON.format(python=sys.executable))
+    py.chmod(0o755)
+    return venv, model
+
+
+def test_vllm_client_runs_vllms_bench_serve_and_reads_its_result(stub_server, tmp_path):
+    from tokenmill.entrypoints.cli import main
+
+    url, _ = stub_server
+    venv, model = fake_vllm(tmp_path)
+    argv = ["bench", "serve", "--base-url", url, "--client", "vllm", "--vllm-venv", str(venv), "--vllm-model"]
+    argv += [str(model), "--num-prompts", "3", "--output-len", "5", "--max-concurrency", "2", "--ignore-eos"]
+    assert main([*argv, "--result-dir", str(tmp_path / "out"), "--no-plots"]) == 0
+    r = json.loads((tmp_path / "out" / "serve.json").read_text())
+    m = r["runs"][0]["metrics"]
+    assert r["client"] == "vllm" and r["server"]["engine"] == "external"
+    assert m["output_throughput"] == 2.5 and m["completed"] == 2 and m["failed"] == 1 and m["errors"] == ["timeout"]
+    assert m["itl_ms"] == {"mean": 9.0, "median": 9.0, "std": 1.0, "p90": 18.0, "p99": 27.0}
+    sent = json.loads((tmp_path / "out" / "argv.json").read_text())
+    flag = lambda name: sent[sent.index(name) + 1]  # noqa: E731
+    assert flag("--base-url") == url and flag("--served-model-name") == "stub-model" and flag("--model") == str(model)
+    assert flag("--backend") == "openai" and flag("--max-concurrency") == "2" and flag("--sharegpt-output-len") == "5"
+    assert flag("--request-rate") == "inf" and "--ignore-eos" in sent
+    assert isinstance(json.loads(Path(flag("--dataset-path")).read_text()), list)  # vLLM reads one JSON list
+
+
+def test_launch_vllm_absent_is_a_result_and_fallbacks_are_found(tmp_path):
+    from tokenmill.bench.vllm_peer import FALLBACK
+    from tokenmill.entrypoints.cli import main
+
+    argv = ["bench", "serve", "--launch-vllm", "--vllm-venv", str(tmp_path / "none"), "--vllm-dtype", "float32"]
+    assert main([*argv, "--result-dir", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "serve.json").read_text())
+    assert r["available"] is False and "vLLM not installed" in r["reason"]
+    assert r["server"] == {"engine": "vllm", "dtype": "float32", "binding": "all-cores"}
+    assert FALLBACK.search("WARNING [cpu.py:12] oneDNN failed, fallback to torch linear")
+    assert FALLBACK.search("Falling back to the torch implementation") and not FALLBACK.search("INFO ready")

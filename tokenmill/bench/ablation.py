@@ -8,14 +8,16 @@ it buys here. Rows:
   prefix caching  requests sharing a long system prompt: throughput and mean TTFT, cache off vs on
   quantization    single-stream decode tok/s of RTN int8 / int4 weight-only checkpoints vs the base
                   dtype (built on the fly with tokenmill.quant; 'not available' without it)
-  speculation     single-stream decode tok/s with n-gram speculation on a copy-heavy prompt
-                  ('not available' without tokenmill.spec_decode)
+  speculation     single-stream decode tok/s of each --spec-methods config vs plain decoding, in the same
+                  process on the same prompts: a copy-heavy prompt (--spec-workload copy) or held-out
+                  ShareGPT chats (chat); 'not available' without tokenmill.spec_decode
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import tempfile
 import time
 import traceback
@@ -40,6 +42,11 @@ from tokenmill.bench.engine_runs import (
 from tokenmill.sampling_params import SamplingParams
 
 ROWS = ("batching", "chunked_prefill", "prefix_caching", "quantization", "speculation")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+"""The speculation row's default method."""
+HELD_OUT_ROWS = 1000
+"""Rows of the seed-0 ShareGPT shuffle before the corpora of `tokenmill build-datastore` and the draft-head
+trainers begin (they answer rows 1000 onward): chat prompts for speculation come from these."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +65,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-tokens", type=int, default=160, help="chunked prefill: tokens each stream generates")
     g.add_argument("--shared-prefix-len", type=int, default=512, help="prefix caching: shared prompt tokens")
     g.add_argument("--quantized-model", default=None, help="quantization: an existing GPTQ/AWQ dir to use instead")
+    g.add_argument(
+        "--spec-methods",
+        type=json.loads,
+        default={"ngram": NGRAM},
+        help="speculation: a JSON object of name -> speculative config, each measured against the same plain "
+        f"decoding (default: {json.dumps({'ngram': NGRAM})})",
+    )
+    g.add_argument(
+        "--spec-workload",
+        choices=["copy", "chat"],
+        default="copy",
+        help="speculation: copy (a prompt asking to repeat a passage) or chat (held-out ShareGPT first turns, "
+        "rows the datastore and draft heads never saw)",
+    )
+    g.add_argument("--spec-num-prompts", type=int, default=1, help="speculation: chat prompts (default: 1)")
+    g.add_argument("--spec-output-len", type=int, default=128, help="speculation: tokens per prompt (default: 128)")
     g.add_argument("--output-json", default=None)
     g.add_argument("--plot-dir", default="bench_out/ablation", help="where ablation.png goes ('' for none)")
 
@@ -231,20 +254,61 @@ def ablate_quantization(args) -> dict:
     return out
 
 
+def _spec_prompts(args, llm) -> list[list[int]]:
+    """The speculation row's prompts: one copy-heavy prompt, or the first --spec-num-prompts held-out ShareGPT
+    first turns (chat-templated, at most 256 tokens, and short enough for --spec-output-len more)."""
+    if args.spec_workload == "copy":
+        text = "Repeat the following text exactly.\n\n" + PASSAGE * 2 + "\n\nRepeated text:\n\n"
+        return [llm.tokenizer.encode(text)]
+    from tokenmill.bench.common import DEFAULT_SHAREGPT
+    from tokenmill.training.eagle import chat_prompt_ids, sharegpt_rows
+
+    longest = min(256, llm.engine.max_model_len - args.spec_output_len)
+    prompts = []
+    for row in sharegpt_rows(args.dataset or DEFAULT_SHAREGPT)[:HELD_OUT_ROWS]:
+        ids = chat_prompt_ids(llm.tokenizer, row["conversations"][0]["value"])
+        if 4 <= len(ids) <= longest:
+            prompts.append(ids)
+        if len(prompts) == args.spec_num_prompts:
+            return prompts
+    raise ValueError(f"{len(prompts)} held-out chat prompts of <= {longest} tokens; asked for {args.spec_num_prompts}")
+
+
+def _decode_rate(llm, prompts: list[list[int]], output_len: int) -> float:
+    """Batch-1 decode tok/s over the prompts one after another: tokens after the first / their decode time."""
+    engine_timed_generate(llm.engine, prompts[0], 8)  # warm-up
+    tokens = seconds = 0.0
+    for ids in prompts:
+        s = engine_timed_generate(llm.engine, ids, output_len)[0].summary()
+        tokens += s["num_tokens"] - 1
+        seconds += (s["num_tokens"] - 1) / s["decode_tok_s"]
+    return tokens / seconds
+
+
 def ablate_speculation(args) -> dict:
+    """Plain decoding, then each --spec-methods config, on the same prompts in this process; each method's
+    speedup is over this plain run. Results: "off", one key per method, "methods" (their names, in order) and
+    "speedup" (the first method's, as the row had when it ran n-gram only)."""
     if importlib.util.find_spec("tokenmill.spec_decode") is None:
         return {"available": False, "reason": "tokenmill.spec_decode is missing"}
-    out = {}
-    for name, spec in (("off", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 4})):
-        llm = _llm(args, speculative_config=spec) if spec else _llm(args)
-        text = "Repeat the following text exactly.\n\n" + PASSAGE * 2 + "\n\nRepeated text:\n\n"
-        prompt = llm.tokenizer.encode(text)
-        engine_timed_generate(llm.engine, prompt, 8)
-        timing, _ = engine_timed_generate(llm.engine, prompt, 128)
-        s = timing.summary()
-        out[name] = {"decode_tok_s": s["decode_tok_s"], "spec_stats": dict(llm.stats().spec_decode)}
-    out["speedup"] = out["ngram"]["decode_tok_s"] / out["off"]["decode_tok_s"]
-    out["workload"] = "batch 1, copy-heavy prompt, 128 new tokens"
+    plain = _llm(args)
+    prompts = _spec_prompts(args, plain)
+    out: dict = {"off": {"decode_tok_s": _decode_rate(plain, prompts, args.spec_output_len)}}
+    del plain
+    for name, spec in args.spec_methods.items():
+        llm = _llm(args, speculative_config=spec)
+        rate = _decode_rate(llm, prompts, args.spec_output_len)
+        out[name] = {
+            "decode_tok_s": rate,
+            "speedup": rate / out["off"]["decode_tok_s"],
+            "config": spec,
+            "spec_stats": dict(llm.stats().spec_decode),
+        }
+        del llm
+    out["methods"] = list(args.spec_methods)
+    out["speedup"] = out[out["methods"][0]]["speedup"] if out["methods"] else float("nan")
+    kind = "a copy-heavy prompt" if args.spec_workload == "copy" else f"{len(prompts)} held-out ShareGPT chats"
+    out["workload"] = f"batch 1, {kind}, {args.spec_output_len} new tokens each"
     return out
 
 
@@ -317,14 +381,15 @@ def print_ablation(res: dict) -> None:
                 )
     s = res.get("speculation")
     if s and s.get("available", True):
-        rows.append(
-            [
-                "speculation (n-gram, k=4)",
-                s["workload"],
-                f"{s['off']['decode_tok_s']:.1f} -> {s['ngram']['decode_tok_s']:.1f} tok/s",
-                f"{s['speedup']:.2f}x",
-            ]
-        )
+        for name in s["methods"]:
+            rows.append(
+                [
+                    f"speculation ({name})",
+                    s["workload"],
+                    f"{s['off']['decode_tok_s']:.1f} -> {s[name]['decode_tok_s']:.1f} tok/s",
+                    f"{s[name]['speedup']:.2f}x",
+                ]
+            )
     for name in ROWS:
         r = res.get(name)
         if r is not None and r.get("available") is False:
@@ -344,7 +409,7 @@ def ablation_gains(res: dict) -> list[tuple[str, float]]:
     if (q := res.get("quantization")) and q.get("available", True):
         gains += [(f"quantization {k}\n(batch-1 tok/s)", v["speedup"]) for k, v in q.items() if k != "base"]
     if (s := res.get("speculation")) and s.get("available", True):
-        gains.append(("n-gram speculation\n(batch-1 tok/s)", s["speedup"]))
+        gains += [(f"{name} speculation\n(batch-1 tok/s)", s[name]["speedup"]) for name in s["methods"]]
     return gains
 
 

