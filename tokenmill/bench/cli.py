@@ -1,4 +1,4 @@
-"""`tokenmill bench {latency,throughput,serve,roofline,ablation}`; each subcommand's module is
+"""`tokenmill bench {latency,throughput,serve,roofline,ablation,suite}`; each subcommand's module is
 imported only when it runs."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "serve": ("tokenmill.bench.serve", "Load generator for an OpenAI-compatible endpoint (vLLM's metrics)."),
     "roofline": ("tokenmill.bench.roofline", "Memory bandwidth, the engine's linear FLOP/s and the decode bound."),
     "ablation": ("tokenmill.bench.ablation", "Each serving technique on and off on the same workload."),
+    "suite": ("tokenmill.bench.suite", "The headline set, one record per CPU kind in benchmarks/results/."),
 }
 
 

@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "tokenmill.training.datastore",
         "Build the n-gram proposer's datastore from the target's own answers.",
     ),
-    "bench": ("tokenmill.bench.cli", "Benchmarks: latency, throughput, serve, roofline, ablation."),
+    "bench": ("tokenmill.bench.cli", "Benchmarks: latency, throughput, serve, roofline, ablation, suite."),
 }
 
 
