@@ -169,3 +169,27 @@ def test_a_runner_process_killed_during_serving_is_reported_with_its_exit_code(t
         assert time.monotonic() - t0 < 5
     finally:
         ex.shutdown()
+
+
+def test_the_mp_backend_serves_the_engine_and_loads_the_weights_only_in_the_runner_process(tiny_llama):
+    """`distributed_executor_backend="mp"` through the public API: the same greedy tokens (and n-gram drafts) as the
+    in-process runner, while the engine's own process reads only the checkpoint's config and tokenizer."""
+    from tokenmill import LLM, SamplingParams
+
+    prompts = [[9] * 6, [1, 5, 6, 7, 8, 5, 6, 7] * 3, [3, 1, 4, 1, 5, 9, 2, 6]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False, "prompt_lookup_min": 1}
+    here = LLM(str(tiny_llama), dtype="float32", speculative_config=spec)
+    want = [o.outputs[0].token_ids for o in here.generate(prompts, params, use_tqdm=False)]
+    there = LLM(str(tiny_llama), dtype="float32", speculative_config=spec, distributed_executor_backend="mp")
+    try:
+        got = [o.outputs[0].token_ids for o in there.generate(prompts, params, use_tqdm=False)]
+        executor = there.engine.executor
+        assert isinstance(executor, MultiprocExecutor) and executor.steps > 1
+        assert there.engine.model is None  # no weights in this process
+        assert got == want
+        counted = ("num_draft_tokens", "num_accepted_tokens")
+        sd_there, sd_here = there.stats().spec_decode, here.stats().spec_decode
+        assert {k: sd_there[k] for k in counted} == {k: sd_here[k] for k in counted} and sd_there[counted[1]] > 0
+    finally:
+        there.engine.close()

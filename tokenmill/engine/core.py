@@ -28,6 +28,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.output_processor import Emitted, OutputProcessor, ParentRequest
 from tokenmill.engine.stats import STEP_LOG_LEN, EngineSnapshot, EngineStats, RequestView, StepRecord
 from tokenmill.errors import InvalidRequest
+from tokenmill.models.loader import ModelInfo, read_model_info
 from tokenmill.outputs import RequestOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ from tokenmill.worker.executor import RunnerOptions, available_memory_bytes, bui
 
 if TYPE_CHECKING:
     from tokenmill.distributed.kv_transfer import KVTransport
+    from tokenmill.models.causal_lm import CausalLM
 
 logger = logging.getLogger("tokenmill")
 
@@ -52,15 +54,21 @@ class EngineCore:
             torch.set_num_threads(int(os.environ["TOKENMILL_NUM_THREADS"]))
         self._check_layout(config)
         t0 = time.time()
-        loaded = load_target(mc)
+        model: CausalLM | None = None
+        if mc.distributed_executor_backend == "mp" and mc.tensor_parallel_size == 1:
+            info = read_model_info(mc.model)  # the runner process loads the weights; this one reads the config
+        else:
+            loaded = load_target(mc)
+            model, info = loaded.model, ModelInfo(loaded.config, loaded.tokenizer, loaded.path)
         if mc.batch_invariant and mc.bf16_linears_vary_with_batch:
             logger.warning(
                 "batch_invariant: prompts are attended per token, but this CPU's bf16 linears are not "
                 "batch-invariant, so outputs still depend on batching"
             )
-        self.model = loaded.model
-        self.arch: ModelArchConfig = loaded.config
-        self.tokenizer = loaded.tokenizer
+        self.model = model
+        """The target in this process (split in place under tensor parallelism); None with a runner process."""
+        self.arch: ModelArchConfig = info.config
+        self.tokenizer = info.tokenizer
         self.vocab_size = self.arch.vocab_size
         """Largest token id + 1 that the model accepts (its embedding rows; the tokenizer may count fewer)."""
         self.hidden_size = self.arch.hidden_size
@@ -95,7 +103,7 @@ class EngineCore:
             groups or None,
         )
         self.executor = build_executor(
-            config, loaded, RunnerOptions.from_config(config, self.kv_spec, self.max_model_len)
+            config, model, self.arch, RunnerOptions.from_config(config, self.kv_spec, self.max_model_len)
         )
         # An empty step: the runner answers (a spawned one is up) and reports its speculation counters.
         self.spec_metrics: dict[str, float] = self.executor.execute(StepInput()).spec_metrics or {}
@@ -136,7 +144,7 @@ class EngineCore:
         nb = self.kv_spec.num_blocks
         logger.info(
             "loaded %s in %.1fs: %d KV blocks of %d tokens (%.1f MiB)",
-            loaded.path.name,
+            info.path.name,
             time.time() - t0,
             nb,
             self.kv_spec.block_size,

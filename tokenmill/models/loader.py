@@ -84,6 +84,32 @@ class LoadedModel:
     path: Path
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a checkpoint says of itself without its weights: enough to plan an engine whose model loads elsewhere
+    (a runner process)."""
+
+    config: ModelArchConfig
+    tokenizer: Tokenizer
+    path: Path
+
+
+def open_source(path: Path) -> GGUFSource | HFDirSource:
+    """The checkpoint at `path` (a GGUF file or a Hugging Face directory), opened but not read."""
+    if path.is_file():
+        if path.suffix != ".gguf" and not _has_gguf_magic(path):
+            raise ModelLoadError(f"{path}: not a GGUF file (expected a .gguf file or a Hugging Face directory)")
+        return GGUFSource(path)
+    return HFDirSource(path)
+
+
+def read_model_info(model: str) -> ModelInfo:
+    """The checkpoint's architecture and tokenizer, its weights left unread."""
+    path = resolve_model_path(model)
+    source = open_source(path)
+    return ModelInfo(source.config(), source.tokenizer(), path)
+
+
 def load_model(
     model: str,
     dtype: torch.dtype = torch.float32,
@@ -106,12 +132,7 @@ def load_model(
             f"quantize_lm_head must be one of {', '.join(CHOICES + (CHECKPOINT,))}, got {quantize_lm_head!r}"
         )
     path = resolve_model_path(model)
-    if path.is_file():
-        if path.suffix != ".gguf" and not _has_gguf_magic(path):
-            raise ModelLoadError(f"{path}: not a GGUF file (expected a .gguf file or a Hugging Face directory)")
-        source = GGUFSource(path)
-    else:
-        source = HFDirSource(path)
+    source = open_source(path)
     cfg = source.config()
     cls = resolve_model_class(cfg.architecture)
     with torch.device("meta"):

@@ -209,20 +209,24 @@ class UniProcExecutor:
         pass
 
 
-def build_executor(config: EngineConfig, loaded: LoadedModel, opts: RunnerOptions) -> Executor:
-    """The executor config.model asks for: tensor-parallel ranks, a runner process, or the runner in-process."""
+def build_executor(
+    config: EngineConfig, model: CausalLM | None, arch: ModelArchConfig, opts: RunnerOptions
+) -> Executor:
+    """The executor config.model asks for: tensor-parallel ranks, a runner process, or the runner in-process.
+    model: the target loaded in this process (None for a runner process, which loads its own)."""
     mc = config.model
+    if mc.distributed_executor_backend == "mp" and mc.tensor_parallel_size == 1:
+        from tokenmill.worker.process import MultiprocExecutor
+
+        return MultiprocExecutor(opts, num_threads=torch.get_num_threads())
+    assert model is not None, "the in-process and tensor-parallel executors run the model loaded here"
     if mc.tensor_parallel_size > 1:
         from tokenmill.worker.tp_executor import TPExecutor
 
         return TPExecutor(
-            loaded.model,
+            model,
             opts,
             torch.get_num_threads(),
             max_num_tokens=None if mc.tensor_parallel_gloo_only else config.scheduler.max_num_batched_tokens,
         )
-    if mc.distributed_executor_backend == "mp":
-        from tokenmill.worker.process import MultiprocExecutor
-
-        return MultiprocExecutor(opts, num_threads=torch.get_num_threads())
-    return UniProcExecutor(loaded.model, loaded.config, opts)
+    return UniProcExecutor(model, arch, opts)
