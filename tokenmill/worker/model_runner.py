@@ -52,7 +52,7 @@ from tokenmill.layers.sampler import Sampler, SamplingMetadata, masks_from_bytes
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import cpu_decode
 from tokenmill.worker.kv_cache_ops import add_forked_samples, compact_accepted_path, copy_blocks
-from tokenmill.worker.prompt_outputs import prompt_outputs
+from tokenmill.worker.prompt_outputs import PromptOutputs, prompt_outputs
 
 if TYPE_CHECKING:
     from tokenmill.models.interface import DecoderLayout
@@ -263,6 +263,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.requests: dict[str, RequestState] = {}
         """The persistent batch: one row per request the scheduler has sent and not dropped."""
+        self.pooling_rows: set[str] = set()
+        """Rows of embedding requests (SamplingParams.pooling): steps with none of them and no chunk that wants
+        prompt logprobs skip worker/prompt_outputs.py altogether."""
         self.speculator = speculator
         self.feature_sink: FeatureSink | None = speculator.feature_sink if speculator is not None else None
         self.prompts_per_token = prompts_per_token
@@ -274,6 +277,7 @@ class ModelRunner:
         """Drop requests' rows and random generators (they left the engine)."""
         for rid in request_ids:
             self.requests.pop(rid, None)
+            self.pooling_rows.discard(rid)
             self.generators.pop(rid, None)
 
     # ----------------------------------------------------------------- execute
@@ -285,8 +289,11 @@ class ModelRunner:
         self.forget(step.finished_ids)
         for rid in step.preempted_ids:  # its generator stays: a resumed request continues its stream
             self.requests.pop(rid, None)
+            self.pooling_rows.discard(rid)
         for d in step.new_requests:
             self.requests[d.request_id] = RequestState.new(d)
+            if d.sampling_params.pooling is not None:
+                self.pooling_rows.add(d.request_id)
         self.copy_blocks(step.block_copies)
         if not step.scheduled:
             return StepOutput(spec_metrics=self.speculator.metrics() if self.speculator is not None else None)
@@ -299,7 +306,9 @@ class ModelRunner:
         if forked:
             logits_indices, sampling = add_forked_samples(forked, logits_indices, sampling)
         hidden = self.run_model(inp)  # [num_tokens, hidden]
-        prompt = prompt_outputs(step, batch, self.requests, hidden, self.model.compute_logits)
+        prompt = PromptOutputs()
+        if self.pooling_rows or any(c.wants_prompt_logprobs for c in step.scheduled):
+            prompt = prompt_outputs(step, batch, self.requests, hidden, self.model.compute_logits)
         if self.feature_sink is not None and not any(s.num_spec_tokens for s in batch):
             self.feature_sink(batch, hidden)
         if not sampling:
