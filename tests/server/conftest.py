@@ -137,6 +137,18 @@ def server(tmp_path_factory) -> ServerProcess:
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def hf(real_model_path):
+    """Hugging Face transformers' float32 model of the default GGUF: the server tests' numerics oracle."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(real_model_path.parent), gguf_file=real_model_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
 def engine_stats(**fields) -> EngineStats:
     """An idle engine's EngineStats (a pool of 10 free blocks), with `fields` set: what a fake core reports."""
     idle = dict(

@@ -26,15 +26,6 @@ def client(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def hf(real_model_path):
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(real_model_path.parent), gguf_file=real_model_path.name, dtype=torch.float32
-    )
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
 def tokenizer(gguf_tokenizer):
     return gguf_tokenizer
 
