@@ -137,6 +137,15 @@ def server(tmp_path_factory) -> ServerProcess:
     srv.stop()
 
 
+@pytest.fixture(scope="package")
+def fp32_server(tmp_path_factory) -> ServerProcess:
+    """A server in float32 whatever the host (`--dtype auto` is bfloat16 on AMX), for the tests that compare with
+    transformers' float32 numerics within 1e-3."""
+    srv = start_server(tmp_path_factory.mktemp("fp32_server"), *DEFAULT_ARGS, "--dtype", "float32")
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="module")
 def hf(real_model_path):
     """Hugging Face transformers' float32 model of the default GGUF: the server tests' numerics oracle."""

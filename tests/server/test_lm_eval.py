@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from tests.server.conftest import DEFAULT_ARGS, MODEL, SHARED_DATA, start_server
+from tests.server.conftest import MODEL, SHARED_DATA
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness: installed by scripts/install.sh test")
 
@@ -70,14 +70,6 @@ def continue_docs(paragraphs: list[str], n: int) -> list[dict]:
         if len(docs) == n:
             break
     return docs
-
-
-@pytest.fixture(scope="module")
-def fp32_server(tmp_path_factory):
-    """The server tests' own server in float32 whatever the host (auto means bfloat16 on AMX)."""
-    srv = start_server(tmp_path_factory.mktemp("lm_eval_server"), *DEFAULT_ARGS, "--dtype", "float32")
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

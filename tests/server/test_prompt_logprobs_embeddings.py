@@ -21,8 +21,9 @@ BAD = " Purple giraffes compile the ocean backwards."
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key, max_retries=0, timeout=120)
+def client(fp32_server) -> openai.OpenAI:
+    """float32 whatever the host: the tests compare with transformers' float32 numerics within 1e-3."""
+    return openai.OpenAI(base_url=f"{fp32_server.url}/v1", api_key=fp32_server.api_key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,7 @@ def test_echo_logprobs_with_generation_stream_and_not(client, tokenizer):
     assert offsets == c.logprobs.text_offset
 
 
-def test_vllm_prompt_logprobs_on_both_endpoints(client, server, hf, tokenizer):
+def test_vllm_prompt_logprobs_on_both_endpoints(client, fp32_server, hf, tokenizer):
     r = client.completions.create(
         model=MODEL, prompt=CONTEXT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1}
     )
@@ -125,8 +126,8 @@ def test_vllm_prompt_logprobs_on_both_endpoints(client, server, hf, tokenizer):
         assert entry["logprob"] == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-3)
         assert entry["rank"] >= 1 and isinstance(entry["decoded_token"], str)
     chat = httpx.post(
-        f"{server.url}/v1/chat/completions",
-        headers=server.headers,
+        f"{fp32_server.url}/v1/chat/completions",
+        headers=fp32_server.headers,
         timeout=120,
         json={"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 2, "prompt_logprobs": 0},
     ).json()
