@@ -25,14 +25,13 @@ until max_tokens or until no beam is alive.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine.llm import LLM
 
 
 @dataclass(frozen=True)
@@ -100,14 +99,14 @@ class _Candidate:
 class BeamSearchRunner:
     """Runs beam search for a list of prompts on an idle engine, as ordinary requests."""
 
-    def __init__(self, engine: EngineCore, params: BeamSearchParams, cache_salt: str | None = None) -> None:
-        self.engine = engine
+    def __init__(self, llm: LLM, params: BeamSearchParams, cache_salt: str | None = None) -> None:
+        self.llm = llm
+        self.engine = llm.engine
         self.params = params
         self.cache_salt = cache_salt
-        self.eos = engine.eos_token_id
-        num_logprobs = min(2 * params.beam_width, engine.arch.vocab_size)
+        self.eos = self.engine.eos_token_id
+        num_logprobs = min(2 * params.beam_width, self.engine.arch.vocab_size)
         self.sampling = SamplingParams(temperature=0.0, logprobs=num_logprobs, ignore_eos=True, max_tokens=1)
-        self._ids = itertools.count()
 
     def run(self, prompts: list[list[int]]) -> list[BeamSearchOutput]:
         p = self.params
@@ -138,27 +137,17 @@ class BeamSearchRunner:
         return out
 
     def _round(self, prompts: list[list[int]]) -> list[dict[int, float]]:
-        """One greedy token for each prompt; per prompt its next-token logprobs (token id -> logprob:
-        the sampled token and the top 2W), in order."""
-        ids = [f"beam-{next(self._ids)}" for _ in prompts]
-        pending = set()
-        got: dict[str, dict[int, float]] = {}
-        try:
-            for rid, prompt in zip(ids, prompts):
-                self.engine.add_request(rid, prompt, self.sampling, cache_salt=self.cache_salt)
-                pending.add(rid)
-            while pending:
-                for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
-                        lps = out.outputs[0].logprobs
-                        assert lps, f"{out.request_id} finished without logprobs"
-                        got[out.request_id] = {t: lp.logprob for t, lp in lps[0].items()}
-                        pending.discard(out.request_id)
-        except BaseException:
-            for rid in pending:
-                self.engine.abort_request(rid)
-            raise
-        return [got[rid] for rid in ids]
+        """One greedy token for each prompt (LLM.generate: ordinary requests); per prompt its next-token
+        logprobs (token id -> logprob: the sampled token and the top 2W), in order."""
+        outs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], self.sampling, use_tqdm=False, cache_salt=self.cache_salt
+        )
+        reported = []
+        for out in outs:
+            lps = out.outputs[0].logprobs
+            assert lps, f"{out.request_id} finished without logprobs"
+            reported.append({t: lp.logprob for t, lp in lps[0].items()})
+        return reported
 
     def _select(self, g: _Group, reported: list[dict[int, float]]) -> None:
         p = self.params

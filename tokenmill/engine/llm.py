@@ -109,7 +109,7 @@ class LLM:
         if _is_one_prompt(prompts):
             prompts = [prompts]
         ids = [self._tokenize(p)[1] for p in prompts]
-        return BeamSearchRunner(self.engine, params, cache_salt).run(ids)
+        return BeamSearchRunner(self, params, cache_salt).run(ids)
 
     def chat(
         self,
