@@ -32,6 +32,9 @@ inline bool cpu_has_avx512_bf16() { return current_isa() >= Isa::avx512_bf16; }
 inline bool cpu_has_amx() { return current_isa() >= Isa::amx; }   // AMX-BF16 tiles, granted by the OS
 
 bool os_allows_amx();         // asks Linux for the AMX tile state once (gemm_amx.cpp)
+// AVX512-VNNI (vpdpbusd) beside the level: not a level of its own, since AVX-512 CPUs without it
+// (Skylake-X) and with it but without BF16 (Cascade Lake) both exist. True only at the avx512 level or above.
+bool cpu_has_avx512_vnni();
 
 inline float ld(float x) { return x; }
 inline float ld(at::BFloat16 x) {

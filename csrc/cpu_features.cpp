@@ -40,6 +40,15 @@ Isa detected_isa() {
     return isa;
 }
 
+bool cpu_has_avx512_vnni() {
+#if defined(__x86_64__) || defined(__i386__)
+    static const bool vnni = detected_isa() >= Isa::avx512 && __builtin_cpu_supports("avx512vnni");
+    return vnni && current_isa() >= Isa::avx512;
+#else
+    return false;
+#endif
+}
+
 Isa current_isa() { return static_cast<Isa>(std::min(static_cast<int>(detected_isa()), cap_slot().load())); }
 
 Isa set_max_isa(Isa cap) { return static_cast<Isa>(cap_slot().exchange(static_cast<int>(cap))); }

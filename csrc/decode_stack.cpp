@@ -9,6 +9,7 @@
 
 #include "attention.h"
 #include "fused_ops.h"
+#include "gguf_quant.h"
 #include "linear.h"
 #include "quant.h"
 
@@ -35,7 +36,16 @@ void DecodeStack::add_linear(int64_t kind, at::Tensor weight, std::optional<at::
     TORCH_CHECK(k == LinearKind::dense || k == LinearKind::int8 || aux.has_value(),
                 "DecodeStack: an int4 linear needs its scales and zeros");
     layers_.back().linears.push_back({k, std::move(weight), std::move(aux), std::move(extra), std::move(bias), group,
-                                      out_features});
+                                      out_features, {}, {}});
+}
+
+void DecodeStack::add_gguf_linear(std::vector<at::Tensor> parts, std::vector<int64_t> types,
+                                  std::optional<at::Tensor> bias, int64_t out_features) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "DecodeStack: add_layer first, 4 linears each");
+    TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "DecodeStack: a GGUF linear takes one type per part");
+    for (int64_t t : types) TORCH_CHECK(gguf_type_served(t), "DecodeStack: ggml type ", t, " is not served");
+    layers_.back().linears.push_back({LinearKind::gguf, parts.front(), std::nullopt, std::nullopt, std::move(bias), 0,
+                                      out_features, std::move(parts), std::move(types)});
 }
 
 // One linear into `y` [n, out] where its kernel writes into a buffer; returns the result.
@@ -51,6 +61,10 @@ static at::Tensor run_linear(const StackLinear& L, const at::Tensor& x, at::Tens
             return y;
         case LinearKind::int8:
             TORCH_CHECK(int8_linear(y, x, L.weight, *L.aux, L.extra), "DecodeStack: int8 kernel refused its shape");
+            return y;
+        case LinearKind::gguf:
+            TORCH_CHECK(gguf_linear(y, x, L.parts, L.types), "DecodeStack: no GGUF integer kernel on this CPU");
+            if (L.bias.has_value()) y.add_(*L.bias);
             return y;
     }
     TORCH_CHECK(false, "DecodeStack: unknown linear kind");

@@ -10,16 +10,18 @@
 namespace tokenmill {
 
 // How one linear runs; the numbers are layers/linear.py's KernelKind.
-enum class LinearKind : int64_t { dense = 0, int4_tinygemm = 1, int4_k64 = 2, int8 = 3 };
+enum class LinearKind : int64_t { dense = 0, int4_tinygemm = 1, int4_k64 = 2, int8 = 3, gguf = 4 };
 
 struct StackLinear {
     LinearKind kind;
     at::Tensor weight;                 // dense: [N, K]; quantized: the packed codes
     std::optional<at::Tensor> aux;     // dense: the VNNI copy; int4: scales_and_zeros; int8: scales [N]
     std::optional<at::Tensor> extra;   // dense: oneDNN's prepacked copy; int8: offsets [N]
-    std::optional<at::Tensor> bias;    // dense only
+    std::optional<at::Tensor> bias;    // dense and gguf only
     int64_t group;                     // int4: the group size
     int64_t out_features;
+    std::vector<at::Tensor> parts;     // gguf: each part's blocks, filling the output columns in order
+    std::vector<int64_t> types;        // gguf: each part's ggml type
 };
 
 struct StackLayer {
@@ -46,6 +48,9 @@ class DecodeStack : public torch::CustomClassHolder {
     void add_layer(at::Tensor in_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache);
     void add_linear(int64_t kind, at::Tensor weight, std::optional<at::Tensor> aux, std::optional<at::Tensor> extra,
                     std::optional<at::Tensor> bias, int64_t group, int64_t out_features);
+    // A GGUF linear in its file's blocks (gguf_quant.h), in place of an add_linear call.
+    void add_gguf_linear(std::vector<at::Tensor> parts, std::vector<int64_t> types, std::optional<at::Tensor> bias,
+                         int64_t out_features);
     int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
     // h [n, hidden] embedded tokens -> final-normed hidden states [n, hidden]; K/V written at `slots`.
     // Without `tiled`: every token attends as a decode over its own prefix (tables [n, max_blocks],

@@ -8,6 +8,7 @@
 #include "common.h"
 #include "decode_stack.h"
 #include "fused_ops.h"
+#include "gguf_quant.h"
 #include "linear.h"
 #include "misc.h"
 #include "quant.h"
@@ -46,6 +47,10 @@ TORCH_LIBRARY(tokenmill, m) {
           &tokenmill::int4_linear);
     m.def("int8_linear(Tensor(a!) y, Tensor x, Tensor qweight, Tensor scales, Tensor? offsets) -> bool",
           &tokenmill::int8_linear);
+    // quant/gguf.py
+    m.def("gguf_linear(Tensor(a!) y, Tensor x, Tensor[] parts, int[] types) -> bool", &tokenmill::gguf_linear);
+    m.def("gguf_dequantize_rows(Tensor(a!) out, Tensor blocks, int type, Tensor rows) -> ()",
+          &tokenmill::gguf_dequantize_rows);
     // worker/cpu_decode.py: the layer loop as an object built once at load (decode_stack.h); the KV
     // caches it was given are written by forward
     m.class_<tokenmill::TiledPrompts>("TiledPrompts")
@@ -54,6 +59,7 @@ TORCH_LIBRARY(tokenmill, m) {
         .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
         .def("add_layer", &tokenmill::DecodeStack::add_layer)
         .def("add_linear", &tokenmill::DecodeStack::add_linear)
+        .def("add_gguf_linear", &tokenmill::DecodeStack::add_gguf_linear)
         .def("num_layers", &tokenmill::DecodeStack::num_layers)
         .def("forward", &tokenmill::DecodeStack::forward);
     // layers/sampler.py, bench/roofline.py
@@ -74,5 +80,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               return std::string(tokenmill::decode_kernel_name(tokenmill::decode_kernel(q, k_cache, windowed)));
           }, "The loop paged_decode runs for q [B, Hq, D] and a k_cache [nb, bs, Hkv, D] (windowed: with key_start) "
              "at the level in force: generic, avx2, avx512 or avx512_bf16.");
+    m.def("gguf_kernel", [] { return std::string(tokenmill::gguf_kernel_name()); },
+          "The GGUF integer kernel at the level in force: avx512_vnni, avx2, or none (below AVX2: dequantize).");
     m.attr("source_hash") = TOKENMILL_SOURCE_HASH;
 }

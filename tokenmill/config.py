@@ -174,6 +174,10 @@ class ModelConfig:
     from `tokenmill quantize --lm-head`; else RTN int8 for quantized checkpoints on CPU in bf16/fp16),
     int8 or int4 (RTN from the fp16 table), or none (the fp16 table as is)."""
 
+    gguf_dequantize: bool = False
+    """GGUF files: dequantize every quantized tensor to the model dtype at load, as before (llama.cpp's Q4_0 ..
+    Q6_K blocks otherwise stay as the file holds them and run on integer kernels; quant/gguf.py)."""
+
     tensor_parallel_size: int = 1
     """Split the model over this many processes on this host (torch.distributed gloo; distributed/tensor_parallel.py):
     heads, MLP columns and the LM head's vocabulary are divided; it must divide the query and KV head counts."""

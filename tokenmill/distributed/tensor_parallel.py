@@ -280,6 +280,7 @@ def make_group(
 def build_shard(model: str, dtype: torch.dtype, group: TPGroup):
     from tokenmill.models.loader import load_model
 
-    loaded = load_model(model, dtype=dtype, load_tokenizer=False, quantize_lm_head="none")
+    # NOTE: a shard splits dense weights (GGUF blocks would split along rows, not yet built)
+    loaded = load_model(model, dtype=dtype, load_tokenizer=False, quantize_lm_head="none", gguf_dequantize=True)
     shard_model(loaded.model, group)
     return loaded

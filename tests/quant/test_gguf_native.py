@@ -1,0 +1,186 @@
+"""GGUF blocks run as the file holds them (quant/gguf.py, csrc/gguf_quant.cpp).
+
+Oracles: the `gguf` package's own dequantizer (an independent implementation of every block format) for the
+weights, and a float64 emulation of the kernel's int8 activations for the products; the real default model's
+logits against the same file dequantized at load. Every ISA level the host has runs, and the levels it lacks
+are reported as skips that name the missing instruction set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import isa_skip_reason
+from tokenmill import native
+from tokenmill.quant import gguf as gq
+
+TYPES = list(gq.GGML_TYPES.items())
+LEVELS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+
+# Byte offsets of each format's float16 scales (d, and dmin / m where it has one).
+_F16_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+
+def _host_has_vnni() -> bool:
+    return "avx512_vnni" in Path("/proc/cpuinfo").read_text()
+
+
+def expected_kernel(level: str) -> str:
+    """The integer kernel csrc/gguf_quant.cpp must choose at `level` on this host."""
+    if level == "generic":
+        return "none"
+    if level == "avx2":
+        return "avx2"
+    return "avx512_vnni" if _host_has_vnni() else "avx2"
+
+
+def random_blocks(ggml_type: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """[rows, row bytes] of valid blocks: random codes, scales and high bits, with sane float16 scales."""
+    g = np.random.default_rng(seed)
+    weights, nbytes = gq.BLOCKS[ggml_type]
+    nblk = rows * cols // weights
+    raw = g.integers(0, 256, size=(nblk, nbytes), dtype=np.uint8)
+    for off in _F16_FIELDS[ggml_type]:
+        scale = g.uniform(0.002, 0.02, size=nblk).astype(np.float16)
+        raw[:, off : off + 2] = scale.view(np.uint8).reshape(nblk, 2)
+    return torch.from_numpy(raw.reshape(rows, cols // weights * nbytes).copy())
+
+
+def package_dequantize(ggml_type: int, blocks: torch.Tensor, cols: int) -> torch.Tensor:
+    import gguf
+
+    arr = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(blocks.shape[0], cols)
+
+
+def emulate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in float64: x rounded per 32 to int8 codes times max|x| / 127 (ties to even),
+    then a product with the exact weights."""
+    x = x.double()
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # the kernel multiplies by float32(127 / amax), then rounds
+    inv = torch.where(amax > 0, (127.0 / amax.float()).double(), torch.zeros_like(amax))
+    q = torch.round((xb.float() * inv.float()).double())
+    xq = (q * (amax.float() / 127.0).double()).reshape(m, k)
+    return xq @ w.double().t()
+
+
+KERNELS = {"avx2": ("avx2", "AVX2"), "avx512_vnni": ("avx512", "AVX512-VNNI")}
+"""Each integer kernel -> (the ISA level that selects it, what it needs)."""
+
+
+@pytest.fixture(params=list(KERNELS))
+def kernel(request):
+    """Runs the test on each integer kernel: the ISA level capped so that it is the one chosen; a kernel this
+    host cannot run is a skip naming its instruction set."""
+    level, needs = KERNELS[request.param]
+    detected = native.module().detected_isa()
+    if LEVELS.index(detected) < LEVELS.index(level) or (request.param == "avx512_vnni" and not _host_has_vnni()):
+        pytest.skip(isa_skip_reason(f"the GGUF {request.param} kernel", needs))
+    previous = native.module().set_max_isa(level)
+    assert gq.kernel_name() == request.param
+    yield request.param
+    native.module().set_max_isa(previous)
+
+
+@pytest.mark.parametrize(("name", "ggml_type"), TYPES)
+def test_dequantize_rows_equals_the_gguf_package(name, ggml_type):
+    rows, cols = 7, 512
+    blocks = random_blocks(ggml_type, rows, cols, seed=ggml_type)
+    ref = package_dequantize(ggml_type, blocks, cols)
+    part = gq.GGUFPart(ggml_type, blocks)
+    assert torch.equal(part.dequantize(torch.float32), ref)
+    picked = torch.tensor([5, 0, 5])
+    assert torch.equal(part.dequantize(torch.float32, picked), ref[picked])
+    assert torch.equal(part.dequantize(torch.bfloat16), ref.bfloat16())
+
+
+def test_each_level_chooses_its_kernel():
+    detected = native.module().detected_isa()
+    for level in LEVELS[: LEVELS.index(detected) + 1]:
+        previous = native.module().set_max_isa(level)
+        try:
+            assert gq.kernel_name() == expected_kernel(level), level
+        finally:
+            native.module().set_max_isa(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_the_int8_activation_emulation(kernel, dtype):
+    rows, cols = 40, 768
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for name, ggml_type in TYPES:
+        blocks = random_blocks(ggml_type, rows, cols, seed=3 + ggml_type)
+        w = package_dequantize(ggml_type, blocks, cols)
+        y = gq.linear(x, [gq.GGUFPart(ggml_type, blocks)])
+        assert y is not None and y.dtype == dtype
+        ref = emulate(x.float(), w)
+        scale = ref.abs().max().item()
+        tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's own rounding
+        assert (y.double() - ref).abs().max().item() <= tol * scale, name
+        # and against the float product with the exact weights: the activations' rounding only
+        exact = x.double() @ w.double().t()
+        assert (y.double() - exact).abs().max().item() <= 0.03 * exact.abs().max().item(), name
+
+
+def test_no_integer_kernel_below_avx2():
+    part = gq.GGUFPart(3, random_blocks(3, 8, 256))
+    previous = native.module().set_max_isa("generic")
+    try:
+        assert gq.kernel_name() == "none"
+        assert gq.linear(torch.randn(2, 256), [part]) is None
+    finally:
+        native.module().set_max_isa(previous)
+
+
+def test_each_row_is_the_same_bits_at_any_batch(kernel):
+    cols = 512
+    x = torch.randn(37, cols, generator=torch.Generator().manual_seed(2)).bfloat16()
+    for name, ggml_type in TYPES:
+        part = gq.GGUFPart(ggml_type, random_blocks(ggml_type, 24, cols, seed=ggml_type))
+        whole = gq.linear(x, [part])
+        assert whole is not None
+        for lo, hi in ((0, 1), (3, 4), (5, 13), (13, 37)):
+            assert torch.equal(gq.linear(x[lo:hi], [part]), whole[lo:hi]), name
+
+
+def test_parts_of_mixed_types_fill_their_columns(kernel):
+    cols = 512
+    parts = [gq.GGUFPart(t, random_blocks(t, n, cols, seed=t)) for t, n in ((6, 16), (8, 8), (14, 24))]
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(3))
+    y = gq.linear(x, parts)
+    assert y is not None and y.shape == (3, 48)
+    col = 0
+    for p in parts:
+        assert torch.equal(y[:, col : col + p.rows], gq.linear(x, [p]))
+        col += p.rows
+
+
+def test_kernel_refuses_bad_blocks():
+    part = gq.GGUFPart(2, random_blocks(2, 4, 64))
+    x = torch.randn(2, 96)  # 96 inputs: 3 blocks per row, the part has 2
+    with pytest.raises(RuntimeError, match="not contiguous uint8 blocks"):
+        gq.linear(x, [part])
+
+
+def test_linear_method_below_avx2_dequantizes():
+    from tokenmill.layers.linear import Linear
+
+    cols = 256
+    blocks = random_blocks(3, 16, cols)
+    with torch.device("meta"):
+        layer = Linear(cols, 16)
+    gq.install_gguf(layer, [gq.GGUFPart(3, blocks)])
+    x = torch.randn(2, cols)
+    previous = native.module().set_max_isa("generic")
+    try:
+        assert layer.kernel() is None  # the C++ layer loop is not offered a kernel it cannot run
+        y = layer(x)
+    finally:
+        native.module().set_max_isa(previous)
+    torch.testing.assert_close(y, x @ package_dequantize(3, blocks, cols).t())
