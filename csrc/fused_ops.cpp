@@ -62,9 +62,59 @@ static inline void silu_mul_tail(const T* g, const T* u, T* o, int64_t j, int64_
     }
 }
 
+// Elements [j, H) of a row normed with unit-offset weights (Gemma): x * r * (1 + w) in float32, one rounding.
+template <typename T>
+static inline void norm1p_tail(const T* x, const T* w, T* out, int64_t j, int64_t H, float r) {
+    for (; j < H; ++j) out[j] = st<T>(ld(x[j]) * r * (1.f + ld(w[j])));
+}
+
+// gelu_tanh(g) = 0.5 g (1 + tanh(b (g + k g^3))) = g / (1 + exp(-2 b (g + k g^3))) (the sigmoid form has no
+// cancellation where tanh nears -1); b = sqrt(2 / pi), k = 0.044715 as PyTorch's approximate="tanh".
+constexpr float kGeluBeta = 0.7978845608028654f, kGeluKappa = 0.044715f;
+
+// gelu_tanh(g) * u for elements [j, d) of a row, rounded as silu_mul_tail: the gelu rounded to T, the product too.
+template <typename T>
+static inline void gelu_tanh_mul_tail(const T* g, const T* u, T* o, int64_t j, int64_t d) {
+    for (; j < d; ++j) {
+        const float x = ld(g[j]);
+        const float inner = kGeluBeta * (x + kGeluKappa * (x * x * x));
+        const float gv = ld(st<T>(x / (1.f + std::exp(-2.f * inner))));
+        o[j] = st<T>(gv * ld(u[j]));
+    }
+}
+
 // ------------------------------------------------------------------------------------ AVX-512 code
 #include "isa/avx512_begin.h"
 #include "vec_avx512.h"
+
+// gelu_tanh_mul_tail's first multiple of 16 elements, 16 lanes at a time (exp16 for std::exp).
+template <typename T>
+static int64_t gelu_tanh_mul_avx512(const T* g, const T* u, T* o, int64_t d) {
+    const __m512 beta = _mm512_set1_ps(kGeluBeta), kappa = _mm512_set1_ps(kGeluKappa);
+    const __m512 one = _mm512_set1_ps(1.f), m2 = _mm512_set1_ps(-2.f);
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16) {
+        const __m512 x = load16(g + j);
+        const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+        const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, x3)));
+        const __m512 e = exp16(_mm512_mul_ps(m2, inner));
+        const __m512 gv = round16(_mm512_div_ps(x, _mm512_add_ps(one, e)), (T*)nullptr);
+        store16(o + j, round16(_mm512_mul_ps(gv, load16(u + j)), (T*)nullptr));
+    }
+    return j;
+}
+
+// norm1p_tail's arithmetic 16 lanes at a time: the same products and rounding, so the same bits.
+template <typename T>
+static int64_t norm1p_avx512(const T* x, const T* w, T* out, int64_t H, float r) {
+    const __m512 rv = _mm512_set1_ps(r), one = _mm512_set1_ps(1.f);
+    int64_t j = 0;
+    for (; j + 16 <= H; j += 16) {
+        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load16(x + j), rv), _mm512_add_ps(one, load16(w + j)));
+        store16(out + j, round16(y, (T*)nullptr));
+    }
+    return j;
+}
 
 // The first multiple of 16 elements of a silu_mul row, 16 lanes at a time (the scalar loop cost ~12% of
 // a batched run's time); returns how far it got, the scalar tail does the rest.
@@ -421,6 +471,23 @@ static bool linear_avx2(at::Tensor& y, const at::Tensor& x, const at::Tensor& w,
     return true;
 }
 
+// gelu_tanh_mul_avx512's 8-lane twin.
+template <typename T>
+static int64_t gelu_tanh_mul_avx2(const T* g, const T* u, T* o, int64_t d) {
+    const __m256 beta = _mm256_set1_ps(kGeluBeta), kappa = _mm256_set1_ps(kGeluKappa);
+    const __m256 one = _mm256_set1_ps(1.f), m2 = _mm256_set1_ps(-2.f);
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8) {
+        const __m256 x = load8(g + j);
+        const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+        const __m256 inner = _mm256_mul_ps(beta, _mm256_add_ps(x, _mm256_mul_ps(kappa, x3)));
+        const __m256 e = exp8(_mm256_mul_ps(m2, inner));
+        const __m256 gv = round8(_mm256_div_ps(x, _mm256_add_ps(one, e)), (T*)nullptr);
+        store8(o + j, round8(_mm256_mul_ps(gv, load8(u + j)), (T*)nullptr));
+    }
+    return j;
+}
+
 #include "isa/avx2_end.h"
 
 // ------------------------------------------------------------------------------------ entry points
@@ -479,6 +546,62 @@ static void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
         const T* g = xp + i * 2 * d; const T* u = g + d; T* o = op + i * d;
         silu_mul_tail(g, u, o, v16 ? silu_mul_avx512(g, u, o, d) : v8 ? silu_mul_avx2(g, u, o, d) : 0, d);
     });
+}
+
+template <typename T>
+static void rms_norm_unit_offset_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, double eps) {
+    const int64_t H = x.size(-1), N = x.numel() / H;
+    const T* xp = x.data_ptr<T>(); const T* wp = w.data_ptr<T>(); T* op = out.data_ptr<T>();
+    const bool v16 = cpu_has_avx512();
+    for_rows(N, H, [&](int64_t i) {
+        const T* xr = xp + i * H; T* o = op + i * H;
+        const float r = inv_rms(xr, H, (float)eps);
+        norm1p_tail(xr, wp, o, v16 ? norm1p_avx512(xr, wp, o, H, r) : 0, H, r);
+    });
+}
+
+// qk: [N, row_stride] rows whose first n_heads * D elements are the heads to norm (rope_impl's layout).
+template <typename T>
+static void head_rms_norm_impl(at::Tensor& qk, int64_t n_heads, int64_t D, const at::Tensor& w, double eps,
+                               bool unit_offset) {
+    const int64_t N = qk.size(0), stride = qk.stride(0);
+    T* base = qk.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    const bool v16 = cpu_has_avx512();
+    for_rows(N, n_heads * D, [&](int64_t i) {
+        for (int64_t h = 0; h < n_heads; ++h) {
+            T* x = base + i * stride + h * D;
+            const float r = inv_rms(x, D, (float)eps);
+            if (unit_offset) norm1p_tail(x, wp, x, v16 ? norm1p_avx512(x, wp, x, D, r) : 0, D, r);
+            else norm_tail(x, wp, x, v16 ? norm_avx512(x, wp, x, D, r) : 0, D, r);
+        }
+    });
+}
+
+template <typename T>
+static void gelu_tanh_mul_impl(at::Tensor& out, const at::Tensor& x) {
+    const int64_t d = out.size(-1), N = out.numel() / d;
+    const T* xp = x.data_ptr<T>(); T* op = out.data_ptr<T>();
+    const bool v16 = cpu_has_avx512(), v8 = cpu_has_avx2();
+    for_rows(N, d, [&](int64_t i) {
+        const T* g = xp + i * 2 * d; const T* u = g + d; T* o = op + i * d;
+        gelu_tanh_mul_tail(g, u, o, v16 ? gelu_tanh_mul_avx512(g, u, o, d) : v8 ? gelu_tanh_mul_avx2(g, u, o, d) : 0, d);
+    });
+}
+
+void rms_norm_unit_offset(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps) {
+    TOKENMILL_DISPATCH_FLOAT(x, "rms_norm_unit_offset", rms_norm_unit_offset_impl<T>(out, x, w, eps));
+}
+void head_rms_norm_inplace(at::Tensor qk, int64_t n_heads, int64_t head_dim, const at::Tensor& w, double eps,
+                           bool unit_offset) {
+    TORCH_CHECK(qk.dim() == 2 && qk.stride(1) == 1 && n_heads * head_dim <= qk.size(1) && w.numel() == head_dim &&
+                    w.is_contiguous() && w.scalar_type() == qk.scalar_type(),
+                "head_rms_norm_inplace: qk [N, >= n_heads * head_dim] with contiguous rows, w [head_dim] of its dtype");
+    TOKENMILL_DISPATCH_FLOAT(qk, "head_rms_norm_inplace",
+                             head_rms_norm_impl<T>(qk, n_heads, head_dim, w, eps, unit_offset));
+}
+void gelu_tanh_mul(at::Tensor out, const at::Tensor& x) {
+    TOKENMILL_DISPATCH_FLOAT(x, "gelu_tanh_mul", gelu_tanh_mul_impl<T>(out, x));
 }
 
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& w, double eps) {

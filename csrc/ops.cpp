@@ -25,6 +25,10 @@ TORCH_LIBRARY(tokenmill, m) {
     m.def("rope_inplace(Tensor(a!) qk, int n_heads, int head_dim, Tensor cos_sin, Tensor pos) -> ()",
           &tokenmill::rope_inplace);
     m.def("silu_mul(Tensor(a!) out, Tensor x) -> ()", &tokenmill::silu_mul);
+    m.def("rms_norm_unit_offset(Tensor(a!) out, Tensor x, Tensor w, float eps) -> ()", &tokenmill::rms_norm_unit_offset);
+    m.def("head_rms_norm_inplace(Tensor(a!) qk, int n_heads, int head_dim, Tensor w, float eps, bool unit_offset) -> ()",
+          &tokenmill::head_rms_norm_inplace);
+    m.def("gelu_tanh_mul(Tensor(a!) out, Tensor x) -> ()", &tokenmill::gelu_tanh_mul);
     m.def("linear_bf16_small(Tensor(a!) y, Tensor x, Tensor w, Tensor? bias) -> bool", &tokenmill::linear_bf16_small);
     m.def("linear_bf16_vnni(Tensor(a!) y, Tensor x, Tensor wv, Tensor? bias) -> bool", &tokenmill::linear_bf16_vnni);
     m.def("linear_f32_small(Tensor(a!) y, Tensor x, Tensor w) -> bool", &tokenmill::linear_f32_small);

@@ -57,6 +57,57 @@ def test_silu_and_mul(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 33])
+def test_gelu_tanh_and_mul(dtype, rows):
+    """GeGLU (Gemma) against F.gelu(approximate="tanh") * up, rounding where it does (the gelu, then the
+    product). In float32 the oracle is that reference taken in float64: the float32 one computes 1 + tanh(z),
+    which cancels for gates below about -4 (2e-6 off, seen), where the kernel's sigmoid form does not."""
+    x = (torch.randn(rows, 2 * 1544) * 4).to(dtype)  # 1544: a tail after the 16- and 8-lane parts
+    x[0, :8] = torch.tensor([-30.0, -9.0, -5.0, -0.0, 1e-7, 5.0, 9.0, 30.0])  # saturated and tiny gates
+    ref = fused_ops.gelu_tanh_and_mul_ref(x.double() if dtype == torch.float32 else x).to(dtype)
+    close(fused_ops.gelu_tanh_and_mul(x), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_unit_offset(dtype, rows):
+    """Gemma's norm, x / rms * (1 + w) in float32 with one rounding, against its reference (layers/norm.py's
+    formula); H = 640 plus a 584 run for the scalar tail."""
+    g = torch.Generator().manual_seed(rows)
+    for h in (640, 584):
+        x = (torch.randn(rows, h, generator=g) * 3).to(dtype)
+        w = (torch.rand(h, generator=g) - 0.5).to(dtype)
+        close(fused_ops.rms_norm_unit_offset(x, w, 1e-6), fused_ops.rms_norm_unit_offset_ref(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("head_dim", [24, 64, 256])
+def test_head_rms_norm_inplace(dtype, unit_offset, head_dim):
+    """QK-norm in place on packed q | k | v rows: the q heads, then the k heads through a strided view, each head
+    as its reference norm would norm it; v and the other heads untouched."""
+    hq, hkv, n = 4, 2, 9
+    g = torch.Generator().manual_seed(head_dim)
+    qkv = (torch.randn(n, (hq + 2 * hkv) * head_dim, generator=g) * 3).to(dtype)
+    wq = (torch.rand(head_dim, generator=g) + 0.5).to(dtype)
+    wk = (torch.rand(head_dim, generator=g) + 0.5).to(dtype)
+    ref_norm = fused_ops.rms_norm_unit_offset_ref if unit_offset else fused_ops.rms_norm_ref
+    q_size, kv_size = hq * head_dim, hkv * head_dim
+    q_ref = ref_norm(qkv[:, :q_size].reshape(n, hq, head_dim), wq, 1e-6)
+    k_ref = ref_norm(qkv[:, q_size : q_size + kv_size].reshape(n, hkv, head_dim), wk, 1e-6)
+    got = qkv.clone()
+    assert fused_ops.head_rms_norm_inplace(got, hq, head_dim, wq, 1e-6, unit_offset)
+    assert fused_ops.head_rms_norm_inplace(got[:, q_size:], hkv, head_dim, wk, 1e-6, unit_offset)
+    close(got[:, :q_size].reshape(n, hq, head_dim), q_ref, dtype)
+    close(got[:, q_size : q_size + kv_size].reshape(n, hkv, head_dim), k_ref, dtype)
+    assert torch.equal(got[:, q_size + kv_size :], qkv[:, q_size + kv_size :])
+    # a head normed on its own (a contiguous [1, head_dim] row) gives the same bits as inside the packed row
+    one = qkv[3:4, q_size + head_dim : q_size + 2 * head_dim].clone()
+    assert fused_ops.head_rms_norm_inplace(one, 1, head_dim, wk, 1e-6, unit_offset)
+    assert torch.equal(one[0], got[3, q_size + head_dim : q_size + 2 * head_dim])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "scaling",
     [
@@ -97,6 +148,9 @@ def test_unsupported_dtype_falls_back():
     assert not fused_ops.rope_inplace(
         torch.randn(2, 8, dtype=torch.float64), 1, 8, torch.zeros(4, 8), torch.zeros(2, dtype=torch.long)
     )
+    assert torch.equal(fused_ops.gelu_tanh_and_mul(x), fused_ops.gelu_tanh_and_mul_ref(x))
+    assert torch.equal(fused_ops.rms_norm_unit_offset(x, w, 1e-6), fused_ops.rms_norm_unit_offset_ref(x, w, 1e-6))
+    assert not fused_ops.head_rms_norm_inplace(x.clone(), 2, 8, w[:8], 1e-6, False)
 
 
 @pytest.mark.parametrize("rows", range(1, 9))
@@ -161,9 +215,10 @@ def test_dense_linear_float32_one_row_is_the_gemv_else_f_linear():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_vector_glue_gives_the_scalar_bits(dtype, each_isa):
-    """RMSNorm, the residual add and RoPE run 16 lanes at a time on AVX-512 and element by element below it
-    (csrc/fused_ops.cpp): the same float32 products and roundings, so the same bits at every level. H = 584
-    leaves a scalar tail after the vector part; head_dim 48 gives each RoPE half a tail too."""
+    """RMSNorm (plain and unit-offset, whole rows and per head), the residual add and RoPE run 16 lanes at a time
+    on AVX-512 and element by element below it (csrc/fused_ops.cpp): the same float32 products and roundings, so
+    the same bits at every level. H = 584 leaves a scalar tail after the vector part; head_dim 48 gives each RoPE
+    half a tail too."""
     from tokenmill import native
 
     g = torch.Generator().manual_seed(7)
@@ -178,7 +233,11 @@ def test_vector_glue_gives_the_scalar_bits(dtype, each_isa):
         out, s = fused_ops.add_rms_norm(x, r, w, 1e-5)
         rot = qk.clone()
         assert fused_ops.rope_inplace(rot, 5, 48, cos_sin, pos)
-        return fused_ops.rms_norm(x, w, 1e-5), out, s, rot
+        heads, heads1p = qk.clone(), qk.clone()  # QK-norm: a 48-wide head leaves a tail after 32
+        assert fused_ops.head_rms_norm_inplace(heads, 5, 48, w[:48], 1e-5, False)
+        assert fused_ops.head_rms_norm_inplace(heads1p, 5, 48, w[:48], 1e-5, True)
+        unit = fused_ops.rms_norm_unit_offset(x, w, 1e-5)
+        return fused_ops.rms_norm(x, w, 1e-5), out, s, rot, heads, heads1p, unit
 
     level = each_isa
     got = run()

@@ -7,8 +7,11 @@ not arithmetic. Each function here replaces such a chain with one call:
 
     rms_norm(x, w)                  x / rms(x) * w
     add_rms_norm(x, r, w)           s = r + x; (rms_norm(s, w), s)
+    rms_norm_unit_offset(x, w)      x / rms(x) * (1 + w) in float32 (Gemma)
+    head_rms_norm_inplace(qk, w)    either norm on each head of qk's rows, in place (QK-norm: Qwen3, Gemma 3)
     rope_inplace(qk, cos_sin, pos)  rotate-half RoPE on every head of qk's rows, in place
     silu_and_mul(x)                 silu(x[:, :d]) * x[:, d:]
+    gelu_tanh_and_mul(x)            gelu_tanh(x[:, :d]) * x[:, d:] (GeGLU, Gemma)
     dense_linear(x, w, ...)         x @ w.T + b by one kernel rule for every caller (AMX, VNNI, GEMVs,
                                     oneDNN), shared with the C++ layer loop
 
@@ -84,6 +87,18 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def rms_norm_unit_offset_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm (the checkpoint stores w - 1): all in float32, cast back once at the end."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).to(x.dtype)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 # ---------------------------------------------------------------------------------- entry points
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ext = _fast(x, weight)
@@ -130,6 +145,53 @@ def rope_inplace(
         return False
     ext.rope_inplace(qk, num_heads, head_dim, cos_sin, positions)
     return True
+
+
+def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] / rms * (1 + weight [H]) (Gemma's norm)."""
+    ext = _fast(x, weight)
+    if ext is None:
+        return rms_norm_unit_offset_ref(x, weight, eps)
+    out = torch.empty_like(x)
+    ext.rms_norm_unit_offset(out, x, weight, eps)
+    return out
+
+
+def head_rms_norm_inplace(
+    qk: torch.Tensor, num_heads: int, head_dim: int, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> bool:
+    """QK-norm: norm each of the first num_heads heads [head_dim] of every row of qk [N, row] in place with
+    weight [head_dim], as `rms_norm` (unit_offset: as `rms_norm_unit_offset`). Rows may be strided (the k heads
+    of a packed qkv row), elements within a row contiguous. Returns False, touching nothing, when the kernel
+    cannot serve the call; the caller then uses the reference."""
+    if (
+        qk.dim() != 2
+        or qk.stride(1) != 1
+        or qk.device.type != "cpu"
+        or qk.dtype not in _DTYPES
+        or weight.dtype != qk.dtype
+        or weight.numel() != head_dim
+        or not weight.is_contiguous()
+        or num_heads * head_dim > qk.shape[1]
+        or torch.is_grad_enabled()
+        and qk.requires_grad
+    ):
+        return False
+    ext = _ext()
+    if ext is None:
+        return False
+    ext.head_rms_norm_inplace(qk, num_heads, head_dim, weight, eps, unit_offset)
+    return True
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU on a packed [gate | up] tensor: x [..., 2 * d] -> gelu_tanh(gate) * up [..., d]."""
+    ext = _fast(x)
+    if ext is None:
+        return gelu_tanh_and_mul_ref(x)
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    ext.gelu_tanh_mul(out, x)
+    return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,9 @@ class RMSNorm(nn.Module):
     With a residual: forward(x, residual) -> (norm(residual + x), residual + x), the residual
     add fused into the same kernel (inputs are not modified)."""
 
+    unit_offset = False
+    """The weight applies as is (GemmaRMSNorm's as 1 + weight); the C++ layer loop reads this as data."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
@@ -22,17 +25,36 @@ class RMSNorm(nn.Module):
             return fused_ops.rms_norm(x, self.weight, self.eps)
         return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
+    def norm_heads_(self, qk: torch.Tensor, num_heads: int) -> None:
+        """QK-norm in place: each of the first num_heads heads of every row of qk [N, row] (rows may be strided,
+        e.g. the k heads of a packed qkv row) normed with this norm's weight [head_dim], by the kernel the C++
+        layer loop runs, or the reference where it does not serve."""
+        _norm_heads(qk, num_heads, self.weight, self.eps, self.unit_offset)
+
 
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + weight), all in float32, cast back at the end
     (the checkpoint stores weight - 1; a GGUF file stores 1 + weight, the loader subtracts the 1)."""
+
+    unit_offset = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., hidden_size]
+        return fused_ops.rms_norm_unit_offset(x, self.weight, self.eps)
+
+    def norm_heads_(self, qk: torch.Tensor, num_heads: int) -> None:
+        """As RMSNorm.norm_heads_, with Gemma's 1 + weight."""
+        _norm_heads(qk, num_heads, self.weight, self.eps, self.unit_offset)
+
+
+def _norm_heads(qk: torch.Tensor, num_heads: int, weight: torch.Tensor, eps: float, unit_offset: bool) -> None:
+    d = weight.shape[0]
+    if fused_ops.head_rms_norm_inplace(qk, num_heads, d, weight, eps, unit_offset):
+        return
+    heads = qk[:, : num_heads * d].unflatten(-1, (num_heads, d))  # [N, num_heads, d], a view of qk
+    ref = fused_ops.rms_norm_unit_offset_ref if unit_offset else fused_ops.rms_norm_ref
+    heads.copy_(ref(heads, weight, eps))
