@@ -1,8 +1,12 @@
-// The decoder layer loop in C++ (decode_stack.h). Per layer, as LlamaDecoderLayer.forward:
+// The decoder layer loop in C++ (decode_stack.h). Per layer, as LlamaDecoderLayer.forward (and the other
+// families' layers, whose differences are the bracketed steps, present where the layer has them):
 //   x, res = norm(h)  or  add_norm(h, res)          the residual carried between layers
-//   qkv = linear(x); rope(qkv) in place; write k, v at their slots and attend (one call)
-//   h = o(attn); x, res = add_norm(h, res); h = down(silu_mul(gate_up(x)))
-// and finally add_norm(h, res) with the final norm. A step with long prompt chunks may attend them tiled
+//   qkv = linear(x); [q_norm, k_norm per head]; rope(qkv) in place with the layer's table
+//   write k, v at its group's slots and attend (one call; from key_start where the group has a window)
+//   h = o(attn); [h = attn_out_norm(h)]; x, res = add_norm(h, res)
+//   h = down(act(gate_up(x))), act silu_mul or gelu_tanh_mul; [h = mlp_out_norm(h)]
+// and finally add_norm(h, res) with the final norm. With unit-offset norms (Gemma) every norm weighs by 1 + w
+// and add_norm is the residual add (one rounding, as the module path's `h + x`) then that norm. A step with long prompt chunks may attend them tiled
 // (TiledPrompts), as the module path does where prompts are not attended token by token. Each linear runs the kernel its Python method runs
 // for the same rows (the method's LinearKernel says which), so both forwards give the same bits.
 #include "decode_stack.h"
@@ -16,13 +20,28 @@
 namespace tokenmill {
 
 DecodeStack::DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                         at::Tensor cos_sin, at::Tensor final_norm)
-    : nh_(num_heads), nkv_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale),
-      cos_sin_(std::move(cos_sin)), final_norm_(std::move(final_norm)) {}
+                         std::vector<at::Tensor> cos_sin, at::Tensor final_norm, int64_t activation,
+                         bool unit_offset_norms)
+    : nh_(num_heads), nkv_(num_kv_heads), d_(head_dim), eps_(eps), scale_(scale), cos_sin_(std::move(cos_sin)),
+      final_norm_(std::move(final_norm)), activation_(static_cast<MlpActivation>(activation)),
+      unit_offset_(unit_offset_norms) {
+    TORCH_CHECK(activation == 0 || activation == 1, "DecodeStack: unknown MLP activation ", activation);
+    TORCH_CHECK(!cos_sin_.empty(), "DecodeStack: at least one RoPE table");
+}
 
-void DecodeStack::add_layer(at::Tensor in_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache) {
+void DecodeStack::add_layer(at::Tensor in_norm, at::Tensor mlp_norm, std::optional<at::Tensor> attn_out_norm,
+                            std::optional<at::Tensor> mlp_out_norm, std::optional<at::Tensor> q_norm,
+                            std::optional<at::Tensor> k_norm, at::Tensor k_cache, at::Tensor v_cache, int64_t kv_group,
+                            int64_t rope) {
     if (!layers_.empty()) TORCH_CHECK(layers_.back().linears.size() == 4, "DecodeStack: a layer takes 4 linears");
-    layers_.push_back({std::move(in_norm), std::move(post_norm), std::move(k_cache), std::move(v_cache), {}});
+    TORCH_CHECK(rope >= 0 && rope < static_cast<int64_t>(cos_sin_.size()), "DecodeStack: no RoPE table ", rope);
+    TORCH_CHECK(kv_group >= 0, "DecodeStack: a negative KV-cache group");
+    for (const auto* w : {&q_norm, &k_norm})
+        TORCH_CHECK(!w->has_value() || (*w)->numel() == d_, "DecodeStack: a QK-norm weight is [head_dim]");
+    num_groups_ = std::max(num_groups_, kv_group + 1);
+    layers_.push_back({std::move(in_norm), std::move(mlp_norm), std::move(k_cache), std::move(v_cache),
+                       std::move(attn_out_norm), std::move(mlp_out_norm), std::move(q_norm), std::move(k_norm),
+                       kv_group, rope, {}});
 }
 
 void DecodeStack::add_linear(int64_t kind, at::Tensor weight, std::optional<at::Tensor> aux,
@@ -70,11 +89,16 @@ static at::Tensor run_linear(const StackLinear& L, const at::Tensor& x, at::Tens
     TORCH_CHECK(false, "DecodeStack: unknown linear kind");
 }
 
-at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& positions, const at::Tensor& slots,
-                                const at::Tensor& tables, const at::Tensor& seq_lens,
+at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& positions, const std::vector<at::Tensor>& slots,
+                                const std::vector<at::Tensor>& tables, const at::Tensor& seq_lens,
                                 const std::optional<at::Tensor>& key_mask,
+                                const c10::List<std::optional<at::Tensor>>& key_start,
                                 const std::optional<c10::intrusive_ptr<TiledPrompts>>& tiled) const {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() == 4, "DecodeStack: incomplete layers");
+    const auto groups = static_cast<size_t>(num_groups_);
+    TORCH_CHECK(slots.size() == groups && tables.size() == groups && key_start.size() == groups,
+                "DecodeStack: slots, tables and key_start take one entry per KV-cache group (", num_groups_, ")");
+    TORCH_CHECK(!tiled.has_value() || num_groups_ == 1, "DecodeStack: tiled prompts with one KV-cache group only");
     const int64_t n = h.size(0), q_size = nh_ * d_, kv_size = nkv_ * d_;
     // Buffers allocated once per step and reused by every layer (~300 small allocations fewer).
     const auto opts = h.options();
@@ -88,41 +112,60 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& positions, const
     auto gu_buf = at::empty({n, first[2].out_features}, opts);
     auto act = at::empty({n, first[2].out_features / 2}, opts);
     auto h_mlp = at::empty({n, first[3].out_features}, opts);
+    // The norms as the module path's: Llama's RMSNorm (w * cast(x / rms), the residual add fused into the same
+    // kernel), or Gemma's (x / rms * (1 + w) in float32; the residual add a plain rounded add before it).
+    auto norm = [&](at::Tensor out, const at::Tensor& in, const at::Tensor& w) {
+        if (unit_offset_) rms_norm_unit_offset(out, in, w, eps_);
+        else rms_norm(out, in, w, eps_);
+    };
+    auto add_norm = [&](at::Tensor out, at::Tensor sum, const at::Tensor& in, const at::Tensor& r, const at::Tensor& w) {
+        if (!unit_offset_) return add_rms_norm(out, sum, in, r, w, eps_);
+        at::add_out(sum, r, in);
+        rms_norm_unit_offset(out, sum, w, eps_);
+    };
     at::Tensor res;
     int cur = 0;
     for (size_t l = 0; l < layers_.size(); ++l) {
         const StackLayer& L = layers_[l];
-        if (l == 0) { rms_norm(x, h, L.in_norm, eps_); res = h; }
-        else { add_rms_norm(x, sums[cur], h, res, L.in_norm, eps_); res = sums[cur]; cur ^= 1; }
+        const auto g = static_cast<size_t>(L.kv_group);
+        if (l == 0) { norm(x, h, L.in_norm); res = h; }
+        else { add_norm(x, sums[cur], h, res, L.in_norm); res = sums[cur]; cur ^= 1; }
         auto qkv = run_linear(L.linears[0], x, qkv_buf);
-        rope_inplace(qkv, nh_ + nkv_, d_, cos_sin_, positions);
+        if (L.q_norm.has_value()) head_rms_norm_inplace(qkv, nh_, d_, *L.q_norm, eps_, unit_offset_);
+        if (L.k_norm.has_value())
+            head_rms_norm_inplace(qkv.narrow(1, q_size, kv_size), nkv_, d_, *L.k_norm, eps_, unit_offset_);
+        rope_inplace(qkv, nh_ + nkv_, d_, cos_sin_[L.rope], positions);
         auto q = qkv.narrow(1, 0, q_size).view({n, nh_, d_});
         auto k = qkv.narrow(1, q_size, kv_size).view({n, nkv_, d_});
         auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, nkv_, d_});
         if (tiled.has_value()) {   // as the module path's attention (attention/backend.py) runs a tiled plan
             const TiledPrompts& t = **tiled;
-            write_kv(k, v, slots, L.k_cache, L.v_cache);
+            write_kv(k, v, slots[g], L.k_cache, L.v_cache);
             TORCH_CHECK(paged_prefill(o, q, L.k_cache, L.v_cache, t.block_tables, t.seq_lens, t.q_start, t.q_len, scale_),
                         "DecodeStack: the tiled prefill kernel does not serve this model or CPU");
             if (t.short_idx.has_value()) {
                 auto qs = q.index_select(0, *t.short_idx);
                 auto os = at::empty_like(qs);
-                paged_decode(os, qs, L.k_cache, L.v_cache, tables, seq_lens, scale_, key_mask, std::nullopt);
+                paged_decode(os, qs, L.k_cache, L.v_cache, tables[g], seq_lens, scale_, key_mask, std::nullopt);
                 o.index_copy_(0, *t.short_idx, os);
             }
         } else {
-            write_and_decode(o, q, k, v, slots, L.k_cache, L.v_cache, tables, seq_lens, scale_, key_mask, std::nullopt);
+            write_and_decode(o, q, k, v, slots[g], L.k_cache, L.v_cache, tables[g], seq_lens, scale_, key_mask,
+                             key_start.get(g));
         }
         h = run_linear(L.linears[1], o_flat, h_attn);
-        add_rms_norm(x, sums[cur], h, res, L.post_norm, eps_);
+        if (L.attn_out_norm.has_value()) norm(h, h, *L.attn_out_norm);   // in place: a row is read before written
+        add_norm(x, sums[cur], h, res, L.mlp_norm);
         res = sums[cur];
         cur ^= 1;
         auto gu = run_linear(L.linears[2], x, gu_buf);
-        silu_mul(act, gu);
+        if (activation_ == MlpActivation::gelu_tanh) gelu_tanh_mul(act, gu);
+        else silu_mul(act, gu);
         h = run_linear(L.linears[3], act, h_mlp);
+        if (L.mlp_out_norm.has_value()) norm(h, h, *L.mlp_out_norm);
     }
     auto out = at::empty_like(h);   // returned: a fresh tensor, never a buffer
-    add_rms_norm(out, sums[cur], h, res, final_norm_, eps_);
+    add_norm(out, sums[cur], h, res, final_norm_);
     return out;
 }
 

@@ -60,7 +60,7 @@ TORCH_LIBRARY(tokenmill, m) {
     m.class_<tokenmill::TiledPrompts>("TiledPrompts")
         .def(torch::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>>());
     m.class_<tokenmill::DecodeStack>("DecodeStack")
-        .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
+        .def(torch::init<int64_t, int64_t, int64_t, double, double, std::vector<at::Tensor>, at::Tensor, int64_t, bool>())
         .def("add_layer", &tokenmill::DecodeStack::add_layer)
         .def("add_linear", &tokenmill::DecodeStack::add_linear)
         .def("add_gguf_linear", &tokenmill::DecodeStack::add_gguf_linear)

@@ -93,7 +93,10 @@ def test_config_and_layers(ours, gemma_path):
         ("blk.5.attn_q_norm.weight", layers[5].self_attn.q_norm),
     ]:
         assert torch.equal(norm.weight, torch.from_numpy(raw[gguf_name].copy()) - 1.0), gguf_name
-    assert ours.model.decoder_layout() is None  # the C++ loop runs the Llama layout only: declared
+    layout = ours.model.decoder_layout()  # the C++ loop's view: two RoPE tables, each layer's group and table
+    assert layout.unit_offset_norms and len(layout.cos_sin) == 2 and layout.num_kv_groups == 6
+    assert [p.rope for p in layout.layers] == [0 if w is None else 1 for w in cfg.layer_windows()]
+    assert layout.layers[5].kv_group == 0 and layout.layers[0].kv_group == 1
 
 
 def test_tokenizer_matches_hf_conversion(gemma_path, ours):
@@ -163,6 +166,19 @@ def test_greedy_matches_hf(ours, hf, gemma_path):
     with torch.no_grad():
         assert out.outputs[0].token_ids == hf_greedy(hf, ids, GREEDY.max_tokens)
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_loop_matches_module_path(ours, gemma_path, dtype):
+    """The C++ layer loop on the real checkpoint: 32 greedy tokens of a short prompt and of a 540-token one (its
+    windowed layers past the 512-token window) equal the module path's, the loop serving the decode steps."""
+    from tests.worker.test_cpu_decode import generate_both_ways
+    from tokenmill import LLM
+
+    llm = LLM(model=str(gemma_path), dtype=dtype, kv_cache_memory_bytes=128 << 20, enable_prefix_caching=False)
+    prompts = [ours.tokenizer.encode(PROMPTS[0]), ours.tokenizer.encode(wikitext_prompt(ours.tokenizer, 540))]
+    fast, slow = generate_both_ways(llm, prompts, n=32)
+    assert fast == slow
 
 
 @pytest.fixture(scope="module")

@@ -176,3 +176,26 @@ def test_loop_serves_biases_and_declines_int8_kv(tiny_qwen2, tiny_llama):
     assert fast == slow
     llm = LLM(model=str(tiny_llama), max_model_len=128, num_gpu_blocks_override=32, kv_cache_dtype="int8")
     assert llm.engine.executor.runner.decode_loop is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3"])
+def test_every_family_runs_in_the_loop(request, arch, dtype):
+    """One loop, every family's layout as data (models/interface.py): Llama, Qwen2 (q/k/v biases), Qwen3 (QK-norm,
+    head_dim 24) and Gemma 3 (four 1 + w norms, GeGLU, scaled embedding, two RoPE bases, 8-token windows over six
+    KV-cache groups) give the module path's greedy tokens, with the loop serving the decode steps. The 35-token
+    prompt passes Gemma's window, so windowed layers attend from key_start over tables whose first blocks slid out."""
+    llm = LLM(
+        model=str(request.getfixturevalue(arch)),
+        dtype=dtype,
+        max_model_len=256,
+        num_gpu_blocks_override=128,
+        enable_prefix_caching=False,
+    )
+    loop = llm.engine.executor.runner.decode_loop
+    assert loop is not None
+    fast, slow = generate_both_ways(llm)
+    assert fast == slow
+    assert loop.max_tokens_served >= len(PROMPTS)  # batched decodes
+    if arch == "tiny_gemma3":
+        assert loop.num_kv_groups == 6 and llm.stats().num_blocks_slid_out > 0

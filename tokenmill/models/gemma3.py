@@ -15,8 +15,9 @@ Layers are split into KV-cache groups of one kind each (config.plan_kv_groups, c
 attention layer reads its group's block table and, in a sliding group, the first key each query may see
 (AttentionMetadata.key_start), so the blocks a window left behind can go back to the pool.
 
-The C++ decode loop (csrc/decode_stack.cpp) runs the Llama layout only: `decoder_layout()` is None and this
-family runs the module path (declared, like Qwen3's).
+The C++ layer loop (csrc/decode_stack.cpp) runs these layers from `decoder_layout()`: the differences above are
+its data (models/interface.py), and the norms, the GeGLU and the QK-norm run by the same kernels in both forwards
+(layers/fused_ops.py), so both give the same bits.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.norm import GemmaRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.causal_lm import CausalLM
-from tokenmill.models.interface import DecoderLayout
+from tokenmill.models.interface import DecoderLayerParts, DecoderLayout, MlpActivation
 from tokenmill.models.llama import LlamaMLP
 from tokenmill.models.qwen3 import Qwen3Attention
 
@@ -91,6 +92,24 @@ class Gemma3DecoderLayer(nn.Module):
         h = h + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(h)))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
+    def parts(self, rope: int) -> DecoderLayerParts:
+        """rope: the index of this layer's RoPE table in the model's layout."""
+        attn = self.self_attn
+        return DecoderLayerParts(
+            self.input_layernorm.weight,
+            self.pre_feedforward_layernorm.weight,
+            attn.qkv_proj,
+            attn.o_proj,
+            self.mlp.gate_up_proj,
+            self.mlp.down_proj,
+            q_norm=attn.q_norm.weight,
+            k_norm=attn.k_norm.weight,
+            attn_out_norm=self.post_attention_layernorm.weight,
+            mlp_out_norm=self.post_feedforward_layernorm.weight,
+            kv_group=attn.kv_group,
+            rope=rope,
+        )
+
 
 class Gemma3Model(nn.Module):
     def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
@@ -113,9 +132,13 @@ class Gemma3Model(nn.Module):
         )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """ids -> embedded rows times sqrt(hidden) (the scale rounded to the rows' dtype first, as HF does)."""
         h = self.embed_tokens(input_ids)
-        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        return h * torch.tensor(self.embed_scale, dtype=h.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
         with self.rotary_global.cached(positions), self.rotary_local.cached(positions):
             for layer in self.layers:
                 h = layer(positions, h)
@@ -131,5 +154,21 @@ class Gemma3ForCausalLM(CausalLM):
     ) -> None:
         super().__init__(cfg, Gemma3Model(cfg, dtype, backend or TorchPagedAttention()), dtype)
 
-    def decoder_layout(self) -> DecoderLayout | None:
-        return None  # NOTE: the C++ loop runs the Llama layout only (module docstring)
+    def decoder_layout(self) -> DecoderLayout:
+        body = self.model
+        assert isinstance(body, Gemma3Model)
+        a0 = body.layers[0].self_attn
+        tables = [body.rotary_global, body.rotary_local]  # DecoderLayerParts.rope indexes this list
+        return DecoderLayout(
+            body.embed,
+            [layer.parts(tables.index(layer.self_attn.rotary)) for layer in body.layers],
+            body.norm.weight,
+            body.norm.eps,
+            a0.num_heads,
+            a0.num_kv_heads,
+            a0.head_dim,
+            a0.scale,
+            [t.cos_sin for t in tables],
+            MlpActivation.GELU_TANH,
+            unit_offset_norms=True,
+        )

@@ -165,5 +165,5 @@ class LlamaForCausalLM(CausalLM):
             a0.num_kv_heads,
             a0.head_dim,
             a0.scale,
-            self.model.rotary.cos_sin,
+            [self.model.rotary.cos_sin],
         )

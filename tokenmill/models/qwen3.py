@@ -1,26 +1,27 @@
 """Qwen3 (dense): the Llama layer with QK-norm (an RMSNorm over each head's query and key, before RoPE), no
 q/k/v biases, and usually a head_dim that is not hidden_size / num_heads (config.head_dim).
 
-The C++ decode loop (csrc/decode_stack.cpp) has no QK-norm step, so this family runs the module path at every
-batch size: `decoder_layout()` is None and the runner builds no loop for it (a declared absence, not a
-fallback: tests/models/test_numerics.py checks the runner has none).
+The QK-norm runs in place on the packed q/k/v rows by the kernel the C++ layer loop runs too
+(layers/norm.py's norm_heads_), so the loop (the layout's q_norm / k_norm, models/interface.py) and the module
+path give the same bits.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import ModelArchConfig
-from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models.interface import DecoderLayout
+from tokenmill.models.interface import DecoderLayerParts
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    qk_norm_cls: type[nn.Module] = RMSNorm
+    qk_norm_cls: type[RMSNorm | GemmaRMSNorm] = RMSNorm
     """The per-head norm of queries and keys (Gemma 3's is GemmaRMSNorm, models/gemma3.py)."""
 
     def __init__(
@@ -36,20 +37,23 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = self.qk_norm_cls(self.head_dim, cfg.rms_norm_eps, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        lead = q.shape[:-1]
-        q = self.q_norm(q.reshape(*lead, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(*lead, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(positions, q, k)
-        return self.attend(q, k, v.reshape(*lead, self.num_kv_heads, self.head_dim))
+        # x: [..., T, hidden]
+        qkv = self.qkv_proj(x).contiguous()
+        rows = qkv.view(-1, qkv.shape[-1])  # [num_tokens, (Hq + 2 Hkv) * D], a view: normed in place
+        self.q_norm.norm_heads_(rows, self.num_heads)
+        self.k_norm.norm_heads_(rows[:, self.q_size :], self.num_kv_heads)
+        q, k, v = self.rotary.rotate_packed(positions, qkv, self.num_heads, self.num_kv_heads)
+        return self.attend(q, k, v)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen3Attention
 
+    def parts(self) -> DecoderLayerParts:
+        attn = self.self_attn
+        assert isinstance(attn, Qwen3Attention)
+        return dataclasses.replace(super().parts(), q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight)
+
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3DecoderLayer
-
-    def decoder_layout(self) -> DecoderLayout | None:  # type: ignore[override]
-        return None  # NOTE: the C++ loop has no QK-norm (module docstring)

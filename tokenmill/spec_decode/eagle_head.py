@@ -103,7 +103,7 @@ class EagleHead(nn.Module):
             a.num_kv_heads,
             a.head_dim,
             a.scale,
-            self.rotary.cos_sin,
+            [self.rotary.cos_sin],
         )
 
     def token_rows(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -2,16 +2,21 @@
 
 Why: a decode step of the default model spent ~95 us per layer in Python around its kernels (module
 calls, method dispatch, views): ~3 ms of an 8-10 ms step, as much as all int4 matmuls together.
-`csrc/decode_stack.cpp` runs the layer that `LlamaDecoderLayer` defines, step for step, in one call:
+`csrc/decode_stack.cpp` runs the layer that `LlamaDecoderLayer` defines, step for step, in one call, with the
+other families' steps (Qwen3, Gemma 3: in brackets) where the layout has them:
 
-    h = embed(ids); res = None
+    h = embed(ids); res = None                      (Gemma: the embed scales the rows)
     for each layer:
         x, res = norm(h)  or  add_norm(h, res)      (residual carried, as vLLM does)
-        qkv = linear(x);  rope(qkv) in place
-        write k, v to their slots and attend        (one kernel; every token a decode over its own prefix)
-        h = o(attn)
-        x, res = add_norm(h, res);  h = down(silu_mul(gate_up(x)))
+        qkv = linear(x);  [q_norm, k_norm per head];  rope(qkv) in place with the layer's table
+        write k, v to their group's slots and attend  (one kernel; every token a decode over its own prefix,
+                                                       from its window's first key in a windowed group)
+        h = o(attn);  [h = attn_out_norm(h)]
+        x, res = add_norm(h, res);  h = down(act(gate_up(x)));  [h = mlp_out_norm(h)]
     return final_norm(h + res)
+
+Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 and Gemma 3 (four norms of 1 + w, GeGLU, two RoPE bases, sliding
+windows) all run in it; their differences are the layout's data (models/interface.py), not loops.
 
 It is built once, at load, from the model's `DecoderLayout` (models/interface.py) and each linear's
 `LinearKernel` (layers/linear.py): the kernel the layer's method itself calls at those row counts, so
@@ -28,6 +33,8 @@ an AVX-512 host: 30 decodes 39-43 ms in the loop, 45.6 ms on the module path, 11
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tokenmill import native
@@ -43,6 +50,8 @@ class CpuDecodeLoop:
         self.stack = stack
         """torch.classes.tokenmill.DecodeStack holding every layer's tensors."""
         self.embed = layout.embed
+        self.num_kv_groups = layout.num_kv_groups
+        """The KV-cache groups whose metadata every call takes (group 0's, then groups 1..)."""
         self.max_rows = max_rows
         """The most tokens a step may have for the loop to serve it (the smallest kernel max_rows)."""
         self.tiles_prompts = tiles_prompts
@@ -54,24 +63,51 @@ class CpuDecodeLoop:
         self.max_tokens_served = 0
         """The largest step (in tokens) it served."""
 
-    def serves(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        if meta.custom_mask is not None or num_tokens > self.max_rows:
+    def serves(self, meta: AttentionMetadata, num_tokens: int, group_metas: Sequence[AttentionMetadata] = ()) -> bool:
+        """meta: KV-cache group 0's; group_metas: groups 1.. (a model with windowed layers), the runner's
+        StepInputs.group_metas."""
+        if len(group_metas) + 1 != self.num_kv_groups:
+            raise ValueError(f"needs {self.num_kv_groups} KV-cache groups' metadata, got {1 + len(group_metas)}")
+        metas = [meta, *group_metas]
+        if any(m.custom_mask is not None for m in metas) or num_tokens > self.max_rows:
             return False
-        if meta.plan is AttentionKind.PER_TOKEN:
-            return meta.token_seq_lens is not None
-        return self.tiles_prompts and tiled_plan(meta) is not None
+        if all(m.plan is AttentionKind.PER_TOKEN for m in metas):
+            return all(m.token_seq_lens is not None for m in metas)
+        # NOTE: a tiled step of a model with windowed groups runs the module path (one TiledPrompts per global
+        # group is not written yet); Gemma 3 270M to 12B have head_dim 256, which is never tiled
+        return not group_metas and self.tiles_prompts and tiled_plan(meta) is not None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.forward_rows(self.embed(input_ids), positions, meta)
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        group_metas: Sequence[AttentionMetadata] = (),
+    ) -> torch.Tensor:
+        return self.forward_rows(self.embed(input_ids), positions, meta, group_metas)
 
-    def forward_rows(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward_rows(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        group_metas: Sequence[AttentionMetadata] = (),
+    ) -> torch.Tensor:
         """The layers and final norm over input rows h [n, hidden] (embedded tokens, or a head's own input)."""
         n = h.shape[0]
         self.steps_served += 1
         self.max_tokens_served = max(self.max_tokens_served, n)
         if meta.plan is AttentionKind.PER_TOKEN:
+            metas = [meta, *group_metas]  # every group PER_TOKEN (serves): same lengths and key masks
             return self.stack.forward(
-                h, positions, meta.slot_mapping, meta.token_block_tables, meta.token_seq_lens, meta.token_key_mask, None
+                h,
+                positions,
+                [m.slot_mapping for m in metas],
+                [m.token_block_tables for m in metas],
+                meta.token_seq_lens,
+                meta.token_key_mask,
+                [m.key_start for m in metas],
+                None,
             )
         plan = tiled_plan(meta)
         assert plan is not None, "serves() admitted a step without per-token metadata or long prompt chunks"
@@ -85,10 +121,17 @@ class CpuDecodeLoop:
         )
         if plan.short is None:
             empty = torch.empty(0, 1, dtype=torch.long)
-            return self.stack.forward(h, positions, meta.slot_mapping, empty, empty[:, 0], None, tiled)
+            return self.stack.forward(h, positions, [meta.slot_mapping], [empty], empty[:, 0], None, [None], tiled)
         short = plan.short.tables
         return self.stack.forward(
-            h, positions, meta.slot_mapping, short.block_tables, short.seq_lens.contiguous(), short.key_mask, tiled
+            h,
+            positions,
+            [meta.slot_mapping],
+            [short.block_tables],
+            short.seq_lens.contiguous(),
+            short.key_mask,
+            [None],
+            tiled,
         )
 
 
@@ -100,7 +143,7 @@ def build(layout: DecoderLayout | None, kv_caches: list[torch.Tensor]) -> CpuDec
     if (
         dtype not in (torch.float32, torch.bfloat16)
         or layout.final_norm.device.type != "cpu"
-        or layout.cos_sin.dtype != torch.float32
+        or any(t.dtype != torch.float32 for t in layout.cos_sin)
     ):
         return None
     if any(c.dtype != dtype or c.shape[-1] != layout.head_dim for c in kv_caches):  # int8 KV: module path
@@ -120,9 +163,22 @@ def build(layout: DecoderLayout | None, kv_caches: list[torch.Tensor]) -> CpuDec
         layout.scale,
         layout.cos_sin,
         layout.final_norm,
+        int(layout.activation),
+        layout.unit_offset_norms,
     )
     for parts, ks, cache in zip(layout.layers, kernels, kv_caches):
-        stack.add_layer(parts.input_norm, parts.post_norm, cache[0], cache[1])
+        stack.add_layer(
+            parts.input_norm,
+            parts.mlp_norm,
+            parts.attn_out_norm,
+            parts.mlp_out_norm,
+            parts.q_norm,
+            parts.k_norm,
+            cache[0],
+            cache[1],
+            parts.kv_group,
+            parts.rope,
+        )
         for k in ks:
             if k.kind is KernelKind.GGUF:
                 stack.add_gguf_linear(list(k.parts), list(k.part_types), k.bias, k.out_features)

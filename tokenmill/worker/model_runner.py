@@ -334,8 +334,9 @@ class ModelRunner:
     def run_model(self, inp: StepInputs) -> torch.Tensor:
         """The forward over a step's inputs: the C++ layer loop where it serves the step (its attention plan and
         size), else the model's modules. Final hidden states [num_tokens, hidden]."""
-        if self.decode_loop is not None and self.decode_loop.serves(inp.meta, inp.input_ids.shape[0]):
-            return self.decode_loop(inp.input_ids, inp.positions, inp.meta)
+        loop = self.decode_loop
+        if loop is not None and loop.serves(inp.meta, inp.input_ids.shape[0], inp.group_metas):
+            return loop(inp.input_ids, inp.positions, inp.meta, inp.group_metas)
         with forward_context(inp.meta, inp.group_metas):
             return self.model(inp.input_ids, inp.positions)
 
@@ -343,8 +344,9 @@ class ModelRunner:
         """The C++ layer loop over given input rows [num_tokens, hidden] in place of the embedded tokens (a draft
         head fed by its own input projection), or None when the loop does not serve the step (the caller then runs
         its modules)."""
-        if self.decode_loop is not None and self.decode_loop.serves(inp.meta, inp.input_ids.shape[0]):
-            return self.decode_loop.forward_rows(rows, inp.positions, inp.meta)
+        loop = self.decode_loop
+        if loop is not None and loop.serves(inp.meta, inp.input_ids.shape[0], inp.group_metas):
+            return loop.forward_rows(rows, inp.positions, inp.meta, inp.group_metas)
         return None
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
