@@ -146,10 +146,12 @@ void gguf_dequantize_rows(at::Tensor out, const at::Tensor& blocks, int64_t type
 #include "isa/avx2_begin.h"
 #include "vec_avx2.h"
 
-// x [M, K] -> int8 codes per 32 (scale max|x| / 127, round to nearest even), the scales, and each 4 codes' sum
-// times its scale. Shared by both kernels (every AVX-512 CPU has AVX2).
+// x [M, K] -> int8 codes per 32 (scale max|x| / 127, round to nearest even), the scales, each 4 codes' sum
+// times its scale, and the scales once per 4 codes (gguf_kernel.inc, Act: rows padded by one zero unit).
+// Shared by both kernels (every AVX-512 CPU has AVX2).
 template <typename T>
-static void quantize_activations(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float* s4) {
+static void quantize_activations(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float* s4, float* d8) {
+    const int64_t xs = K + 32, ls = K / 4 + 8;
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i ones8 = _mm256_set1_epi8(1);
     const __m256i ones16 = _mm256_set1_epi16(1);
@@ -170,11 +172,16 @@ static void quantize_activations(const T* x, int64_t M, int64_t K, int8_t* q, fl
             // packs work within 128-bit lanes; the permute puts the 32 codes back in order
             const __m256i w16a = _mm256_packs_epi32(iv[0], iv[1]), w16b = _mm256_packs_epi32(iv[2], iv[3]);
             const __m256i codes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b), order);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + r * K + u * 32), codes);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + r * xs + u * 32), codes);
             d[r * (K / 32) + u] = dd;
+            // maddubs multiplies unsigned by signed bytes: ones times the codes
             const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, codes), ones16);
-            _mm256_storeu_ps(s4 + r * (K / 4) + u * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dd)));
+            _mm256_storeu_ps(s4 + r * ls + u * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dd)));
+            _mm256_storeu_ps(d8 + r * ls + u * 8, _mm256_set1_ps(dd));
         }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + r * xs + K), _mm256_setzero_si256());
+        _mm256_storeu_ps(s4 + r * ls + K / 4, _mm256_setzero_ps());
+        _mm256_storeu_ps(d8 + r * ls + K / 4, _mm256_setzero_ps());
     }
 }
 
@@ -188,11 +195,13 @@ static inline __m256i dot4(__m256i u, __m256i s) {
 #include "isa/avx2_end.h"
 
 #include "isa/avx512_vnni_begin.h"
+#define TOKENMILL_GGUF_WIDE
 namespace gguf_vnni {
 constexpr int64_t kMaxTile = 8;   // 32 ymm registers
 static inline __m256i dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
 #include "gguf_kernel.inc"
 }  // namespace gguf_vnni
+#undef TOKENMILL_GGUF_WIDE
 #include "isa/avx512_end.h"
 
 const char* gguf_kernel_name() {
@@ -221,15 +230,15 @@ bool gguf_linear(at::Tensor y, const at::Tensor& x, const std::vector<at::Tensor
     const bool vnni = cpu_has_avx512_vnni();
     if (!vnni && !cpu_has_avx2()) return false;
     if (M == 0) return true;
-    std::vector<int8_t> q(M * K);
-    std::vector<float> d(M * (K / 32)), s4(M * (K / 4));
-    const gguf_avx2::Act a{q.data(), d.data(), s4.data(), K};
+    std::vector<int8_t> q(M * (K + 32));
+    std::vector<float> d(M * (K / 32)), s4(M * (K / 4 + 8)), d8(M * (K / 4 + 8));
+    const gguf_avx2::Act a{q.data(), d.data(), s4.data(), d8.data(), K};
     bool ok = false;
     TOKENMILL_DISPATCH_FLOAT(x, "gguf_linear", {
-        quantize_activations<T>(x.data_ptr<T>(), M, K, q.data(), d.data(), s4.data());
+        quantize_activations<T>(x.data_ptr<T>(), M, K, q.data(), d.data(), s4.data(), d8.data());
         T* yp = y.data_ptr<T>();
         if (vnni) {
-            const gguf_vnni::Act av{a.q, a.d, a.s4, K};
+            const gguf_vnni::Act av{a.q, a.d, a.s4, a.d8, K};
             ok = gguf_vnni::run_parts<T>(yp, y.stride(0), av, M, parts, types);
         } else {
             ok = gguf_avx2::run_parts<T>(yp, y.stride(0), a, M, parts, types);

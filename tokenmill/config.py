@@ -230,14 +230,21 @@ class ModelConfig:
         return not self.bf16_linears_vary_with_batch if self.batch_invariant is None else self.batch_invariant
 
 
+DEFAULT_KV_TOKENS = 16384
+"""The default KV pool's cap in tokens (CacheConfig.kv_cache_memory_fraction unset): room for 32 requests of 512
+tokens, or one of 16K (llama.cpp's server defaults to 4,096). A fraction of free memory alone gave a 135M model
+a 2.26 GiB pool on a 24 GiB host. A byte budget or an explicit fraction is taken as given."""
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     """Tokens per KV-cache block."""
     kv_cache_memory_bytes: int | None = None
     """KV-cache budget in bytes; overrides kv_cache_memory_fraction."""
-    kv_cache_memory_fraction: float = 0.1
-    """Fraction of free (device or host) memory given to the KV cache when no byte budget is set."""
+    kv_cache_memory_fraction: float | None = None
+    """Fraction of free (device or host) memory given to the KV cache when no byte budget is set. Unset: the
+    default rule, 0.1 of free memory but at most DEFAULT_KV_TOKENS (16,384) tokens of KV in every layer."""
     num_gpu_blocks_override: int | None = None
     """Exact number of KV blocks (tests)."""
     enable_prefix_caching: bool = True
@@ -248,7 +255,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if not 0 < self.kv_cache_memory_fraction <= 1:
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")

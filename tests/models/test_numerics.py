@@ -108,8 +108,11 @@ def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def real_pair(real_model_path):
+    """Our model and transformers' on the same GGUF file, both dequantized at load: the float model path against
+    its oracle (the file run natively, in its blocks, is checked against this path in
+    tests/quant/test_gguf_native.py)."""
     transformers = pytest.importorskip("transformers")
-    ours = load_model(str(real_model_path), dtype=torch.float32)
+    ours = load_model(str(real_model_path), dtype=torch.float32, gguf_dequantize=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(real_model_path.parent), gguf_file=real_model_path.name, dtype=torch.float32
     )
@@ -133,7 +136,7 @@ def test_real_model_greedy_matches_hf(real_pair, real_model_path):
     from tokenmill import LLM
 
     ours, hf = real_pair
-    llm = LLM(model=str(real_model_path), dtype="float32", kv_cache_memory_bytes=64 << 20)
+    llm = LLM(model=str(real_model_path), dtype="float32", kv_cache_memory_bytes=64 << 20, gguf_dequantize=True)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         ids = llm.tokenizer.encode(prompt)

@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tokenmill.config import EngineConfig, KVCacheSpec, ModelArchConfig, ModelConfig, SpeculativeConfig, plan_kv_groups
+from tokenmill.config import (
+    DEFAULT_KV_TOKENS,
+    EngineConfig,
+    KVCacheSpec,
+    ModelArchConfig,
+    ModelConfig,
+    SpeculativeConfig,
+    plan_kv_groups,
+)
 from tokenmill.core.step_io import StepInput, StepOutput
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -53,8 +61,9 @@ def available_memory_bytes(device: torch.device) -> int:
 
 def plan_kv_cache(arch: ModelArchConfig, config: EngineConfig, max_model_len: int, available_bytes: int) -> KVCacheSpec:
     """The KV pool: its layout from the model (one block holds one KV-cache group's layers, each rank's share of
-    the KV heads) and its size from the budget (kv_cache_memory_bytes, or the fraction of `available_bytes`),
-    never more than max_num_seqs full-length sequences in every group."""
+    the KV heads) and its size from the budget (kv_cache_memory_bytes, or the fraction of `available_bytes`;
+    with neither set, 0.1 of it capped at DEFAULT_KV_TOKENS tokens in every group), never more than max_num_seqs
+    full-length sequences in every group."""
     mc, cc = config.model, config.cache
     tp = mc.tensor_parallel_size
     kv_dtype = torch.int8 if cc.kv_cache_dtype == "int8" else mc.torch_dtype
@@ -71,8 +80,11 @@ def plan_kv_cache(arch: ModelArchConfig, config: EngineConfig, max_model_len: in
     if cc.num_gpu_blocks_override is not None:
         num_blocks = cc.num_gpu_blocks_override
     else:
-        budget = cc.kv_cache_memory_bytes or int(available_bytes * cc.kv_cache_memory_fraction)
+        fraction = 0.1 if cc.kv_cache_memory_fraction is None else cc.kv_cache_memory_fraction
+        budget = cc.kv_cache_memory_bytes or int(available_bytes * fraction)
         num_blocks = budget // spec.bytes_per_block
+        if cc.kv_cache_memory_bytes is None and cc.kv_cache_memory_fraction is None:  # the default rule
+            num_blocks = min(num_blocks, -(-DEFAULT_KV_TOKENS // cc.block_size) * len(groups))
         useful = config.scheduler.max_num_seqs * -(-max_model_len // cc.block_size)
         num_blocks = min(num_blocks, useful * len(groups))
     if num_blocks < 1:
