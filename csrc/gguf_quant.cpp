@@ -197,7 +197,7 @@ static inline __m256i dot4(__m256i u, __m256i s) {
 #include "isa/avx512_vnni_begin.h"
 #define TOKENMILL_GGUF_WIDE
 namespace gguf_vnni {
-constexpr int64_t kMaxTile = 8;   // 32 ymm registers
+constexpr int64_t kMaxTile = 8;   // 32 zmm registers: a (dot, minimum) accumulator pair per row
 static inline __m256i dot4(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
 #include "gguf_kernel.inc"
 }  // namespace gguf_vnni

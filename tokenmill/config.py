@@ -6,6 +6,8 @@ as CLI help (see entrypoints/cli.py).
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -145,6 +147,19 @@ def auto_dtype(device: str = "cpu") -> torch.dtype:
     return torch.bfloat16 if native.has_amx() else torch.float32
 
 
+@functools.cache
+def _gguf_file_runs_natively(model: str) -> bool:
+    """ModelConfig.runs_gguf_natively for a model name (resolved once; the file's header is read once)."""
+    from tokenmill.models.loader import resolve_model_path  # lazy: config does not load models
+    from tokenmill.quant.gguf import file_runs_natively
+
+    try:
+        path = resolve_model_path(model)
+    except Exception:  # noqa: BLE001 - an unknown model fails where it is loaded, with its own message
+        return False
+    return path.is_file() and file_runs_natively(path)
+
+
 def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -161,8 +176,9 @@ class ModelConfig:
     model: str = DEFAULT_MODEL_ALIAS
     """Path to a GGUF file or Hugging Face checkpoint directory, or the alias of the default model."""
     dtype: str = "auto"
-    """Weights and activations dtype: auto (bfloat16 on CPUs with AMX, where bf16 is batch-invariant, and on
-    GPUs; float32 on other CPUs), float32, bfloat16, float16."""
+    """Weights and activations dtype: auto (bfloat16 where bf16 is batch-invariant on this CPU: a GGUF file whose
+    weights all run on the integer kernels (AVX2 or better), or any model on a CPU with AMX; bfloat16 on GPUs;
+    float32 otherwise), float32, bfloat16, float16."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; defaults to the model's context length."""
     device: str = "cpu"
@@ -211,7 +227,15 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto" and self.runs_gguf_natively:
+            return torch.bfloat16  # every linear on the integer kernels: batch-invariant, and faster than float32
         return parse_dtype(self.dtype, self.device)
+
+    @property
+    def runs_gguf_natively(self) -> bool:
+        """The model is a GGUF file whose every weight matrix runs in its blocks on this CPU's integer kernels
+        (quant/gguf.py): not dequantized, on a CPU with AVX2 or better."""
+        return not self.gguf_dequantize and self.device == "cpu" and _gguf_file_runs_natively(self.model)
 
     @property
     def bf16_linears_vary_with_batch(self) -> bool:
@@ -221,7 +245,7 @@ class ModelConfig:
             return False
         from tokenmill import native  # lazy, as in auto_dtype
 
-        return not native.bf16_linears_batch_invariant()
+        return not (self.runs_gguf_natively or native.bf16_linears_batch_invariant())
 
     @property
     def attends_prompts_per_token(self) -> bool:

@@ -71,22 +71,64 @@ def emulate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return xq @ w.double().t()
 
 
-KERNELS = {"avx2": ("avx2", "AVX2"), "avx512_vnni": ("avx512", "AVX512-VNNI")}
-"""Each integer kernel -> (the ISA level that selects it, what it needs)."""
+KERNEL_LEVELS = {"avx2": "avx2", "avx512_vnni": "avx512"}
+"""Each integer kernel -> the ISA level cap under which it is the one chosen."""
 
 
-@pytest.fixture(params=list(KERNELS))
-def kernel(request):
-    """Runs the test on each integer kernel: the ISA level capped so that it is the one chosen; a kernel this
-    host cannot run is a skip naming its instruction set."""
-    level, needs = KERNELS[request.param]
+def use_kernel(name: str) -> str:
+    """Caps the ISA level so that kernel `name` runs; returns the previous cap. Skips, naming the instruction set,
+    where this host cannot run it."""
     detected = native.module().detected_isa()
-    if LEVELS.index(detected) < LEVELS.index(level) or (request.param == "avx512_vnni" and not _host_has_vnni()):
-        pytest.skip(isa_skip_reason(f"the GGUF {request.param} kernel", needs))
-    previous = native.module().set_max_isa(level)
-    assert gq.kernel_name() == request.param
-    yield request.param
-    native.module().set_max_isa(previous)
+    if name == "avx2" and LEVELS.index(detected) < LEVELS.index("avx2"):
+        pytest.skip(isa_skip_reason("the GGUF avx2 kernel", "AVX2"))
+    if name == "avx512_vnni" and (LEVELS.index(detected) < LEVELS.index("avx512") or not _host_has_vnni()):
+        pytest.skip(isa_skip_reason("the GGUF avx512_vnni kernel", "AVX512-VNNI"))
+    previous = native.module().set_max_isa(KERNEL_LEVELS[name])
+    assert gq.kernel_name() == name
+    return previous
+
+
+def check_emulation(dtype: torch.dtype) -> None:
+    """Every format against a float64 emulation of the kernel's arithmetic, and near the float product."""
+    rows, cols = 40, 768
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for name, ggml_type in TYPES:
+        blocks = random_blocks(ggml_type, rows, cols, seed=3 + ggml_type)
+        w = package_dequantize(ggml_type, blocks, cols)
+        y = gq.linear(x, [gq.GGUFPart(ggml_type, blocks)])
+        assert y is not None and y.dtype == dtype
+        ref = emulate(x.float(), w)
+        scale = ref.abs().max().item()
+        tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's own rounding
+        assert (y.double() - ref).abs().max().item() <= tol * scale, name
+        # and against the float product with the exact weights: the activations' rounding only
+        exact = x.double() @ w.double().t()
+        assert (y.double() - exact).abs().max().item() <= 0.03 * exact.abs().max().item(), name
+
+
+def check_batch_invariance(dtype: torch.dtype) -> None:
+    """Every row the same bits alone, in passes of any size, or in the whole batch."""
+    cols = 1024
+    x = torch.randn(37, cols, generator=torch.Generator().manual_seed(2)).to(dtype)
+    for name, ggml_type in TYPES:
+        part = gq.GGUFPart(ggml_type, random_blocks(ggml_type, 24, cols, seed=ggml_type))
+        whole = gq.linear(x, [part])
+        assert whole is not None
+        for lo, hi in ((0, 1), (3, 5), (5, 8), (8, 13), (13, 37)):
+            assert torch.equal(gq.linear(x[lo:hi], [part]), whole[lo:hi]), (name, lo, hi)
+
+
+def check_mixed_parts() -> None:
+    """Parts of different types fill their own columns, as each part alone."""
+    cols = 512
+    parts = [gq.GGUFPart(t, random_blocks(t, n, cols, seed=t)) for t, n in ((6, 16), (8, 8), (14, 24))]
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(3))
+    y = gq.linear(x, parts)
+    assert y is not None and y.shape == (3, 48)
+    col = 0
+    for p in parts:
+        assert torch.equal(y[:, col : col + p.rows], gq.linear(x, [p]))
+        col += p.rows
 
 
 @pytest.mark.parametrize(("name", "ggml_type"), TYPES)
@@ -111,24 +153,6 @@ def test_each_level_chooses_its_kernel():
             native.module().set_max_isa(previous)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_the_int8_activation_emulation(kernel, dtype):
-    rows, cols = 40, 768
-    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(1)).to(dtype)
-    for name, ggml_type in TYPES:
-        blocks = random_blocks(ggml_type, rows, cols, seed=3 + ggml_type)
-        w = package_dequantize(ggml_type, blocks, cols)
-        y = gq.linear(x, [gq.GGUFPart(ggml_type, blocks)])
-        assert y is not None and y.dtype == dtype
-        ref = emulate(x.float(), w)
-        scale = ref.abs().max().item()
-        tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's own rounding
-        assert (y.double() - ref).abs().max().item() <= tol * scale, name
-        # and against the float product with the exact weights: the activations' rounding only
-        exact = x.double() @ w.double().t()
-        assert (y.double() - exact).abs().max().item() <= 0.03 * exact.abs().max().item(), name
-
-
 def test_no_integer_kernel_below_avx2():
     part = gq.GGUFPart(3, random_blocks(3, 8, 256))
     previous = native.module().set_max_isa("generic")
@@ -139,27 +163,42 @@ def test_no_integer_kernel_below_avx2():
         native.module().set_max_isa(previous)
 
 
-def test_each_row_is_the_same_bits_at_any_batch(kernel):
-    cols = 512
-    x = torch.randn(37, cols, generator=torch.Generator().manual_seed(2)).bfloat16()
-    for name, ggml_type in TYPES:
-        part = gq.GGUFPart(ggml_type, random_blocks(ggml_type, 24, cols, seed=ggml_type))
-        whole = gq.linear(x, [part])
-        assert whole is not None
-        for lo, hi in ((0, 1), (3, 4), (5, 13), (13, 37)):
-            assert torch.equal(gq.linear(x[lo:hi], [part]), whole[lo:hi]), name
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_kernel_matches_the_int8_activation_emulation(dtype):
+    previous = use_kernel("avx2")
+    try:
+        check_emulation(dtype)
+    finally:
+        native.module().set_max_isa(previous)
 
 
-def test_parts_of_mixed_types_fill_their_columns(kernel):
-    cols = 512
-    parts = [gq.GGUFPart(t, random_blocks(t, n, cols, seed=t)) for t, n in ((6, 16), (8, 8), (14, 24))]
-    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(3))
-    y = gq.linear(x, parts)
-    assert y is not None and y.shape == (3, 48)
-    col = 0
-    for p in parts:
-        assert torch.equal(y[:, col : col + p.rows], gq.linear(x, [p]))
-        col += p.rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_kernel_rows_are_the_same_bits_at_any_batch(dtype):
+    previous = use_kernel("avx2")
+    try:
+        check_batch_invariance(dtype)
+    finally:
+        native.module().set_max_isa(previous)
+
+
+def test_avx2_kernel_parts_of_mixed_types():
+    previous = use_kernel("avx2")
+    try:
+        check_mixed_parts()
+    finally:
+        native.module().set_max_isa(previous)
+
+
+def test_avx512_vnni_kernel():
+    """The AVX512-VNNI kernel, every check above in one test (one skip, naming VNNI, on hosts without it)."""
+    previous = use_kernel("avx512_vnni")
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            check_emulation(dtype)
+            check_batch_invariance(dtype)
+        check_mixed_parts()
+    finally:
+        native.module().set_max_isa(previous)
 
 
 def test_kernel_refuses_bad_blocks():
@@ -228,3 +267,30 @@ def test_real_model_logits_near_the_dequantized_file(real_native_and_dequantized
         b = dense_model.model.compute_logits(dense_model.model(ids[None], pos[None])[0])
     assert (a - b).abs().max().item() <= LOGIT_BOUND
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+INVARIANCE_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why each is prime, step by step, for a curious child who loves maths.",
+    "def fibonacci(n):",
+    "Translate 'good morning' into Spanish, French and German.",
+    "Once upon a time, in a village at the edge of a great forest, there lived an old clockmaker who",
+]
+
+
+def test_auto_dtype_is_bf16_and_greedy_is_batch_invariant(real_model_path):
+    """--dtype auto picks bfloat16 for a GGUF file that runs natively, on the claim that its greedy output does not
+    depend on what else is batched: checked here, on this CPU, with chunked prefill (16-token budget) and
+    prefix-cache hits on the second pass."""
+    if gq.kernel_name() == "none":
+        pytest.skip(isa_skip_reason("the GGUF integer kernel", "AVX2"))
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model=str(real_model_path), kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=16)
+    assert llm.engine.config.model.torch_dtype == torch.bfloat16
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in INVARIANCE_PROMPTS]
+    together = [o.outputs[0].token_ids for o in llm.generate(INVARIANCE_PROMPTS, params, use_tqdm=False)]
+    assert together == alone
+    llm.check_integrity()

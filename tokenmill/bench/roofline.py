@@ -198,7 +198,9 @@ def model_bytes(model: torch.nn.Module, arch: ModelArchConfig, dtype_bytes: floa
             continue
         weights += nbytes
     for name, b in model.named_buffers():  # packed quantized weights live in buffers
-        if any(k in name for k in ("qweight", "scales", "qzeros", "weight_packed", "scale")):
+        if "gguf_blocks" in name and "embed_tokens" in name:  # a GGUF token table (quant/gguf.py)
+            embed += b.numel() * b.element_size()
+        elif any(k in name for k in ("qweight", "scales", "qzeros", "weight_packed", "scale", "gguf_blocks")):
             weights += b.numel() * b.element_size()
     tied = arch.tie_word_embeddings
     per_step = weights + (embed if tied else embed // arch.vocab_size)
