@@ -7,7 +7,6 @@ as CLI help (see entrypoints/cli.py).
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
