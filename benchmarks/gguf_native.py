@@ -5,7 +5,7 @@ Files: the shipped SmolLM2-135M Q4_1, a Q8_0 of it written by llama.cpp's own qu
 (`llama_model_quantize` through llama-cpp-python, --allow-requantize), and Gemma 3 270M Q4_K_M. Speed is
 `tokenmill bench latency --peers llamacpp` per file (each engine in its own runs, interleaved, median of
 --num-iters). Memory, each in a fresh process: tokenmill's weights as loaded (every parameter and buffer of
-the model, KV pool excluded) and the process's RSS growth over loading; llama.cpp's RSS growth over
+the model but the RoPE cos/sin tables; KV pool excluded) and the process's RSS growth over loading; llama.cpp's RSS growth over
 `Llama(model)` with a 512-token context.
 
     python benchmarks/gguf_native.py --num-threads 2 --out /tmp/gguf_native.json
@@ -29,10 +29,11 @@ engine, path = sys.argv[1], sys.argv[2]
 if engine == "tokenmill":
     import torch
     from tokenmill.models.loader import load_model
-    from tokenmill.quant.kernels import quantized_nbytes
     before = rss()
     loaded = load_model(path, dtype=torch.float32, load_tokenizer=False)
-    print(json.dumps({"weights_bytes": quantized_nbytes(loaded.model), "rss_growth": rss() - before}))
+    tensors = list(loaded.model.named_parameters()) + list(loaded.model.named_buffers())
+    weights = sum(t.numel() * t.element_size() for n, t in tensors if "cos_sin" not in n)  # not the RoPE tables
+    print(json.dumps({"weights_bytes": weights, "rss_growth": rss() - before}))
 else:
     import llama_cpp
     before = rss()

@@ -242,7 +242,7 @@ def ablate_quantization(args) -> dict:
 
     for bits in (8, 4):
         with tempfile.TemporaryDirectory(prefix=f"tm_rtn{bits}_") as tmp:
-            loaded = load_model(args.model, dtype=torch.float32)
+            loaded = load_model(args.model, dtype=torch.float32, gguf_dequantize=True)  # RTN reads dense weights
             cfg = QuantConfig(method="rtn", bits=bits, group_size=64)
             rep = quantize_model(loaded.model, cfg, None, progress=False)
             save_quantized(

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         format=args.format,
         lm_head=args.lm_head,
     )
-    loaded = load_model(args.model, dtype=torch.float32)
+    loaded = load_model(args.model, dtype=torch.float32, gguf_dequantize=True)  # quantizers read dense weights
     calib = None
     if qcfg.method != "rtn":
         texts = read_jsonl_texts(args.calib or default_data_dir() / C4_FILE)

@@ -61,7 +61,9 @@ def build_draft_model(
     """The draft network. Naming the target's own checkpoint shares its weights (no copy) when the whole target
     is at hand (`target`; None: a tensor-parallel shard, so the checkpoint loads again, whole); with num_layers it
     keeps only truncated_layer_ids(...) of them."""
+    from tokenmill.layers.linear import Linear
     from tokenmill.models.loader import load_model, reset_buffers, resolve_model_path
+    from tokenmill.quant.gguf import GGUFEmbedding, GGUFLinearMethod, install_gguf, register_blocks
 
     if target is not None and resolve_model_path(draft).resolve() == resolve_model_path(target_model).resolve():
         source, arch = target, target_arch
@@ -81,16 +83,28 @@ def build_draft_model(
     with torch.device("meta"):
         # every model class (a CausalLM subclass) is built as cls(cfg, dtype=...); CausalLM's own takes the body
         net = type(source)(draft_arch, dtype=dtype)  # type: ignore[call-arg]
-    src_params = dict(source.named_parameters())
     rename = {f"model.layers.{i}.": f"model.layers.{j}." for i, j in enumerate(layer_ids)}
-    for name, _ in list(net.named_parameters()):
-        src_name = name
+
+    def source_name(name: str) -> str:
         for new, old in rename.items():
             if name.startswith(new):
-                src_name = old + name[len(new) :]
-                break
+                return old + name[len(new) :]
+        return name
+
+    # GGUF blocks (quant/gguf.py) have no parameters: the draft's linears read the source's blocks, and a GGUF
+    # token table is shared whole (it is bound to no KV cache)
+    src_modules = dict(source.named_modules())
+    if isinstance(source.model.embed_tokens, GGUFEmbedding):
+        net.model.embed_tokens = source.model.embed_tokens
+    for name, mod in list(net.named_modules()):
+        src = src_modules.get(source_name(name))
+        if isinstance(mod, Linear) and isinstance(src, Linear) and isinstance(src.quant_method, GGUFLinearMethod):
+            install_gguf(mod, src.quant_method.parts)
+    src_params = dict(source.named_parameters())
+    for name, _ in list(net.named_parameters()):
         module_path, _, leaf = name.rpartition(".")
-        setattr(net.get_submodule(module_path), leaf, src_params[src_name])
+        setattr(net.get_submodule(module_path), leaf, src_params[source_name(name)])
+    register_blocks(net)
     reset_buffers(net, device)
     for name, buf in net.named_buffers():
         assert buf.device.type != "meta", f"draft buffer {name} left on meta"

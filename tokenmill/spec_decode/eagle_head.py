@@ -175,12 +175,13 @@ def target_tables(target: CausalLM) -> TargetTables:
     """The embedding table and LM-head weight of a whole (unsplit) target, dense in its dtype, whatever
     its embedding or head kernels (quantized, prepacked, tied or not): read through the model's
     own forward paths, so the head sees exactly what the target computes with."""
+    from tokenmill.quant.gguf import GGUFEmbedding
     from tokenmill.quant.head import QuantizedEmbedding
 
     inner = target.model
     H = target.config.hidden_size
     table, norm = inner.embed_tokens, inner.norm
-    assert isinstance(table, (VocabEmbedding, QuantizedEmbedding)), "the body's table (models/llama.py)"
+    assert isinstance(table, (VocabEmbedding, QuantizedEmbedding, GGUFEmbedding)), "the body's table (models/llama.py)"
     assert isinstance(norm, (RMSNorm, GemmaRMSNorm)), "the body's final norm"
     with torch.no_grad():  # not inference_mode: training reads these tables under autograd
         dev = norm.weight.device
