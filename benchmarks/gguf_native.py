@@ -5,8 +5,8 @@ Files: the shipped SmolLM2-135M Q4_1, a Q8_0 of it written by llama.cpp's own qu
 (`llama_model_quantize` through llama-cpp-python, --allow-requantize), and Gemma 3 270M Q4_K_M. Speed is
 `tokenmill bench latency --peers llamacpp` per file (each engine in its own runs, interleaved, median of
 --num-iters). Memory, each in a fresh process: tokenmill's weights as loaded (every parameter and buffer of
-the model but the RoPE cos/sin tables; KV pool excluded) and the process's RSS growth over loading; llama.cpp's RSS growth over
-`Llama(model)` with a 512-token context.
+the model but the RoPE cos/sin tables; KV pool excluded) and the process's RSS growth over loading;
+llama.cpp's RSS growth over `Llama(model)` with a 512-token context.
 
     python benchmarks/gguf_native.py --num-threads 2 --out /tmp/gguf_native.json
 """
