@@ -316,7 +316,7 @@ def test_readme_table_from_a_hand_made_record():
     assert len(rows) == 12 <= suite_readme.MAX_ROWS
     assert lines[0] == "### avx2-amd-epyc"
     assert "AMD EPYC, kernels at avx2, 2 cores, 2 threads; read bandwidth 32.7 GB/s" in text
-    assert "| single-stream decode, bf16 (128 new tokens) | 71.9 tok/s |  |  |  | [1] |" in rows
+    assert "| single-stream decode, bf16, dense weights (128 new tokens) | 71.9 tok/s |  |  |  | [1] |" in rows
     assert any("llama.cpp 98.0 tok/s | 0.49x" in r for r in rows)
     assert any(r.startswith("| w: x | failed: exit 1: int4 kernel missing |") and r.endswith("[4] |") for r in rows)
     assert any("226.7 tok/s, TTFT 219 ms" in r and "1.24x" in r and "≥ 1.2x ✅ (3% margin)" in r for r in rows)

@@ -441,9 +441,11 @@ def headline_entries(opts: SuiteOptions) -> list[Entry]:
     s, m, threads, eng = opts.size, opts.model, str(opts.num_threads), opts.engine_args
     work = opts.work_dir / slugify(Path(m).name)
 
-    def latency(model: str, dtype: str, peers: str = "none") -> tuple[str, ...]:
+    def latency(model: str, dtype: str, peers: str = "none", dense: bool = False) -> tuple[str, ...]:
+        """dense: a GGUF model dequantized at load (the dense baseline the quantized rows compare with)."""
         return (
             *("bench", "latency", "--model", model, "--dtype", dtype, "--num-threads", threads),
+            *(("--gguf-dequantize",) if dense else ()),
             *("--input-len", s(32, 8), "--output-len", s(128, 8), "--num-iters", s(3, 1), "--peers", peers, *eng),
         )
 
@@ -469,14 +471,16 @@ def headline_entries(opts: SuiteOptions) -> list[Entry]:
     return [
         Entry(
             "decode_bf16",
-            "single-stream decode, bf16, 32 prompt + 128 new tokens, median of 3",
-            (Step("latency", latency(m, "bfloat16"), est_s=25),),
+            "single-stream decode, bf16, dense weights (a GGUF file dequantized), 32 prompt + 128 new tokens, "
+            "median of 3",
+            (Step("latency", latency(m, "bfloat16", dense=True), est_s=25),),
             summarize_decode,
         ),
         Entry(
             "decode_float32",
-            "single-stream decode, float32, 32 prompt + 128 new tokens, median of 3",
-            (Step("latency", latency(m, "float32"), est_s=30),),
+            "single-stream decode, float32, dense weights (a GGUF file dequantized), 32 prompt + 128 new tokens, "
+            "median of 3",
+            (Step("latency", latency(m, "float32", dense=True), est_s=30),),
             summarize_decode,
         ),
         Entry(

@@ -202,8 +202,8 @@ def _ppl_row(e: dict, _: dict) -> list[Row]:
 
 
 ROWS: tuple[tuple[tuple[str, ...], Callable[[dict, dict], list[Row]]], ...] = (
-    (("decode_bf16",), _decode_row("single-stream decode, bf16")),
-    (("decode_float32",), _decode_row("single-stream decode, float32")),
+    (("decode_bf16",), _decode_row("single-stream decode, bf16, dense weights")),
+    (("decode_float32",), _decode_row("single-stream decode, float32, dense weights")),
     (("decode_gguf_vs_llamacpp",), _gguf_row),
     (("decode_int8_rtn", "decode_int4_rtn"), lambda _, entries: _quant_row(entries)),
     (("roofline",), _roofline_row),
