@@ -21,6 +21,9 @@ EXPECTED_OPS = {
     "add_rms_norm": {"out", "sum"},
     "rope_inplace": {"qk"},
     "silu_mul": {"out"},
+    "rms_norm_unit_offset": {"out"},
+    "head_rms_norm_inplace": {"qk"},
+    "gelu_tanh_mul": {"out"},
     "linear_bf16_small": {"y"},
     "linear_bf16_avx2": {"y"},
     "linear_bf16_vnni": {"y"},
@@ -31,6 +34,8 @@ EXPECTED_OPS = {
     "paged_prefill": {"out"},
     "int4_linear": {"y"},
     "int8_linear": {"y"},
+    "gguf_linear": {"y"},
+    "gguf_dequantize_rows": {"out"},
     "dense_linear": set(),
     "argmax_rows": set(),
     "stream_read": set(),
@@ -72,9 +77,9 @@ def test_every_op_is_registered_with_its_schema():
         mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
         assert mutated == written, name
     # the C++ layer loop's class (csrc/decode_stack.h)
-    stack = torch.classes.tokenmill.DecodeStack(1, 1, 2, 1e-6, 1.0, torch.zeros(4, 2), torch.ones(2))
+    stack = torch.classes.tokenmill.DecodeStack(1, 1, 2, 1e-6, 1.0, [torch.zeros(4, 2)], torch.ones(2), 0, False)
     assert stack.num_layers() == 0
-    for method in ("add_layer", "add_linear", "forward"):
+    for method in ("add_layer", "add_linear", "add_gguf_linear", "forward"):
         assert hasattr(stack, method), method
 
 
@@ -238,11 +243,15 @@ def test_avx2_linear_gives_a_row_the_same_bits_whatever_the_row_count(each_isa):
 
 def test_prompt_attention_is_per_token_exactly_where_the_linears_are_invariant(each_isa):
     """ModelConfig.batch_invariant unset: per-token prompt attention for float32, and for bf16 only where the
-    dense rule's bf16 linears are invariant (AMX; AVX2 without AVX-512); explicit settings win."""
+    linears are invariant: the dense rule's bf16 linears on AMX or AVX2 without AVX-512 (the default GGUF file
+    dequantized), and a GGUF file run in its blocks on any level with an integer kernel; explicit settings win."""
     from tokenmill.config import ModelConfig
 
     assert native.bf16_linears_batch_invariant() == (each_isa in ("amx", "avx2"))
-    assert ModelConfig(dtype="bfloat16").attends_prompts_per_token == (each_isa in ("amx", "avx2"))
+    dense = ModelConfig(dtype="bfloat16", gguf_dequantize=True)
+    assert dense.attends_prompts_per_token == (each_isa in ("amx", "avx2"))
+    assert ModelConfig(dtype="bfloat16").runs_gguf_natively == (each_isa != "generic")
+    assert ModelConfig(dtype="bfloat16").attends_prompts_per_token == (each_isa != "generic")
     assert ModelConfig(dtype="float32").attends_prompts_per_token
     for dtype in ("bfloat16", "float32"):
         assert ModelConfig(dtype=dtype, batch_invariant=True).attends_prompts_per_token

@@ -146,17 +146,23 @@ def auto_dtype(device: str = "cpu") -> torch.dtype:
     return torch.bfloat16 if native.has_amx() else torch.float32
 
 
-@functools.cache
 def _gguf_file_runs_natively(model: str) -> bool:
-    """ModelConfig.runs_gguf_natively for a model name (resolved once; the file's header is read once)."""
-    from tokenmill.models.loader import resolve_model_path  # lazy: config does not load models
-    from tokenmill.quant.gguf import file_runs_natively
+    """ModelConfig.runs_gguf_natively for a model name: an integer kernel at the ISA level in force (asked each
+    time: tests cap the level) and a file whose weight matrices are all in served block formats (read once)."""
+    from tokenmill.quant.gguf import kernel_name  # lazy: config loads no kernels
+
+    return kernel_name() != "none" and _gguf_file_all_blocks(model)
+
+
+@functools.cache
+def _gguf_file_all_blocks(model: str) -> bool:
+    from tokenmill.models.loader import gguf_file_in_served_blocks, resolve_model_path  # lazy: config loads no models
 
     try:
         path = resolve_model_path(model)
     except Exception:  # noqa: BLE001 - an unknown model fails where it is loaded, with its own message
         return False
-    return path.is_file() and file_runs_natively(path)
+    return path.is_file() and gguf_file_in_served_blocks(path)
 
 
 def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
@@ -234,7 +240,13 @@ class ModelConfig:
     def runs_gguf_natively(self) -> bool:
         """The model is a GGUF file whose every weight matrix runs in its blocks on this CPU's integer kernels
         (quant/gguf.py): not dequantized, on a CPU with AVX2 or better."""
-        return not self.gguf_dequantize and self.device == "cpu" and _gguf_file_runs_natively(self.model)
+        return not self.dequantizes_gguf and self.device == "cpu" and _gguf_file_runs_natively(self.model)
+
+    @property
+    def dequantizes_gguf(self) -> bool:
+        """A GGUF file's quantized tensors are dequantized at load: asked for, or tensor parallelism (whose shards
+        split dense weights)."""
+        return self.gguf_dequantize or self.tensor_parallel_size > 1
 
     @property
     def bf16_linears_vary_with_batch(self) -> bool:

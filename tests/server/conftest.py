@@ -139,9 +139,10 @@ def server(tmp_path_factory) -> ServerProcess:
 
 @pytest.fixture(scope="package")
 def fp32_server(tmp_path_factory) -> ServerProcess:
-    """A server in float32 whatever the host (`--dtype auto` is bfloat16 on AMX), for the tests that compare with
+    """A server in float32 whatever the host, the file dequantized at load as transformers loads it (`--dtype auto`
+    is bfloat16, and the file runs in its blocks with int8 activations), for the tests that compare with
     transformers' float32 numerics within 1e-3."""
-    srv = start_server(tmp_path_factory.mktemp("fp32_server"), *DEFAULT_ARGS, "--dtype", "float32")
+    srv = start_server(tmp_path_factory.mktemp("fp32_server"), *DEFAULT_ARGS, "--dtype", "float32", "--gguf-dequantize")
     yield srv
     srv.stop()
 

@@ -153,7 +153,11 @@ def test_get_delete_and_store_false(client, server):
 def test_json_schema_format_parses_and_validates(client):
     schema = {
         "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+        # NOTE: a bounded population: unbounded, the 135M model's greedy digits ran to max_output_tokens
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+        },
         "required": ["city", "population"],
         "additionalProperties": False,
     }

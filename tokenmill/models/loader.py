@@ -217,6 +217,21 @@ def reset_buffers(net: torch.nn.Module, device: str) -> None:
             m.rebuild(device)
 
 
+def gguf_file_in_served_blocks(path: Path) -> bool:
+    """The GGUF file at `path` has every weight matrix in a block format quant/gguf.py serves: with an integer
+    kernel, the model's linears and head then all run on it (ModelConfig.runs_gguf_natively)."""
+    from tokenmill.models.gguf_file import GGUFFile
+    from tokenmill.quant.gguf import BLOCKS
+
+    if not _has_gguf_magic(path):
+        return False
+    try:
+        tensors = GGUFFile(path).tensors
+    except (OSError, ValueError):
+        return False
+    return all(int(t.tensor_type) in BLOCKS for t in tensors if len(t.shape) == 2)
+
+
 def _has_gguf_magic(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"

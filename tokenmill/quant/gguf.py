@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,20 +62,6 @@ def served(ggml_type: int) -> bool:
 def row_bytes(ggml_type: int, in_features: int) -> int:
     weights, nbytes = BLOCKS[ggml_type]
     return in_features // weights * nbytes
-
-
-def file_runs_natively(path: Path) -> bool:
-    """Every weight matrix of the GGUF file at `path` is in a block format served here, and this CPU has an
-    integer kernel: the model's linears and head then all run on it."""
-    from tokenmill.models.gguf_file import GGUFFile
-
-    if kernel_name() == "none":
-        return False
-    try:
-        tensors = GGUFFile(path).tensors
-    except (OSError, ValueError):
-        return False
-    return all(int(t.tensor_type) in BLOCKS for t in tensors if len(t.shape) == 2)
 
 
 def kernel_name() -> str:

@@ -117,7 +117,7 @@ def load_target(mc: ModelConfig, load_tokenizer: bool = True) -> LoadedModel:
         device=mc.device,
         quantize_lm_head=mc.quantize_lm_head,
         load_tokenizer=load_tokenizer,
-        gguf_dequantize=mc.gguf_dequantize,
+        gguf_dequantize=mc.dequantizes_gguf,
     )
 
 
