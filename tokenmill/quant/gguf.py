@@ -30,6 +30,7 @@ dequantized to the model dtype.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -70,18 +71,14 @@ def kernel_name() -> str:
     return "none" if m is None else m.gguf_kernel()
 
 
-_warned_no_kernel = False
-
-
+@functools.cache
 def _warn_no_kernel() -> None:
-    global _warned_no_kernel
-    if not _warned_no_kernel:
-        _warned_no_kernel = True
-        logger.warning(
-            "GGUF weights: no integer kernel on this CPU (%s: needs AVX2); every quantized linear dequantizes its "
-            "blocks at each call (slow). --gguf-dequantize dequantizes once at load instead.",
-            "C++ kernels unavailable" if native.module() is None else f"ISA {native.isa()}",
-        )
+    """Says once per process that the GGUF linears dequantize at every call."""
+    logger.warning(
+        "GGUF weights: no integer kernel on this CPU (%s: needs AVX2); every quantized linear dequantizes its "
+        "blocks at each call (slow). --gguf-dequantize dequantizes once at load instead.",
+        "C++ kernels unavailable" if native.module() is None else f"ISA {native.isa()}",
+    )
 
 
 @dataclass(frozen=True)
