@@ -331,6 +331,19 @@ def test_readme_table_from_a_hand_made_record():
     assert text.count("\n[") == 10
 
 
+def test_host_line_names_each_commit_of_a_partial_rerun():
+    record = hand_made_record()
+    one = suite_readme.render_readme_table([record])
+    assert "at commit cccccccccc;" in one and "several commits" not in one
+    record["entries"]["decode_bf16"] = {
+        **record["entries"]["decode_bf16"],
+        "commit": "d" * 40,
+        "date": "2026-12-07 03:07",
+    }
+    mixed = suite_readme.render_readme_table([record])
+    assert "entries recorded at several commits: dddddddddd on 2026-12-07 (decode_bf16); cccccccccc on" in mixed
+
+
 def test_readme_block_without_records_and_the_markers():
     block = suite_readme.readme_block([])
     assert block.startswith(suite_readme.START) and block.endswith(suite_readme.END)

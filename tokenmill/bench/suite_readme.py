@@ -216,14 +216,27 @@ ROWS: tuple[tuple[tuple[str, ...], Callable[[dict, dict], list[Row]]], ...] = (
 """The table's rows in order: the entries each row reads (its commands are theirs) and how it reads them."""
 
 
+def _recorded(r: dict) -> str:
+    """When and at which commit the entries ran: the record's, or per commit where a partial rerun mixed them."""
+    dirty = " with uncommitted changes" if r.get("dirty") else ""
+    by_commit: dict[str, list[str]] = {}
+    for name, e in r["entries"].items():
+        by_commit.setdefault(str(e.get("commit", r["commit"]))[:10], []).append(name)
+    if len(by_commit) <= 1:
+        return f"recorded {r['date']} at commit {r['commit'][:10]}{dirty}"
+    parts = []
+    for commit, names in by_commit.items():
+        dates = sorted({str(r["entries"][n].get("date", r["date"]))[:10] for n in names})
+        parts.append(f"{commit} on {', '.join(dates)} ({', '.join(names)})")
+    return f"entries recorded at several commits: {'; '.join(parts)}{dirty}"
+
+
 def _host_line(r: dict) -> str:
     h = r["host"]
-    dirty = " with uncommitted changes" if r.get("dirty") else ""
     return (
         f"{h['model_name']}, kernels at {h['isa']}, {h['cores']} cores, {h['threads']} threads; read bandwidth "
-        f"{_num(h.get('read_gb_s'))} GB/s (the roofline entry); recorded {r['date']} at commit "
-        f"{r['commit'][:10]}{dirty}; model {r.get('model', 'smollm2-135m')}. OUT in a command is where the suite "
-        "put that command's output."
+        f"{_num(h.get('read_gb_s'))} GB/s (the roofline entry); {_recorded(r)}; model "
+        f"{r.get('model', 'smollm2-135m')}. OUT in a command is where the suite put that command's output."
     )
 
 
