@@ -180,11 +180,12 @@ def test_loop_serves_biases_and_declines_int8_kv(tiny_qwen2, tiny_llama):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3"])
-def test_every_family_runs_in_the_loop(request, arch, dtype):
+def test_every_family_runs_in_the_loop(request, arch, dtype, each_isa):
     """One loop, every family's layout as data (models/interface.py): Llama, Qwen2 (q/k/v biases), Qwen3 (QK-norm,
     head_dim 24) and Gemma 3 (four 1 + w norms, GeGLU, scaled embedding, two RoPE bases, 8-token windows over six
-    KV-cache groups) give the module path's greedy tokens, with the loop serving the decode steps. The 35-token
-    prompt passes Gemma's window, so windowed layers attend from key_start over tables whose first blocks slid out."""
+    KV-cache groups) give the module path's greedy tokens, with the loop serving the decode steps, at every ISA
+    level this host has. The 35-token prompt passes Gemma's window, so windowed layers attend from key_start over
+    tables whose first blocks slid out."""
     llm = LLM(
         model=str(request.getfixturevalue(arch)),
         dtype=dtype,
