@@ -7,6 +7,8 @@ are reported as skips that name the missing instruction set."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -75,8 +77,9 @@ KERNEL_LEVELS = {"avx2": "avx2", "avx512_vnni": "avx512"}
 """Each integer kernel -> the ISA level cap under which it is the one chosen."""
 
 
-def use_kernel(name: str) -> str:
-    """Caps the ISA level so that kernel `name` runs; returns the previous cap. Skips, naming the instruction set,
+@contextlib.contextmanager
+def using_kernel(name: str) -> Iterator[None]:
+    """Caps the ISA level so that kernel `name` runs, and restores the cap after. Skips, naming the instruction set,
     where this host cannot run it."""
     detected = native.module().detected_isa()
     if name == "avx2" and LEVELS.index(detected) < LEVELS.index("avx2"):
@@ -84,8 +87,11 @@ def use_kernel(name: str) -> str:
     if name == "avx512_vnni" and (LEVELS.index(detected) < LEVELS.index("avx512") or not _host_has_vnni()):
         pytest.skip(isa_skip_reason("the GGUF avx512_vnni kernel", "AVX512-VNNI"))
     previous = native.module().set_max_isa(KERNEL_LEVELS[name])
-    assert gq.kernel_name() == name
-    return previous
+    try:
+        assert gq.kernel_name() == name
+        yield
+    finally:
+        native.module().set_max_isa(previous)
 
 
 def check_emulation(dtype: torch.dtype) -> None:
@@ -165,40 +171,28 @@ def test_no_integer_kernel_below_avx2():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_avx2_kernel_matches_the_int8_activation_emulation(dtype):
-    previous = use_kernel("avx2")
-    try:
+    with using_kernel("avx2"):
         check_emulation(dtype)
-    finally:
-        native.module().set_max_isa(previous)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_avx2_kernel_rows_are_the_same_bits_at_any_batch(dtype):
-    previous = use_kernel("avx2")
-    try:
+    with using_kernel("avx2"):
         check_batch_invariance(dtype)
-    finally:
-        native.module().set_max_isa(previous)
 
 
 def test_avx2_kernel_parts_of_mixed_types():
-    previous = use_kernel("avx2")
-    try:
+    with using_kernel("avx2"):
         check_mixed_parts()
-    finally:
-        native.module().set_max_isa(previous)
 
 
 def test_avx512_vnni_kernel():
     """The AVX512-VNNI kernel, every check above in one test (one skip, naming VNNI, on hosts without it)."""
-    previous = use_kernel("avx512_vnni")
-    try:
+    with using_kernel("avx512_vnni"):
         for dtype in (torch.float32, torch.bfloat16):
             check_emulation(dtype)
             check_batch_invariance(dtype)
         check_mixed_parts()
-    finally:
-        native.module().set_max_isa(previous)
 
 
 def test_kernel_refuses_bad_blocks():
