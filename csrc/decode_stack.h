@@ -22,7 +22,7 @@ struct StackLinear {
     std::optional<at::Tensor> bias;    // dense and gguf only
     int64_t group;                     // int4: the group size
     int64_t out_features;
-    std::vector<at::Tensor> parts;     // gguf: each part's blocks, filling the output columns in order
+    std::vector<at::Tensor> parts;     // gguf: each part packed (gguf_layout.h), filling the output columns in order
     std::vector<int64_t> types;        // gguf: each part's ggml type
 };
 
@@ -64,7 +64,7 @@ class DecodeStack : public torch::CustomClassHolder {
                    int64_t rope);
     void add_linear(int64_t kind, at::Tensor weight, std::optional<at::Tensor> aux, std::optional<at::Tensor> extra,
                     std::optional<at::Tensor> bias, int64_t group, int64_t out_features);
-    // A GGUF linear in its file's blocks (gguf_quant.h), in place of an add_linear call.
+    // A GGUF linear, its parts packed (gguf_quant.h), in place of an add_linear call.
     void add_gguf_linear(std::vector<at::Tensor> parts, std::vector<int64_t> types, std::optional<at::Tensor> bias,
                          int64_t out_features);
     int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }

@@ -53,7 +53,8 @@ TORCH_LIBRARY(tokenmill, m) {
           &tokenmill::int8_linear);
     // quant/gguf.py
     m.def("gguf_linear(Tensor(a!) y, Tensor x, Tensor[] parts, int[] types) -> bool", &tokenmill::gguf_linear);
-    m.def("gguf_dequantize_rows(Tensor(a!) out, Tensor blocks, int type, Tensor rows) -> ()",
+    m.def("gguf_pack(Tensor blocks, int type) -> Tensor", &tokenmill::gguf_pack);
+    m.def("gguf_dequantize_rows(Tensor(a!) out, Tensor packed, int type, Tensor rows) -> ()",
           &tokenmill::gguf_dequantize_rows);
     // worker/cpu_decode.py: the layer loop as an object built once at load (decode_stack.h); the KV
     // caches it was given are written by forward
@@ -86,5 +87,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              "at the level in force: generic, avx2, avx512 or avx512_bf16.");
     m.def("gguf_kernel", [] { return std::string(tokenmill::gguf_kernel_name()); },
           "The GGUF integer kernel at the level in force: avx512_vnni, avx2, or none (below AVX2: dequantize).");
+    m.def("int_kernel", [] { return std::string(tokenmill::int_kernel_name()); },
+          "The int4 (k64) / int8 weight-only kernel at the level in force: avx512_bf16, avx2, or none.");
     m.attr("source_hash") = TOKENMILL_SOURCE_HASH;
 }

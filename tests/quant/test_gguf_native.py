@@ -1,4 +1,4 @@
-"""GGUF blocks run as the file holds them (quant/gguf.py, csrc/gguf_quant.cpp).
+"""GGUF blocks kept quantized, repacked into row groups (quant/gguf.py, csrc/gguf_layout.h).
 
 Oracles: the `gguf` package's own dequantizer (an independent implementation of every block format) for the
 weights, and a float64 emulation of the kernel's int8 activations for the products; the real default model's
@@ -96,12 +96,12 @@ def using_kernel(name: str) -> Iterator[None]:
 
 def check_emulation(dtype: torch.dtype) -> None:
     """Every format against a float64 emulation of the kernel's arithmetic, and near the float product."""
-    rows, cols = 40, 768
+    rows, cols = 48, 768
     x = torch.randn(9, cols, generator=torch.Generator().manual_seed(1)).to(dtype)
     for name, ggml_type in TYPES:
         blocks = random_blocks(ggml_type, rows, cols, seed=3 + ggml_type)
         w = package_dequantize(ggml_type, blocks, cols)
-        y = gq.linear(x, [gq.GGUFPart(ggml_type, blocks)])
+        y = gq.linear(x, [gq.GGUFPart.from_blocks(ggml_type, blocks)])
         assert y is not None and y.dtype == dtype
         ref = emulate(x.float(), w)
         scale = ref.abs().max().item()
@@ -117,7 +117,7 @@ def check_batch_invariance(dtype: torch.dtype) -> None:
     cols = 1024
     x = torch.randn(37, cols, generator=torch.Generator().manual_seed(2)).to(dtype)
     for name, ggml_type in TYPES:
-        part = gq.GGUFPart(ggml_type, random_blocks(ggml_type, 24, cols, seed=ggml_type))
+        part = gq.GGUFPart.from_blocks(ggml_type, random_blocks(ggml_type, 32, cols, seed=ggml_type))
         whole = gq.linear(x, [part])
         assert whole is not None
         for lo, hi in ((0, 1), (3, 5), (5, 8), (8, 13), (13, 37)):
@@ -127,10 +127,10 @@ def check_batch_invariance(dtype: torch.dtype) -> None:
 def check_mixed_parts() -> None:
     """Parts of different types fill their own columns, as each part alone."""
     cols = 512
-    parts = [gq.GGUFPart(t, random_blocks(t, n, cols, seed=t)) for t, n in ((6, 16), (8, 8), (14, 24))]
+    parts = [gq.GGUFPart.from_blocks(t, random_blocks(t, n, cols, seed=t)) for t, n in ((6, 16), (8, 32), (14, 48))]
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(3))
     y = gq.linear(x, parts)
-    assert y is not None and y.shape == (3, 48)
+    assert y is not None and y.shape == (3, 96)
     col = 0
     for p in parts:
         assert torch.equal(y[:, col : col + p.rows], gq.linear(x, [p]))
@@ -139,14 +139,29 @@ def check_mixed_parts() -> None:
 
 @pytest.mark.parametrize(("name", "ggml_type"), TYPES)
 def test_dequantize_rows_equals_the_gguf_package(name, ggml_type):
-    rows, cols = 7, 512
+    rows, cols = 32, 512
     blocks = random_blocks(ggml_type, rows, cols, seed=ggml_type)
     ref = package_dequantize(ggml_type, blocks, cols)
-    part = gq.GGUFPart(ggml_type, blocks)
+    part = gq.GGUFPart.from_blocks(ggml_type, blocks)
     assert torch.equal(part.dequantize(torch.float32), ref)
-    picked = torch.tensor([5, 0, 5])
+    picked = torch.tensor([21, 0, 5, 21])
     assert torch.equal(part.dequantize(torch.float32, picked), ref[picked])
     assert torch.equal(part.dequantize(torch.bfloat16), ref.bfloat16())
+
+
+@pytest.mark.parametrize(("name", "ggml_type"), TYPES)
+def test_packing_keeps_the_files_size(name, ggml_type):
+    """A packed group holds its 16 rows' file bytes; Q4_K and Q5_K 4 more per row and block (a byte per 6-bit
+    scale and minimum, where the file packs 16 of them in 12 bytes)."""
+    cols = 512
+    blocks = random_blocks(ggml_type, 32, cols, seed=ggml_type)
+    extra = 4 * (cols // 256) * 32 if name in ("Q4_K", "Q5_K") else 0
+    assert gq.GGUFPart.from_blocks(ggml_type, blocks).packed.numel() == blocks.numel() + extra
+
+
+def test_packing_refuses_rows_not_in_groups_of_16():
+    with pytest.raises(RuntimeError, match="N a multiple of 16"):
+        gq.GGUFPart.from_blocks(2, random_blocks(2, 8, 64))
 
 
 def test_each_level_chooses_its_kernel():
@@ -160,7 +175,7 @@ def test_each_level_chooses_its_kernel():
 
 
 def test_no_integer_kernel_below_avx2():
-    part = gq.GGUFPart(3, random_blocks(3, 8, 256))
+    part = gq.GGUFPart.from_blocks(3, random_blocks(3, 16, 256))
     previous = native.module().set_max_isa("generic")
     try:
         assert gq.kernel_name() == "none"
@@ -196,9 +211,9 @@ def test_avx512_vnni_kernel():
 
 
 def test_kernel_refuses_bad_blocks():
-    part = gq.GGUFPart(2, random_blocks(2, 4, 64))
+    part = gq.GGUFPart.from_blocks(2, random_blocks(2, 16, 64))
     x = torch.randn(2, 96)  # 96 inputs: 3 blocks per row, the part has 2
-    with pytest.raises(RuntimeError, match="not contiguous uint8 blocks"):
+    with pytest.raises(RuntimeError, match="not contiguous packed groups"):
         gq.linear(x, [part])
 
 
@@ -209,7 +224,7 @@ def test_linear_method_below_avx2_dequantizes():
     blocks = random_blocks(3, 16, cols)
     with torch.device("meta"):
         layer = Linear(cols, 16)
-    gq.install_gguf(layer, [gq.GGUFPart(3, blocks)])
+    gq.install_gguf(layer, [gq.GGUFPart.from_blocks(3, blocks)])
     x = torch.randn(2, cols)
     previous = native.module().set_max_isa("generic")
     try:
@@ -247,8 +262,8 @@ def test_real_model_keeps_the_files_blocks(real_native_and_dequantized, real_mod
     native_linears = [m for m in methods if isinstance(m, gq.GGUFLinearMethod)]
     assert len(native_linears) == 30 * 4 + 1  # every layer's qkv, o, gate_up, down, and the tied head
     quantized_bytes = sum(t.data.nbytes for t in GGUFFile(real_model_path).tensors if int(t.tensor_type) in gq.BLOCKS)
-    held = sum(p.blocks.numel() for m in native_linears for p in m.parts)
-    assert held == quantized_bytes  # the file's bytes, nothing repacked or dequantized beside them
+    held = sum(p.packed.numel() for m in native_linears for p in m.parts)
+    assert held == quantized_bytes  # Q4_1 and Q8_0 pack into the file's bytes, nothing dequantized beside them
     assert not any(p.dtype.is_floating_point and p.numel() >= 576 * 576 for p in net.parameters())
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from tests.conftest import isa_skip_reason
+from tokenmill import native
 from tokenmill.layers.linear import Linear
+from tokenmill.native import ISA_LEVELS
 from tokenmill.quant import cpu_int4
 from tokenmill.quant.grid import quantize_groupwise
 from tokenmill.quant.kernels import DEFAULT_PLAN, KernelPlan, install_quantized, tinygemm_layout_ok, tinygemm_unpack
@@ -47,12 +52,37 @@ def test_k64_layout_round_trip():
     assert torch.equal(cpu_int4.unpack(packed).long(), codes)
 
 
-@pytest.mark.skipif(not cpu_int4.available(), reason=isa_skip_reason("the int4 k64 kernel", "AVX512-BF16"))
+INT_KERNELS = {"avx2": ("avx2", "AVX2"), "avx512_bf16": ("avx512_bf16", "AVX512-BF16")}
+"""Each int4/int8 kernel -> (the ISA cap under which it is the one chosen, the instruction set a skip names)."""
+
+
+@contextlib.contextmanager
+def using_int_kernel(name: str) -> Iterator[None]:
+    """Caps the ISA level so that kernel `name` serves, restores it after; skips, naming the ISA, where this host
+    lacks it (the kernel must then be chosen: a fallback fails the assert)."""
+    level, isa_name = INT_KERNELS[name]
+    detected = native.module().detected_isa()
+    if ISA_LEVELS.index(detected) < ISA_LEVELS.index(level):
+        pytest.skip(isa_skip_reason(f"the {name} int4/int8 kernel", isa_name))
+    previous = native.module().set_max_isa(level)
+    try:
+        assert cpu_int4.kernel_name() == name
+        yield
+    finally:
+        native.module().set_max_isa(previous)
+
+
+@pytest.mark.parametrize("kernel", list(INT_KERNELS))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
 @pytest.mark.parametrize("out,cols,gs", [(192, 576, 64), (70, 256, 128), (576, 1536, 64)])
-def test_k64_kernel_matches_dequantized_reference(rows, out, cols, gs):
-    """Every row-block shape of the kernel (R x M unrolls, a ragged tail of output rows) against
-    the float32 product with the bf16-stored scales."""
+def test_k64_kernel_matches_dequantized_reference(kernel, rows, out, cols, gs):
+    """Every row-block shape of each kernel (R x M unrolls, a ragged tail of output rows) against
+    the float32 product with the bf16-stored scales, and every row the same bits alone as in the batch."""
+    with using_int_kernel(kernel):
+        check_k64(rows, out, cols, gs)
+
+
+def check_k64(rows: int, out: int, cols: int, gs: int) -> None:
     g = torch.Generator().manual_seed(rows)
     layer = _layer(out, cols, torch.bfloat16, bias=True)
     qw = quantize_groupwise(layer.weight.data.float(), 4, gs, False)
@@ -63,6 +93,8 @@ def test_k64_kernel_matches_dequantized_reference(rows, out, cols, gs):
     ref = x.float() @ layer.quant_method.dequantize(layer, torch.float32).t() + layer.bias.float()
     y = layer(x).float()
     assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    for i in range(rows):
+        assert torch.equal(layer(x[i : i + 1]).float(), y[i : i + 1])
 
 
 CASES = [  # bits, out, in, group, sym, act_order
@@ -144,10 +176,15 @@ def test_forced_layout_that_cannot_serve_is_refused():
         install_quantized(layer, quantize_groupwise(layer.weight.data.float(), 4, 32, True), int4_layout="tinygemm")
 
 
-@pytest.mark.skipif(not cpu_int4.available(), reason=isa_skip_reason("the int8 GEMV", "AVX512-BF16"))
+@pytest.mark.parametrize("kernel", list(INT_KERNELS))
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 @pytest.mark.parametrize("sym", [True, False])
-def test_int8_gemv_matches_dequantized_reference(rows, sym):
+def test_int8_gemv_matches_dequantized_reference(kernel, rows, sym):
+    with using_int_kernel(kernel):
+        check_int8(rows, sym)
+
+
+def check_int8(rows: int, sym: bool) -> None:
     layer = _layer(200, 576, torch.bfloat16, bias=False)
     qw = quantize_groupwise(layer.weight.data.float(), 8, -1, sym)
     install_quantized(layer, qw)

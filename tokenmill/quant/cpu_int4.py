@@ -1,4 +1,5 @@
-"""Weight-only int4 and int8 GEMVs for CPU decode: bf16 activations, AVX512-BF16, int4 in our own layout.
+"""Weight-only int4 and int8 GEMVs for CPU decode: bf16 activations, int4 in our own layout; AVX512-BF16 and
+AVX2 kernels.
 
 (`int8_linear`, at the end: per-channel int8 rows converted exactly to float32 and FMA'd, up to 8
 activation rows; it serves int8 checkpoints and the int8 LM head of int4 ones.)
@@ -28,6 +29,10 @@ any number of activation rows (blocks of up to 8 share each decoded weight chunk
 sends it calls of up to KernelPlan.int4_k64_max_rows rows (quant/kernels.py: a fixed rule, no timing) and
 dequantizes then runs one dense matmul above that.
 A software prefetch 4 KB ahead of the weight stream gained 10-30% out of cache here (two A/B runs).
+
+On AVX2 (no bf16 dot products) both kernels widen the activations to float32 once per call (exact) and FMA
+the codes converted 8 at a time (also exact): the same affine form, summed in float32, in another order than
+the AVX512-BF16 kernel's (a CPU runs one of them; each is batch-invariant on its own).
 """
 
 from __future__ import annotations
@@ -38,8 +43,14 @@ from tokenmill import native
 
 
 def available() -> bool:
-    """The kernels (csrc/quant_int.cpp) are built and this CPU has AVX512-BF16."""
-    return native.has_avx512_bf16()
+    """The kernels (csrc/quant_int.cpp) are built and this CPU has AVX2 at least."""
+    return kernel_name() != "none"
+
+
+def kernel_name() -> str:
+    """The kernel at the ISA level in force: "avx512_bf16", "avx2", or "none"."""
+    m = native.module()
+    return "none" if m is None else m.int_kernel()
 
 
 def layout_ok(in_features: int, group_size: int) -> bool:

@@ -1,7 +1,6 @@
-"""GGUF (llama.cpp) weights kept in their file's blocks: linears and the embedding table read them as they are.
+"""GGUF (llama.cpp) weights kept quantized: linears and the embedding table read the file's codes and scales.
 
-A GGUF file's Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K tensors are not dequantized at load. Each weight row
-is a run of the file's blocks, and the C++ kernel (csrc/gguf_quant.cpp) reads those blocks directly:
+A GGUF file's Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K tensors are not dequantized at load. Their blocks
 
     Q4_0   32 weights   d f16 | 16 B of nibbles               w = d (q - 8)
     Q4_1   32           d f16 | m f16 | 16 B of nibbles       w = d q + m
@@ -11,11 +10,15 @@ is a run of the file's blocks, and the C++ kernel (csrc/gguf_quant.cpp) reads th
     Q5_K   256          as Q4_K with a fifth bit per weight
     Q6_K   256          128 B low nibbles | 64 B 2-bit highs | 16 int8 sc | d     w = d sc (q - 32)  (per 16)
 
-So nothing is repacked, every format is exact (the weights are the file's, to the float32 rounding ggml's own
-dequantizer does), and the resident weights are the file's bytes. Rows are independent, which is all the
-loader needs: Llama's Q/K rows are put back in Hugging Face order by moving whole rows of blocks, and a packed
-layer (q|k|v, gate|up) keeps one part per checkpoint tensor, each with its own type (Gemma 3's Q4_K_M file mixes
-Q5_0 and Q8_0 inside one qkv).
+are repacked at load, losslessly, into row groups (csrc/gguf_layout.h): 16 weight rows at a time, each 32-weight
+unit's codes interleaved by row so that one 512-bit integer dot product (vpdpbusd) serves 16 output rows, and
+the float work per unit (two FMAs) is paid once per 16 rows instead of once per row. Every code, scale and
+minimum is kept as the file has it, so every format is exact (the weights are the file's, to the float32
+rounding ggml's own dequantizer does), and the resident weights are the file's bytes (Q4_K and Q5_K: 4 bytes
+more per 256 weights, each 6-bit scale in a byte). Rows are independent, which is all the loader needs: Llama's
+Q/K rows are put back in Hugging Face order by moving whole rows before packing, and a packed layer (q|k|v,
+gate|up) keeps one part per checkpoint tensor, each with its own type (Gemma 3's Q4_K_M file mixes Q5_0 and Q8_0
+inside one qkv). A tensor whose rows are not a multiple of 16 loads dense, and the log names it.
 
 The kernel quantizes each activation row to int8 in groups of 32 (scale max|x| / 127, as llama.cpp's Q8
 activations) and takes integer dot products with the codes: vpdpbusd on AVX512-VNNI, maddubs + madd on AVX2.
@@ -23,7 +26,7 @@ This is the one inexact step: logits differ from a float matmul against the dequ
 activations' rounding (bounded in tests/quant/test_gguf_native.py). Each row is computed alone, in the same
 order whatever else is in the batch, so outputs are batch-invariant in float32 and bf16 alike.
 
-Below AVX2 there is no integer kernel: the layer dequantizes its blocks and runs a dense matmul, and says so in
+Below AVX2 there is no integer kernel: the layer dequantizes its weights and runs a dense matmul, and says so in
 the log once. `--gguf-dequantize` (ModelConfig.gguf_dequantize) restores the old load: every tensor
 dequantized to the model dtype.
 """
@@ -34,7 +37,7 @@ import functools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -56,13 +59,23 @@ BITS = {2: 4, 3: 4, 6: 5, 8: 8, 12: 4, 13: 5, 14: 6}
 """ggml type id -> bits per weight code (Linear.quant_bits)."""
 
 
+GROUP_ROWS = 16
+"""Weight rows per packed group (csrc/gguf_layout.h): a tensor's rows must be a multiple of it to run packed."""
+
+
 def served(ggml_type: int) -> bool:
     return ggml_type in BLOCKS
 
 
 def row_bytes(ggml_type: int, in_features: int) -> int:
+    """Bytes of one row of the file's blocks."""
     weights, nbytes = BLOCKS[ggml_type]
     return in_features // weights * nbytes
+
+
+def packable(ggml_type: int, rows: int) -> bool:
+    """A tensor of `rows` rows in `ggml_type` can run packed (otherwise it loads dense)."""
+    return served(ggml_type) and rows % GROUP_ROWS == 0
 
 
 def kernel_name() -> str:
@@ -76,44 +89,46 @@ def _warn_no_kernel() -> None:
     """Says once per process that the GGUF linears dequantize at every call."""
     logger.warning(
         "GGUF weights: no integer kernel on this CPU (%s: needs AVX2); every quantized linear dequantizes its "
-        "blocks at each call (slow). --gguf-dequantize dequantizes once at load instead.",
+        "weights at each call (slow). --gguf-dequantize dequantizes once at load instead.",
         "C++ kernels unavailable" if native.module() is None else f"ISA {native.isa()}",
     )
 
 
+def _ops() -> Any:
+    ops = native.ops()
+    if ops is None:
+        raise RuntimeError("GGUF weights kept quantized need tokenmill's C++ kernels (`bash scripts/install.sh`)")
+    return ops
+
+
 @dataclass(frozen=True)
 class GGUFPart:
-    """One checkpoint tensor of a (possibly packed) linear, in its file's blocks."""
+    """One checkpoint tensor of a (possibly packed) linear, its file's blocks repacked into row groups."""
 
     ggml_type: int
-    blocks: torch.Tensor
-    """[rows, row_bytes] uint8: each row its in_features weights as consecutive blocks."""
+    packed: torch.Tensor
+    """[rows / 16, in_features / block weights * record bytes] uint8 (csrc/gguf_layout.h)."""
+    cols: int
+    """in_features: the weights per row."""
+
+    @classmethod
+    def from_blocks(cls, ggml_type: int, blocks: torch.Tensor) -> GGUFPart:
+        """Pack the file's blocks [rows, row bytes] uint8 (rows a multiple of 16): lossless."""
+        weights, nbytes = BLOCKS[ggml_type]
+        packed = _ops().gguf_pack(blocks.contiguous(), ggml_type)
+        return cls(ggml_type, packed, blocks.shape[1] // nbytes * weights)
 
     @property
     def rows(self) -> int:
-        return self.blocks.shape[0]
+        return self.packed.shape[0] * GROUP_ROWS
 
     def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[R, in_features] in `dtype`: the rows `rows` (all when None), as ggml's dequantizer computes them."""
-        weights, nbytes = BLOCKS[self.ggml_type]
-        k = self.blocks.shape[1] // nbytes * weights
         idx = torch.arange(self.rows) if rows is None else rows.reshape(-1).long()
-        ops = native.ops()
-        if ops is None:
-            return _dequantize_numpy(self.ggml_type, self.blocks[idx], k).to(dtype)
         out_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
-        out = torch.empty(idx.numel(), k, dtype=out_dtype)
-        ops.gguf_dequantize_rows(out, self.blocks, self.ggml_type, idx.contiguous())
+        out = torch.empty(idx.numel(), self.cols, dtype=out_dtype)
+        _ops().gguf_dequantize_rows(out, self.packed, self.ggml_type, idx.contiguous())
         return out.to(dtype)
-
-
-def _dequantize_numpy(ggml_type: int, blocks: torch.Tensor, k: int) -> torch.Tensor:
-    """The `gguf` package's dequantizer (no C++ kernels)."""
-    import gguf
-    import numpy as np
-
-    arr = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(ggml_type))
-    return torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(blocks.shape[0], k)
 
 
 def linear(x2: torch.Tensor, parts: list[GGUFPart]) -> torch.Tensor | None:
@@ -124,13 +139,13 @@ def linear(x2: torch.Tensor, parts: list[GGUFPart]) -> torch.Tensor | None:
         return None
     x2 = x2.contiguous()
     y = x2.new_empty(x2.shape[0], sum(p.rows for p in parts))
-    if not ops.gguf_linear(y, x2, [p.blocks for p in parts], [p.ggml_type for p in parts]):
+    if not ops.gguf_linear(y, x2, [p.packed for p in parts], [p.ggml_type for p in parts]):
         return None
     return y
 
 
 class GGUFLinearMethod:
-    """A Linear whose weight is GGUF blocks, one GGUFPart per checkpoint tensor (layers/linear.py's method
+    """A Linear whose weight is packed GGUF blocks, one GGUFPart per checkpoint tensor (layers/linear.py's method
     protocol). Holds no dense copy; `dequantize` builds one on demand (tests, the path below AVX2)."""
 
     def __init__(self, parts: list[GGUFPart]) -> None:
@@ -141,7 +156,7 @@ class GGUFLinearMethod:
         return torch.cat([p.dequantize(dtype) for p in self.parts])
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        """Nothing to build: the kernel reads the file's blocks."""
+        """Nothing to build: the parts were packed at load."""
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -156,18 +171,18 @@ class GGUFLinearMethod:
 
     def kernel(self, layer: Linear) -> LinearKernel | None:
         """The integer kernel at any row count (it is the one `apply` runs), or None without it."""
-        if kernel_name() == "none" or self.parts[0].blocks.device.type != "cpu":
+        if kernel_name() == "none" or self.parts[0].packed.device.type != "cpu":
             return None
         return LinearKernel(
             KernelKind.GGUF,
-            self.parts[0].blocks,
+            self.parts[0].packed,
             None,
             None,
             layer.bias,
             0,
             layer.out_features,
             ANY_ROWS,
-            tuple(p.blocks for p in self.parts),
+            tuple(p.packed for p in self.parts),
             tuple(p.ggml_type for p in self.parts),
         )
 
@@ -177,11 +192,8 @@ def install_gguf(layer: Linear, parts: list[GGUFPart]) -> None:
     if sum(p.rows for p in parts) != layer.out_features:
         raise ValueError(f"GGUF parts have {sum(p.rows for p in parts)} rows, the layer {layer.out_features}")
     for p in parts:
-        if p.blocks.shape[1] != row_bytes(p.ggml_type, layer.in_features):
-            raise ValueError(
-                f"GGUF part of type {p.ggml_type}: {p.blocks.shape[1]} bytes per row, expected "
-                f"{row_bytes(p.ggml_type, layer.in_features)} for {layer.in_features} inputs"
-            )
+        if p.cols != layer.in_features:
+            raise ValueError(f"GGUF part of type {p.ggml_type}: {p.cols} inputs, the layer {layer.in_features}")
     if "weight" in layer._parameters:
         del layer._parameters["weight"]
     layer.weight = None  # type: ignore[assignment]  # a quantized layer has no dense weight (as quant/kernels.py)
@@ -190,9 +202,9 @@ def install_gguf(layer: Linear, parts: list[GGUFPart]) -> None:
 
 
 class GGUFEmbedding(nn.Module):
-    """The token table in its file's blocks: rows for lookups (dequantized per requested row) and, for tied
-    embeddings, the logits through the same kernel as any GGUF linear. Answers the calls a VocabEmbedding does
-    (layers/embedding.py): forward(ids), as_lm_head(hidden), dense_table()."""
+    """The token table kept quantized (a packed GGUFPart): rows for lookups (dequantized per requested row)
+    and, for tied embeddings, the logits through the same kernel as any GGUF linear. Answers the calls a
+    VocabEmbedding does (layers/embedding.py): forward(ids), as_lm_head(hidden), dense_table()."""
 
     def __init__(self, part: GGUFPart, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -240,8 +252,8 @@ def install_native(net: CausalLM, tensors: Iterable[tuple[str, GGUFPart]], dtype
     for name, part in tensors:
         if name == EMBED_NAME:
             cfg = net.config
-            if part.rows != cfg.vocab_size or part.blocks.shape[1] != row_bytes(part.ggml_type, cfg.hidden_size):
-                raise ValueError(f"{name}: {part.rows} rows of {part.blocks.shape[1]} bytes do not fit the table")
+            if part.rows != cfg.vocab_size or part.cols != cfg.hidden_size:
+                raise ValueError(f"{name}: [{part.rows}, {part.cols}] does not fit the table")
             with torch.device("meta"):
                 net.model.embed_tokens = GGUFEmbedding(part, cfg.hidden_size, dtype)
             placed.add(name)
@@ -252,9 +264,9 @@ def install_native(net: CausalLM, tensors: Iterable[tuple[str, GGUFPart]], dtype
         mod = modules.get(target)
         if not isinstance(mod, Linear):
             continue  # the dense load names it
-        if part.rows != mod.output_sizes[shard] or part.blocks.shape[1] != row_bytes(part.ggml_type, mod.in_features):
+        if part.rows != mod.output_sizes[shard] or part.cols != mod.in_features:
             raise ValueError(
-                f"{name}: {part.rows} rows of {part.blocks.shape[1]} bytes do not fit {target} "
+                f"{name}: [{part.rows}, {part.cols}] does not fit {target} "
                 f"([{mod.output_sizes[shard]}, {mod.in_features}])"
             )
         by_target.setdefault(target, {})[shard] = (name, part)
@@ -269,12 +281,12 @@ def install_native(net: CausalLM, tensors: Iterable[tuple[str, GGUFPart]], dtype
 
 
 def register_blocks(net: nn.Module) -> None:
-    """Register every GGUF linear's blocks as its buffers (after `to_empty`, which would have emptied them), so
-    that the module's buffers account for them."""
+    """Register every GGUF linear's packed weights as its buffers (after `to_empty`, which would have emptied
+    them), so that the module's buffers account for them."""
     for m in net.modules():
         if isinstance(m, Linear) and isinstance(m.quant_method, GGUFLinearMethod):
             for i, p in enumerate(m.quant_method.parts):
-                m.register_buffer(f"gguf_blocks_{i}", p.blocks, persistent=False)
+                m.register_buffer(f"gguf_blocks_{i}", p.packed, persistent=False)
 
 
 def replace_table(net: CausalLM, choice: str, dtype: torch.dtype) -> None:

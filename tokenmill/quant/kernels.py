@@ -5,7 +5,7 @@
 activation rows, the activation dtype and the layout: fixed rules, never a timing inside the serving
 process, so one checkpoint gives the same bits on a busy machine and a quiet one:
 
-  * "kernel":  int4: our AVX512-BF16 kernel (quant/cpu_int4.py, layout "k64": K and the group size
+  * "kernel":  int4: our AVX512-BF16 or AVX2 kernel (quant/cpu_int4.py, layout "k64": K and the group size
                multiples of 64, bf16 activations), else torch's `_weight_int4pack_mm_for_cpu`
                (layout "tinygemm": N % 64 == 0, groups of 32..256, bf16/fp16 activations);
                int8 (per output channel): our GEMV for up to 8 bf16 rows (quant/cpu_int4.py), else
