@@ -384,7 +384,8 @@ class TreeConfig:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    """Proposer: ngram, draft_model, eagle (a trained EAGLE head; `tokenmill train-eagle`) or medusa (trained
+    """Proposer: ngram, suffix (ngram plus an online store of what the server wrote, per cache_salt:
+    spec_decode/suffix.py), draft_model, eagle (a trained EAGLE head; `tokenmill train-eagle`) or medusa (trained
     Medusa heads drafting a static token tree; `tokenmill train-medusa`)."""
     num_speculative_tokens: int = 4
     """Largest number of draft tokens (gamma) per step."""
@@ -396,8 +397,9 @@ class SpeculativeConfig:
     """Shortest n-gram matched by the n-gram proposer."""
     datastore: str | None = None
     """ngram: a suffix datastore of the target's own answers (`tokenmill build-datastore`) consulted
-    when the request itself has no match of 2+ tokens (spec_decode/datastore.py). medusa with a tree: the
-    heads' guesses, prompt lookup and the datastore grow one tree."""
+    when the request itself has no match of 2+ tokens (spec_decode/datastore.py). suffix: the seed, asked where
+    the online store has nothing. medusa with a tree: the heads' guesses, prompt lookup and the datastore grow
+    one tree."""
     datastore_min_share: float = 0.3
     """ngram with a datastore: draft a token only if it followed the context at least this often in
     the corpus (0.3 measured best of 0 / 0.3 / 0.5 on the default model, docs/spec_decode.md)."""
@@ -406,30 +408,35 @@ class SpeculativeConfig:
     draft_num_layers: int | None = None
     """Keep only this many layers of the draft model (its first N-1 and its last): a layer-truncated draft."""
     tree: TreeConfig | None = None
-    """Draft token trees (ngram, medusa, eagle): several candidates per position, verified exactly in one pass
-    (TreeConfig)."""
+    """Draft token trees (ngram, suffix, medusa, eagle): several candidates per position, verified exactly in one
+    pass (TreeConfig)."""
+    suffix_max_tokens: int = 65536
+    """suffix: the most tokens of served text the online store holds over all tenants (oldest requests evicted
+    first; about 0.5 KB of memory per token)."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model", "eagle", "medusa"):
+        if self.method not in ("ngram", "suffix", "draft_model", "eagle", "medusa"):
             raise ValueError(
-                f"speculative_config.method must be ngram, draft_model, eagle or medusa, got {self.method!r}"
+                f"speculative_config.method must be ngram, suffix, draft_model, eagle or medusa, got {self.method!r}"
             )
+        if self.suffix_max_tokens < 0:
+            raise ValueError("speculative_config.suffix_max_tokens must be >= 0")
         if self.num_speculative_tokens < 1:
             raise ValueError("speculative_config.num_speculative_tokens must be >= 1")
         if self.method in ("draft_model", "eagle", "medusa") and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method}")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ValueError("speculative_config.draft_num_layers must be >= 1")
-        if self.datastore and self.method not in ("ngram", "medusa"):
-            raise ValueError("speculative_config.datastore backs the ngram proposer (and medusa trees) only")
+        if self.datastore and self.method not in ("ngram", "suffix", "medusa"):
+            raise ValueError("speculative_config.datastore backs the ngram and suffix proposers (and medusa trees)")
         if self.datastore and self.method == "medusa" and self.tree is None:
             raise ValueError("speculative_config.datastore with medusa needs a tree (the heads' guesses join it)")
         if not 0.0 <= self.datastore_min_share <= 1.0:
             raise ValueError("speculative_config.datastore_min_share must be in [0, 1]")
-        if self.tree is not None and self.method not in ("ngram", "medusa", "eagle"):
+        if self.tree is not None and self.method not in ("ngram", "suffix", "medusa", "eagle"):
             raise ValueError(
                 f"speculative_config.tree: method {self.method} drafts chains only here "
-                "(ngram, medusa and eagle draft trees)"
+                "(ngram, suffix, medusa and eagle draft trees)"
             )
 
     @property

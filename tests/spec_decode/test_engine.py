@@ -38,6 +38,13 @@ def spec_configs(path) -> dict[str, dict]:
             "tree": {"max_nodes": 6, "max_width": 3},
         },
         "ngram_tree_adaptive": {"method": "ngram", "num_speculative_tokens": 4, "tree": True},
+        "suffix": {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False, "prompt_lookup_min": 2},
+        "suffix_tree": {
+            "method": "suffix",
+            "num_speculative_tokens": 4,
+            "adaptive": False,
+            "tree": {"max_nodes": 6, "max_width": 2},
+        },
     }
 
 
@@ -57,7 +64,17 @@ def greedy_reference(tiny_llama):
 
 
 @pytest.mark.parametrize(
-    "name", ["ngram", "draft_truncated", "draft_self", "ngram_adaptive", "ngram_tree", "ngram_tree_adaptive"]
+    "name",
+    [
+        "ngram",
+        "draft_truncated",
+        "draft_self",
+        "ngram_adaptive",
+        "ngram_tree",
+        "ngram_tree_adaptive",
+        "suffix",
+        "suffix_tree",
+    ],
 )
 def test_greedy_identical_with_chunked_prefill_and_preemption(tiny_llama, greedy_reference, name):
     params, ref = greedy_reference
@@ -76,6 +93,9 @@ def test_greedy_identical_with_chunked_prefill_and_preemption(tiny_llama, greedy
     if name == "draft_self":  # the draft is the target: every draft token is accepted
         assert spec["num_accepted_tokens"] == spec["num_draft_tokens"] > 0
         assert spec["mean_acceptance_length"] > 2
+    if name.startswith("suffix"):  # the batch's text fed the online store, and the second run drafted from it
+        online = llm.engine.executor.runner.speculator.proposer.online
+        assert online.tenant_tokens_held(None) > 0 and online.stats(None).hits > 0
 
 
 @pytest.mark.parametrize("name", ["draft_self", "ngram_tree"])

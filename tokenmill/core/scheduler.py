@@ -569,6 +569,7 @@ class Scheduler:
                         list(tables[0]),
                         tables[1:],
                         req.max_tokens,
+                        req.cache_salt,
                     )
                 )
                 views[rid] = _RunnerView(req.num_tokens, [len(t) for t in tables])

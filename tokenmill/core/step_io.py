@@ -49,6 +49,8 @@ class NewRequestData:
     max_tokens: int = 1 << 30
     """Outputs the request may have in all (its own max_tokens, or what max_model_len leaves): the runner's
     proposer never drafts past it."""
+    cache_salt: str | None = None
+    """The request's tenant: an online suffix store (spec_decode/suffix.py) drafts from its own text only."""
 
 
 @dataclass(slots=True)
@@ -223,6 +225,8 @@ class DraftRequest:
     eos_token_id: int | None
     max_tokens: int
     """Outputs the request may have in all."""
+    cache_salt: str | None = None
+    """Its tenant (NewRequestData.cache_salt)."""
 
     @property
     def num_tokens(self) -> int:

@@ -22,15 +22,21 @@ from tokenmill.spec_decode.proposer import DraftRequest, Proposal, draft_budget
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig, TreeConfig
     from tokenmill.spec_decode.proposer import ProposerContext
+    from tokenmill.spec_decode.suffix import Continuations, OnlineSuffixStore
 
 
 def ngram_propose(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens following the latest earlier match of the longest suffix n-gram
     (min_n <= n <= max_n); [] if no suffix of that size occurred before."""
+    return ngram_match(token_ids, min_n, max_n, k)[0]
+
+
+def ngram_match(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
+    """ngram_propose's drafts and the length n of the suffix matched (0: none)."""
     toks = np.asarray(token_ids, dtype=np.int64)
     length = len(toks)
     if k <= 0:
-        return []
+        return [], 0
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = toks[length - n :]
         # Windows starting at 0 .. length - n - 1 (the suffix itself is excluded).
@@ -41,8 +47,8 @@ def ngram_propose(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: 
             out = toks[start : start + k].tolist()
             while len(out) < k:  # the copy reached the end: keep copying what it drafted (period length - start)
                 out.append(out[len(out) - (length - start)])
-            return out
-    return []
+            return out, n
+    return [], 0
 
 
 PROMPT_MATCH_PRECISION = 0.79
@@ -154,12 +160,16 @@ def ngram_tree(
 
 class NgramProposer:
     """Prompt lookup over each request's own tokens (prompt and output), optionally backed by a
-    suffix datastore of the target's earlier answers (datastore.py).
+    suffix datastore of the target's earlier answers (datastore.py) and, for method "suffix", by an online
+    store of what the server wrote for the same tenant (suffix.py).
 
     With a datastore the order is: a prompt match of at least 2 tokens; else the datastore's walk;
     else a one-token prompt match (when min_n is 1). Measured on the default model's greedy chat
     answers (32 held-out ShareGPT prompts, docs/spec_decode.md): one-token prompt matches predict the
-    next token 21% of the time, the datastore 46% where no longer prompt match exists."""
+    next token 21% of the time, the datastore 46% where no longer prompt match exists. With an online store,
+    its walk comes first wherever its context match is at least as long as the prompt match (a repeated task
+    repeats whole passages the new prompt does not hold); the offline datastore answers where it has nothing.
+    Every finished request's tokens (its prompt's last max_n and its output) go into its tenant's store."""
 
     def __init__(
         self,
@@ -170,6 +180,7 @@ class NgramProposer:
         tree: TreeConfig | None = None,
         max_depth: int = 4,
         max_model_len: int = 1 << 30,
+        online: OnlineSuffixStore | None = None,
     ) -> None:
         self.feature_sink = None  # drafts from tokens only
         self.tree = tree
@@ -182,6 +193,10 @@ class NgramProposer:
         self.max_n = max_n
         self.datastore = datastore
         self.min_share = min_share
+        self.online = online
+        """method "suffix": the store every finished request feeds and later requests of its tenant draft from."""
+        self.rows: dict[str, DraftRequest] = {}
+        """With an online store: each live request's row as last proposed for (ingested when it finishes)."""
 
     @classmethod
     def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> NgramProposer:
@@ -190,6 +205,11 @@ class NgramProposer:
             from tokenmill.spec_decode.datastore import SuffixDatastore
 
             store = SuffixDatastore.load(config.datastore)
+        online = None
+        if config.method == "suffix":
+            from tokenmill.spec_decode.suffix import OnlineSuffixStore
+
+            online = OnlineSuffixStore(config.suffix_max_tokens, min_n=2, max_n=max(2, config.prompt_lookup_max))
         return cls(
             config.prompt_lookup_min,
             config.prompt_lookup_max,
@@ -198,23 +218,41 @@ class NgramProposer:
             config.tree,
             config.tree_max_depth,
             ctx.max_model_len,
+            online,
         )
 
-    def draft(self, tokens: list[int], k: int) -> list[int]:
+    def continuations(self, tenant: str | None) -> Continuations | None:
+        """What the chain walk and the tree ask after prompt lookup: the tenant's online store, then the offline
+        datastore (either may be absent)."""
+        if self.online is None:
+            return self.datastore
+        from tokenmill.spec_decode.suffix import Layered
+
+        view = self.online.view(tenant)
+        return view if self.datastore is None else Layered((view, self.datastore))
+
+    def draft(self, tokens: list[int], k: int, tenant: str | None = None) -> list[int]:
         if k <= 0:
             return []
-        if self.datastore is None:
+        if self.datastore is None and self.online is None:
             return ngram_propose(tokens, self.min_n, self.max_n, k)
-        out = ngram_propose(tokens, max(2, self.min_n), self.max_n, k) if self.max_n >= 2 else []
-        if not out:
+        out, n = ngram_match(tokens, max(2, self.min_n), self.max_n, k) if self.max_n >= 2 else ([], 0)
+        if self.online is not None and self.online.match_length(tenant, tokens) >= max(n, 1):
+            from tokenmill.spec_decode.suffix import Layered
+
+            walked = Layered((self.online.view(tenant),)).draft(tokens, k, self.min_share)
+            out = walked or out
+        if not out and self.datastore is not None:
             out = self.datastore.draft(tokens, k, self.min_share)
         if not out and self.min_n == 1:
             out = ngram_propose(tokens, 1, 1, k)
         return out
 
     def propose(self, requests: list[DraftRequest], num_tokens: list[int]) -> Proposal:
+        if self.online is not None:
+            self.rows.update((r.request_id, r) for r in requests)
         if self.tree is None:
-            return Proposal([self.draft(r.all_token_ids, k) for r, k in zip(requests, num_tokens)], None)
+            return Proposal([self.draft(r.all_token_ids, k, r.cache_salt) for r, k in zip(requests, num_tokens)], None)
         drafts, parents = [], []
         for r, k in zip(requests, num_tokens):
             depth = min(k, draft_budget(r, self.max_depth, self.max_model_len))
@@ -226,7 +264,7 @@ class NgramProposer:
                     depth,
                     self.min_n,
                     self.max_n,
-                    self.datastore,
+                    self.continuations(r.cache_salt),
                     self.min_share,
                 )
                 if depth > 0
@@ -237,10 +275,17 @@ class NgramProposer:
         return Proposal(drafts, None, parents)
 
     def forget(self, request_ids: list[str]) -> None:
-        pass
+        """Requests that left: with an online store, their text joins their tenant's store."""
+        for rid in request_ids:
+            row = self.rows.pop(rid, None)
+            if row is not None and self.online is not None:
+                start = max(0, len(row.prompt_token_ids) - self.online.max_n)
+                self.online.ingest(row.cache_salt, row.all_token_ids[start:])
 
     def restart(self, request_ids: list[str]) -> None:
-        self.forget(request_ids)
+        """Rebuilt rows (preemption, a beam taking tokens back): what was seen of them is dropped, not ingested."""
+        for rid in request_ids:
+            self.rows.pop(rid, None)
 
     def on_step(self, step: object) -> None:
         pass

@@ -95,6 +95,7 @@ class Proposer(Protocol):
 
 _REGISTRY: dict[str, str] = {
     "ngram": "tokenmill.spec_decode.ngram:NgramProposer",
+    "suffix": "tokenmill.spec_decode.ngram:NgramProposer",
     "draft_model": "tokenmill.spec_decode.draft_model:DraftModelProposer",
     "eagle": "tokenmill.spec_decode.eagle:EagleProposer",
     "medusa": "tokenmill.spec_decode.medusa:MedusaProposer",

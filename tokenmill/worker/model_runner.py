@@ -88,6 +88,8 @@ class RequestState:
     """KV-cache groups 1.. (sliding-window models): their tables."""
     max_tokens: int
     """Outputs the request may have in all (NewRequestData.max_tokens)."""
+    cache_salt: str | None = None
+    """Its tenant (NewRequestData.cache_salt)."""
     pool_sum: torch.Tensor | None = None  # [hidden_size] float32
     """Mean pooling: the sum of the final hidden states of positions [0, num_pooled) (worker/prompt_outputs.py)."""
     num_pooled: int = 0
@@ -103,6 +105,7 @@ class RequestState:
             list(d.block_ids),
             [list(t) for t in d.group_block_ids],
             d.max_tokens,
+            d.cache_salt,
         )
 
     @property
@@ -420,6 +423,7 @@ class ModelRunner:
                     row.sampling_params,
                     row.eos_token_id,
                     row.max_tokens,
+                    row.cache_salt,
                 )
             )
         return out
