@@ -412,7 +412,7 @@ class SpeculativeConfig:
     pass (TreeConfig)."""
     suffix_max_tokens: int = 65536
     """suffix: the most tokens of served text the online store holds over all tenants (oldest requests evicted
-    first; about 0.5 KB of memory per token)."""
+    first; up to ~0.9 KB of memory per token)."""
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "suffix", "draft_model", "eagle", "medusa"):

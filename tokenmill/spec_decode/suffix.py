@@ -19,8 +19,8 @@ tenant's text never drafts for another, as its KV blocks are never shared with a
 
 Memory bound. `max_tokens` bounds the tokens held over all tenants. Ingesting past it evicts whole sequences,
 oldest first, and takes their counts back out, so the tables always describe exactly the sequences held.
-Each held token costs about (max_n - min_n + 1) dictionary entries (~0.5 KB at max_n = 6 in CPython): the
-default 65,536 tokens keep well under 64 MB.
+Each held token costs up to (max_n - min_n + 1) dictionary entries: measured (tracemalloc) 0.9 KB per token at
+max_n = 4 when every context is new (random tokens), so the default 65,536 tokens take at most ~59 MB.
 """
 
 from __future__ import annotations
