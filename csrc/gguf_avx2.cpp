@@ -161,38 +161,36 @@ inline void half_tile(const uint8_t* grp, int h, const Layout& L, const Act& a, 
 }
 
 template <GgmlType F, typename T>
-void run_part(const uint8_t* packed, int64_t G, int64_t group_bytes, const Act& a, int64_t M, T* y, int64_t ldy) {
+void run_groups(const uint8_t* packed, int64_t g0, int64_t g1, int64_t group_bytes, const Act& a, int64_t mb,
+                int64_t me, T* y, int64_t ldy) {
     const Layout L = layout_of(static_cast<int64_t>(F));
-    constexpr int64_t kRowBlock = 64;
-    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
-        const int64_t me = std::min(M, mb + kRowBlock);
-        const int64_t grain = G * group_bytes * (me - mb) < (int64_t(1) << 15) ? G : 1;
-        at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-            for (int64_t g = g0; g < g1; ++g)
-                for (int h = 0; h < 2; ++h)
-                    for (int64_t m0 = mb; m0 < me; m0 += kMaxTile)
-                        half_tile<F, kMaxTile, T>(packed + g * group_bytes, h, L, a, m0,
-                                                  std::min<int64_t>(kMaxTile, me - m0), y + g * kGroupRows, ldy);
-        });
-    }
+    for (int64_t g = g0; g < g1; ++g)
+        for (int h = 0; h < 2; ++h)
+            for (int64_t m0 = mb; m0 < me; m0 += kMaxTile)
+                half_tile<F, kMaxTile, T>(packed + g * group_bytes, h, L, a, m0, std::min<int64_t>(kMaxTile, me - m0),
+                                          y + g * kGroupRows, ldy);
 }
 
 }  // namespace
 
 template <typename T>
-bool part_avx2(int64_t type, const uint8_t* packed, int64_t G, int64_t group_bytes, const Act& a, int64_t M, T* y,
-               int64_t ldy) {
+bool part_avx2(int64_t type, const uint8_t* packed, int64_t g0, int64_t g1, int64_t group_bytes, const Act& a,
+               int64_t mb, int64_t me, T* y, int64_t ldy) {
     switch (static_cast<GgmlType>(type)) {
-#define TOKENMILL_GGUF_CASE(t) case GgmlType::t: run_part<GgmlType::t>(packed, G, group_bytes, a, M, y, ldy); return true;
+#define TOKENMILL_GGUF_CASE(t)                                                 \
+    case GgmlType::t:                                                          \
+        run_groups<GgmlType::t>(packed, g0, g1, group_bytes, a, mb, me, y, ldy); \
+        return true;
         TOKENMILL_GGUF_TYPES(TOKENMILL_GGUF_CASE)
 #undef TOKENMILL_GGUF_CASE
     }
     return false;
 }
 
-template bool part_avx2<float>(int64_t, const uint8_t*, int64_t, int64_t, const Act&, int64_t, float*, int64_t);
-template bool part_avx2<at::BFloat16>(int64_t, const uint8_t*, int64_t, int64_t, const Act&, int64_t, at::BFloat16*,
-                                     int64_t);
+template bool part_avx2<float>(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const Act&, int64_t, int64_t,
+                                float*, int64_t);
+template bool part_avx2<at::BFloat16>(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const Act&, int64_t,
+                                       int64_t, at::BFloat16*, int64_t);
 
 }  // namespace tokenmill::gguf
 

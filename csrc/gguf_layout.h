@@ -62,13 +62,15 @@ struct Act {
 // Every served type, for a switch over them: X(name) per GgmlType name.
 #define TOKENMILL_GGUF_TYPES(X) X(q4_0) X(q4_1) X(q5_0) X(q8_0) X(q4_k) X(q5_k) X(q6_k)
 
-// y [M, G * 16] in T (float or at::BFloat16), rows ldy apart, from one packed part [G, group_bytes] of `type`.
-// Each kernel sums a row's units in one order whatever M is (batch-invariant). False on a type not served.
+// Rows [mb, me) of y [M, G * 16] in T (float or at::BFloat16), rows ldy apart, the columns of groups [g0, g1) of one
+// packed part [G, group_bytes] of `type`, on the calling thread (gguf_linear splits the groups of all parts among
+// threads). Each kernel sums a row's units in one order whatever rows or groups are asked (batch-invariant).
+// False on a type not served.
 template <typename T>
-bool part_avx2(int64_t type, const uint8_t* packed, int64_t G, int64_t group_bytes, const Act& a, int64_t M, T* y,
-               int64_t ldy);
+bool part_avx2(int64_t type, const uint8_t* packed, int64_t g0, int64_t g1, int64_t group_bytes, const Act& a,
+               int64_t mb, int64_t me, T* y, int64_t ldy);
 template <typename T>
-bool part_vnni(int64_t type, const uint8_t* packed, int64_t G, int64_t group_bytes, const Act& a, int64_t M, T* y,
-               int64_t ldy);
+bool part_vnni(int64_t type, const uint8_t* packed, int64_t g0, int64_t g1, int64_t group_bytes, const Act& a,
+               int64_t mb, int64_t me, T* y, int64_t ldy);
 
 }  // namespace tokenmill::gguf

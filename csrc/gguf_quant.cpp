@@ -3,6 +3,8 @@
 // (gguf_avx2.cpp, gguf_vnni.cpp).
 #include "gguf_quant.h"
 
+#include <atomic>
+
 #include <c10/util/Half.h>
 
 #include "gguf_layout.h"
@@ -317,15 +319,34 @@ bool gguf_linear(at::Tensor y, const at::Tensor& x, const std::vector<at::Tensor
     TOKENMILL_DISPATCH_FLOAT(x, "gguf_linear", {
         quantize_activations<T>(x.data_ptr<T>(), M, K, q.data(), dx.data(), ds.data(), ds16.data());
         T* yp = y.data_ptr<T>();
-        int64_t col = 0;   // part i fills columns [col, col + its rows)
-        ok = true;
-        for (size_t i = 0; i < parts.size() && ok; ++i) {
-            const uint8_t* p = parts[i].data_ptr<uint8_t>();
-            const int64_t G = parts[i].size(0), gb = parts[i].size(1);
-            ok = vnni ? gguf::part_vnni<T>(types[i], p, G, gb, a, M, yp + col, y.stride(0))
-                      : gguf::part_avx2<T>(types[i], p, G, gb, a, M, yp + col, y.stride(0));
-            col += G * kGroupRows;
+        // Every part's groups in one index space: part i holds [first[i], first[i + 1]) and fills the columns from
+        // 16 first[i]. One parallel region per block of activation rows serves all parts.
+        std::vector<int64_t> first(parts.size() + 1, 0);
+        int64_t bytes = 0;
+        for (size_t i = 0; i < parts.size(); ++i) {
+            first[i + 1] = first[i] + parts[i].size(0);
+            bytes += parts[i].numel();
         }
+        constexpr int64_t kRowBlock = 64;   // activation rows whose codes stay in L2 while the groups pass
+        std::atomic<bool> served{true};
+        for (int64_t mb = 0; mb < M; mb += kRowBlock) {
+            const int64_t me = std::min(M, mb + kRowBlock);
+            // a small call (a few groups, one row) runs on this thread: waking the pool costs more
+            const int64_t grain = bytes * (me - mb) < (int64_t(1) << 15) ? first.back() : 1;
+            at::parallel_for(0, first.back(), grain, [&](int64_t lo, int64_t hi) {
+                for (size_t i = 0; i < parts.size(); ++i) {
+                    const int64_t g0 = std::max(lo, first[i]) - first[i], g1 = std::min(hi, first[i + 1]) - first[i];
+                    if (g0 >= g1) continue;
+                    const uint8_t* p = parts[i].data_ptr<uint8_t>();
+                    const int64_t gb = parts[i].size(1);
+                    T* yc = yp + first[i] * kGroupRows;
+                    const bool done = vnni ? gguf::part_vnni<T>(types[i], p, g0, g1, gb, a, mb, me, yc, y.stride(0))
+                                           : gguf::part_avx2<T>(types[i], p, g0, g1, gb, a, mb, me, yc, y.stride(0));
+                    if (!done) served = false;
+                }
+            });
+        }
+        ok = served;
     });
     return ok;
 }

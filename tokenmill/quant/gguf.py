@@ -67,12 +67,6 @@ def served(ggml_type: int) -> bool:
     return ggml_type in BLOCKS
 
 
-def row_bytes(ggml_type: int, in_features: int) -> int:
-    """Bytes of one row of the file's blocks."""
-    weights, nbytes = BLOCKS[ggml_type]
-    return in_features // weights * nbytes
-
-
 def packable(ggml_type: int, rows: int) -> bool:
     """A tensor of `rows` rows in `ggml_type` can run packed (otherwise it loads dense)."""
     return served(ggml_type) and rows % GROUP_ROWS == 0

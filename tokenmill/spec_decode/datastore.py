@@ -25,7 +25,9 @@ File format (`.npz`): `tokens`, int32, the corpus sequences concatenated, each o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -46,7 +48,7 @@ def _hash_windows(tokens: np.ndarray, n: int) -> np.ndarray:
     return h
 
 
-def _hash_one(ctx: list[int]) -> np.uint64:
+def _hash_one(ctx: Sequence[int]) -> np.uint64:
     """The hash _hash_windows gives this window (in Python ints: ~10x faster than numpy scalars)."""
     h, m = 0, int(_MULT)
     for tok in ctx:
@@ -142,12 +144,12 @@ class SuffixDatastore:
         return cls.from_tokens(flat, min_n, max_n)
 
     # ---------------------------------------------------------------- lookups
-    def next_token(self, context: list[int], min_share: float = 0.0) -> int | None:
+    def next_token(self, context: Sequence[int], min_share: float = 0.0) -> int | None:
         """The most frequent continuation of the longest known suffix of context, or None."""
         found = self.next_tokens(context, min_share)
         return found[0][0] if found else None
 
-    def next_tokens(self, context: list[int], min_share: float = 0.0) -> list[tuple[int, float]]:
+    def next_tokens(self, context: Sequence[int], min_share: float = 0.0) -> list[tuple[int, float]]:
         """Up to TOP_K (token, share) continuations of the longest known suffix of context whose top share
         reaches min_share, most frequent first; [] if none."""
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
@@ -160,14 +162,27 @@ class SuffixDatastore:
                 return [(int(t), float(sh)) for t, sh in zip(nxt[i], share[i]) if t >= 0]
         return []
 
-    def draft(self, context: list[int], k: int, min_share: float = 0.0) -> list[int]:
+    def draft(self, context: Sequence[int], k: int, min_share: float = 0.0) -> list[int]:
         """Up to k tokens, each the continuation of the context extended by the drafts before it."""
-        ctx = list(context[-self.max_n :])
-        out: list[int] = []
-        while len(out) < k:
-            tok = self.next_token(ctx, min_share)
-            if tok is None:
-                break
-            out.append(tok)
-            ctx = (ctx + [tok])[-self.max_n :]
-        return out
+        return walk(self, context, k, min_share, self.max_n)
+
+
+class Continuations(Protocol):
+    """What the chain walk and the token tree ask of a datastore (SuffixDatastore; suffix.py's TenantView and
+    Layered)."""
+
+    def next_tokens(self, context: Sequence[int], min_share: float = 0.0) -> list[tuple[int, float]]: ...
+
+
+def walk(store: Continuations, context: Sequence[int], k: int, min_share: float, window: int) -> list[int]:
+    """Up to k tokens, each `store`'s most frequent continuation of the context extended by the drafts before it
+    (the store looks at no more than the last `window` tokens)."""
+    ctx = list(context[-window:])
+    out: list[int] = []
+    while len(out) < k:
+        found = store.next_tokens(ctx, min_share)
+        if not found:
+            break
+        out.append(found[0][0])
+        ctx = (ctx + [found[0][0]])[-window:]
+    return out

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tokenmill.spec_decode.datastore import Continuations, walk
 from tokenmill.spec_decode.proposer import DraftRequest, Proposal, draft_budget
+from tokenmill.spec_decode.suffix import Layered, OnlineSuffixStore
 
 if TYPE_CHECKING:
     from tokenmill.config import SpeculativeConfig, TreeConfig
     from tokenmill.spec_decode.proposer import ProposerContext
-    from tokenmill.spec_decode.suffix import Continuations, OnlineSuffixStore
 
 
 def ngram_propose(token_ids: list[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -207,8 +208,6 @@ class NgramProposer:
             store = SuffixDatastore.load(config.datastore)
         online = None
         if config.method == "suffix":
-            from tokenmill.spec_decode.suffix import OnlineSuffixStore
-
             online = OnlineSuffixStore(config.suffix_max_tokens, min_n=2, max_n=max(2, config.prompt_lookup_max))
         return cls(
             config.prompt_lookup_min,
@@ -226,8 +225,6 @@ class NgramProposer:
         datastore (either may be absent)."""
         if self.online is None:
             return self.datastore
-        from tokenmill.spec_decode.suffix import Layered
-
         view = self.online.view(tenant)
         return view if self.datastore is None else Layered((view, self.datastore))
 
@@ -238,9 +235,7 @@ class NgramProposer:
             return ngram_propose(tokens, self.min_n, self.max_n, k)
         out, n = ngram_match(tokens, max(2, self.min_n), self.max_n, k) if self.max_n >= 2 else ([], 0)
         if self.online is not None and self.online.match_length(tenant, tokens) >= max(n, 1):
-            from tokenmill.spec_decode.suffix import Layered
-
-            walked = Layered((self.online.view(tenant),)).draft(tokens, k, self.min_share)
+            walked = walk(self.online.view(tenant), tokens, k, self.min_share, self.online.max_n)
             out = walked or out
         if not out and self.datastore is not None:
             out = self.datastore.draft(tokens, k, self.min_share)

@@ -28,7 +28,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+
+from tokenmill.spec_decode.datastore import Continuations, walk
 
 _MASK = (1 << 64) - 1
 _MULT = 0x9E3779B97F4A7C15
@@ -191,12 +192,6 @@ class TenantView:
         return self.store.next_tokens(self.tenant, context, min_share)
 
 
-class Continuations(Protocol):
-    """What the chain walk and the token tree ask of a datastore (SuffixDatastore, TenantView, Layered)."""
-
-    def next_tokens(self, context: Sequence[int], min_share: float = 0.0) -> list[tuple[int, float]]: ...
-
-
 @dataclass(frozen=True)
 class Layered:
     """Datastores asked in order: the first with an answer gives it (the online store, then the offline seed)."""
@@ -212,12 +207,4 @@ class Layered:
 
     def draft(self, context: Sequence[int], k: int, min_share: float = 0.0) -> list[int]:
         """Up to k tokens, each the first continuation of the context extended by the drafts before it."""
-        ctx = list(context)
-        out: list[int] = []
-        while len(out) < k:
-            found = self.next_tokens(ctx, min_share)
-            if not found:
-                break
-            out.append(found[0][0])
-            ctx.append(found[0][0])
-        return out
+        return walk(self, context, k, min_share, max(len(context), 1) + k)
