@@ -11,7 +11,7 @@ Columns:
     measured   plain wall time / speculative wall time, same prompts and lengths (ignore_eos)
     same       greedy rows: the speculative tokens equal plain decoding's
 
-    python benchmarks/spec_tree.py --datastore FILE [--medusa DIR] [--eagle DIR] [--only NAME,...]
+    python benchmarks/spec_tree.py --datastore FILE [--medusa DIR] [--eagle DIR] [--dflash [DIR]] [--only NAME,...]
 """
 
 from __future__ import annotations
@@ -84,6 +84,14 @@ def main() -> None:
     ap.add_argument("--datastore", default=None, help="tokenmill build-datastore output: adds ngram+datastore rows")
     ap.add_argument("--medusa", default=None, help="tokenmill train-medusa output: adds medusa rows")
     ap.add_argument("--eagle", default=None, help="tokenmill train-eagle output: adds eagle rows")
+    ap.add_argument(
+        "--dflash",
+        nargs="?",
+        const="shipped",
+        default=None,
+        help="adds block-drafter rows: the drafter shipped for the model (no value) or a train-drafter directory",
+    )
+    ap.add_argument("--dflash-gamma", type=int, default=7, help="block drafter chain length (at most block size - 1)")
     ap.add_argument("--num-prompts", type=int, default=8, help="single-stream prompts")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request at batch 1")
     ap.add_argument("--batch-max-tokens", type=int, default=32, help="tokens per request at batch 8 and 32")
@@ -137,6 +145,12 @@ def main() -> None:
         eg = {"method": "eagle", "model": args.eagle, "num_speculative_tokens": args.gamma}
         configs["eagle chain"] = eg
         configs["eagle tree"] = {**eg, "tree": tree}
+    if args.dflash:
+        df = {"method": "dflash", "num_speculative_tokens": args.dflash_gamma}
+        if args.dflash != "shipped":
+            df["model"] = args.dflash
+        configs["dflash chain"] = df
+        configs["dflash tree"] = {**df, "tree": tree}
     if args.only:
         keep = set(args.only.split(","))
         configs = {k: v for k, v in configs.items() if k == "plain" or k in keep}

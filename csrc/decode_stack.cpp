@@ -93,13 +93,27 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& positions, const
                                 const std::vector<at::Tensor>& tables, const at::Tensor& seq_lens,
                                 const std::optional<at::Tensor>& key_mask,
                                 const c10::List<std::optional<at::Tensor>>& key_start,
-                                const std::optional<c10::intrusive_ptr<TiledPrompts>>& tiled) const {
+                                const std::optional<c10::intrusive_ptr<TiledPrompts>>& tiled,
+                                const std::optional<at::Tensor>& taps, const std::vector<int64_t>& tap_layers) const {
     TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() == 4, "DecodeStack: incomplete layers");
     const auto groups = static_cast<size_t>(num_groups_);
     TORCH_CHECK(slots.size() == groups && tables.size() == groups && key_start.size() == groups,
                 "DecodeStack: slots, tables and key_start take one entry per KV-cache group (", num_groups_, ")");
     TORCH_CHECK(!tiled.has_value() || num_groups_ == 1, "DecodeStack: tiled prompts with one KV-cache group only");
     const int64_t n = h.size(0), q_size = nh_ * d_, kv_size = nkv_ * d_;
+    const int64_t hidden = h.size(1);
+    std::vector<int64_t> tap_column(layers_.size(), -1);   // layer -> its slot in taps, or -1
+    if (taps.has_value()) {
+        TORCH_CHECK(taps->dim() == 2 && taps->size(0) == n &&
+                        taps->size(1) == static_cast<int64_t>(tap_layers.size()) * hidden &&
+                        taps->scalar_type() == h.scalar_type(),
+                    "DecodeStack: taps must be [n, len(tap_layers) * hidden] in the activations' dtype");
+        for (size_t j = 0; j < tap_layers.size(); ++j) {
+            TORCH_CHECK(tap_layers[j] >= 0 && tap_layers[j] < static_cast<int64_t>(layers_.size()),
+                        "DecodeStack: tap layer ", tap_layers[j], " out of range");
+            tap_column[static_cast<size_t>(tap_layers[j])] = static_cast<int64_t>(j);
+        }
+    }
     // Buffers allocated once per step and reused by every layer (~300 small allocations fewer).
     const auto opts = h.options();
     const auto& first = layers_.front().linears;
@@ -163,6 +177,10 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& positions, const
         else silu_mul(act, gu);
         h = run_linear(L.linears[3], act, h_mlp);
         if (L.mlp_out_norm.has_value()) norm(h, h, *L.mlp_out_norm);
+        if (tap_column[l] >= 0) {   // the layer's output, res + h, as the module path's layer returns it
+            auto slot = taps->narrow(1, tap_column[l] * hidden, hidden);
+            at::add_out(slot, res, h);
+        }
     }
     auto out = at::empty_like(h);   // returned: a fresh tensor, never a buffer
     add_norm(out, sums[cur], h, res, final_norm_);

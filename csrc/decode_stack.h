@@ -76,10 +76,13 @@ class DecodeStack : public torch::CustomClassHolder {
     // With `tiled` (a step with long prompt chunks, bf16 on AVX512-BF16; one group only): those chunks' rows
     // attend through the tiled prefill kernel, and tables / seq_lens / key_mask describe only the other rows,
     // tiled.short_idx in order (empty tensors and no short_idx when there are none).
+    // With `taps` [n, len(tap_layers) * hidden] (models/interface.py's LayerTaps): the residual stream after layer
+    // tap_layers[j] (the module path's layer output) is written to columns j * hidden .. (j + 1) * hidden.
     at::Tensor forward(at::Tensor h, const at::Tensor& positions, const std::vector<at::Tensor>& slots,
                        const std::vector<at::Tensor>& tables, const at::Tensor& seq_lens,
                        const std::optional<at::Tensor>& key_mask, const c10::List<std::optional<at::Tensor>>& key_start,
-                       const std::optional<c10::intrusive_ptr<TiledPrompts>>& tiled) const;
+                       const std::optional<c10::intrusive_ptr<TiledPrompts>>& tiled,
+                       const std::optional<at::Tensor>& taps, const std::vector<int64_t>& tap_layers) const;
 
   private:
     int64_t nh_, nkv_, d_;

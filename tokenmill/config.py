@@ -385,12 +385,15 @@ class TreeConfig:
 class SpeculativeConfig:
     method: str = "ngram"
     """Proposer: ngram, suffix (ngram plus an online store of what the server wrote, per cache_salt:
-    spec_decode/suffix.py), draft_model, eagle (a trained EAGLE head; `tokenmill train-eagle`) or medusa (trained
-    Medusa heads drafting a static token tree; `tokenmill train-medusa`)."""
+    spec_decode/suffix.py), draft_model, eagle (a trained EAGLE head; `tokenmill train-eagle`), medusa (trained
+    Medusa heads drafting a static token tree; `tokenmill train-medusa`) or dflash (a block drafter proposing a
+    whole block in one pass from several target layers' features; the default model's ships with tokenmill,
+    `tokenmill train-drafter` trains others)."""
     num_speculative_tokens: int = 4
     """Largest number of draft tokens (gamma) per step."""
     model: str | None = None
-    """Draft model path (draft_model), EAGLE head directory (eagle) or Medusa heads directory (medusa)."""
+    """Draft model path (draft_model), EAGLE head directory (eagle), Medusa heads directory (medusa) or block
+    drafter directory (dflash; default: the one shipped for the target)."""
     prompt_lookup_max: int = 4
     """Longest n-gram matched by the n-gram proposer."""
     prompt_lookup_min: int = 1
@@ -408,16 +411,17 @@ class SpeculativeConfig:
     draft_num_layers: int | None = None
     """Keep only this many layers of the draft model (its first N-1 and its last): a layer-truncated draft."""
     tree: TreeConfig | None = None
-    """Draft token trees (ngram, suffix, medusa, eagle): several candidates per position, verified exactly in one
-    pass (TreeConfig)."""
+    """Draft token trees (ngram, suffix, medusa, eagle, dflash): several candidates per position, verified exactly
+    in one pass (TreeConfig)."""
     suffix_max_tokens: int = 65536
     """suffix: the most tokens of served text the online store holds over all tenants (oldest requests evicted
     first; up to ~0.9 KB of memory per token)."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "suffix", "draft_model", "eagle", "medusa"):
+        if self.method not in ("ngram", "suffix", "draft_model", "eagle", "medusa", "dflash"):
             raise ValueError(
-                f"speculative_config.method must be ngram, suffix, draft_model, eagle or medusa, got {self.method!r}"
+                "speculative_config.method must be ngram, suffix, draft_model, eagle, medusa or dflash, "
+                f"got {self.method!r}"
             )
         if self.suffix_max_tokens < 0:
             raise ValueError("speculative_config.suffix_max_tokens must be >= 0")
@@ -433,10 +437,10 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.datastore with medusa needs a tree (the heads' guesses join it)")
         if not 0.0 <= self.datastore_min_share <= 1.0:
             raise ValueError("speculative_config.datastore_min_share must be in [0, 1]")
-        if self.tree is not None and self.method not in ("ngram", "suffix", "medusa", "eagle"):
+        if self.tree is not None and self.method not in ("ngram", "suffix", "medusa", "eagle", "dflash"):
             raise ValueError(
                 f"speculative_config.tree: method {self.method} drafts chains only here "
-                "(ngram, suffix, medusa and eagle draft trees)"
+                "(ngram, suffix, medusa, eagle and dflash draft trees)"
             )
 
     @property
@@ -445,8 +449,15 @@ class SpeculativeConfig:
 
     @property
     def reads_target_tables(self) -> bool:
-        """The proposer's heads embed with the target's table and project onto its LM head (eagle, medusa)."""
-        return self.method in ("eagle", "medusa")
+        """The proposer's heads embed with the target's table and project onto its LM head (eagle, medusa,
+        dflash)."""
+        return self.method in ("eagle", "medusa", "dflash")
+
+    @property
+    def drafts_in_one_pass(self) -> bool:
+        """The proposer drafts a whole chain or tree in one pass whatever its length (dflash): the adaptive
+        controller prices a draft at c, not γ c."""
+        return self.method == "dflash"
 
     @property
     def max_draft_tokens(self) -> int:

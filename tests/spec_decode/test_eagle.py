@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.spec_decode.test_engine import PROMPTS, TIGHT, run
+from tests.spec_decode.test_engine import MIXED_PARAMS, PROMPTS, TIGHT, run
 from tokenmill import LLM, SamplingParams
 from tokenmill.spec_decode.eagle_head import load_eagle_head, target_tables, train_forward
 from tokenmill.training import eagle as et
@@ -239,12 +239,7 @@ def test_seeded_sampling_reproduces_and_greedy_rows_match(tiny_llama, trained_he
     path, *_ = trained_head
     _, ref = greedy_ref
     cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3, "adaptive": False}
-    params = [
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-        SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-        SamplingParams(temperature=1.0, top_k=20, presence_penalty=0.5, seed=4, max_tokens=12, ignore_eos=True),
-    ]
+    params = MIXED_PARAMS
     a = run(LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT), PROMPTS, params)
     b = run(LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT), PROMPTS, params)
     assert a == b and a[0] == ref[0] and a[2] == ref[2] and len(a[1]) == len(a[3]) == 12

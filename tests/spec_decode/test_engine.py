@@ -240,6 +240,33 @@ def _target_topk(model, ids: list[int], k: int) -> tuple[list[int], np.ndarray]:
     return top.indices.tolist(), p
 
 
+def second_tokens_follow_the_target(model, prompt: list[int], outs: list[list[int]]) -> int:
+    """Outputs sampled at temperature 1, top-k 3 after `prompt`, grouped by their first token: in every group of
+    30 or more, the second tokens follow the target's distribution (chi-square). Returns the groups checked."""
+    groups: dict[int, list[int]] = {}
+    for o in outs:
+        groups.setdefault(o[0], []).append(o[1])
+    checked = 0
+    for t1, seconds in groups.items():
+        if len(seconds) < 30:
+            continue
+        _, p = _target_topk(model, prompt + [t1], 3)
+        counts = np.bincount(seconds, minlength=len(p))
+        assert counts[p == 0].sum() == 0
+        assert chisquare_pvalue(counts[p > 0], len(seconds) * p[p > 0]) > 0.01
+        checked += 1
+    return checked
+
+
+MIXED_PARAMS = [
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=20, presence_penalty=0.5, seed=4, max_tokens=12, ignore_eos=True),
+]
+"""Greedy and seeded sampled rows in one batch (the seeded-reproduction tests of the trained proposers)."""
+
+
 def tree_distribution_check(model_path: str, prompt: list[int], n: int, tmp_path, **llm_kwargs) -> None:
     """Temperature 1, top-k 3. A datastore offers, after the prompt and each likely first token t1, the
     target's own top-3 second tokens (in the reverse of the target's order, with unequal shares) and one
@@ -273,19 +300,7 @@ def tree_distribution_check(model_path: str, prompt: list[int], n: int, tmp_path
     spec = llm.stats().spec_decode
     assert spec["num_drafts"] >= n // 2 and spec["mean_draft_size"] > 2
     assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
-    groups: dict[int, list[int]] = {}
-    for o in outs:
-        groups.setdefault(o[0], []).append(o[1])
-    checked = 0
-    for t1, seconds in groups.items():
-        if len(seconds) < 30:
-            continue
-        _, p = _target_topk(model, prompt + [t1], 3)
-        counts = np.bincount(seconds, minlength=len(p))
-        assert counts[p == 0].sum() == 0
-        assert chisquare_pvalue(counts[p > 0], len(seconds) * p[p > 0]) > 0.01
-        checked += 1
-    assert checked >= 1
+    assert second_tokens_follow_the_target(model, prompt, outs) >= 1
 
 
 def test_tree_sampled_tokens_follow_the_target(tiny_llama, tmp_path):

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("tokenmill.eval.cli", "Evaluate a model (perplexity)."),
     "train-eagle": ("tokenmill.training.eagle", "Train an EAGLE draft head for speculative decoding."),
     "train-medusa": ("tokenmill.training.medusa", "Train Medusa heads for token-tree speculative decoding."),
+    "train-drafter": ("tokenmill.training.block_drafter", "Train a block (DFlash-style) drafter for speculation."),
     "build-datastore": (
         "tokenmill.training.datastore",
         "Build the n-gram proposer's datastore from the target's own answers.",

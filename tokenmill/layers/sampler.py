@@ -15,11 +15,17 @@ distributions get identical treatment):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill import native
 from tokenmill.outputs import Logprob
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from tokenmill.core.step_io import SamplingRow
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -188,3 +194,77 @@ def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: 
                 d[t] = Logprob(top_v[r][j], j + 1)
         out.append(d)
     return out
+
+
+def sampling_metadata(
+    reqs: Sequence[SamplingRow], vocab_size: int, device: torch.device, generators: dict[str, torch.Generator]
+) -> SamplingMetadata:
+    """Per-row sampling tensors for `reqs`: penalty counts from their outputs, min_tokens bans, and the seeded
+    requests' own generators, kept in `generators` (request id -> generator, created on first use)."""
+    dev = device
+    params = [r.sampling_params for r in reqs]
+    n, V = len(reqs), vocab_size
+    temps = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], device=dev)
+    all_greedy = all(p.is_greedy for p in params)
+
+    def opt(values: list[float], neutral: float, dtype=torch.float32) -> torch.Tensor | None:
+        if all(v == neutral for v in values):
+            return None
+        return torch.tensor(values, dtype=dtype, device=dev)
+
+    top_k = opt([p.top_k for p in params], 0, torch.long)
+    top_p = opt([p.top_p for p in params], 1.0)
+    min_p = opt([p.min_p for p in params], 0.0)
+    pres = opt([p.presence_penalty for p in params], 0.0)
+    freq = opt([p.frequency_penalty for p in params], 0.0)
+    rep = opt([p.repetition_penalty for p in params], 1.0)
+    counts = prompt_mask = None
+    if pres is not None or freq is not None or rep is not None:
+        counts = torch.zeros(n, V, device=dev)
+        for i, r in enumerate(reqs):
+            if r.output_token_ids:
+                ids = torch.tensor(r.output_token_ids, device=dev)
+                counts[i].scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+        if rep is not None:
+            prompt_mask = torch.zeros(n, V, dtype=torch.bool, device=dev)
+            for i, r in enumerate(reqs):
+                prompt_mask[i, torch.tensor(r.prompt_token_ids, device=dev)] = True
+    ban = None
+    for i, r in enumerate(reqs):
+        p = r.sampling_params
+        if r.num_output_tokens < p.min_tokens:
+            if ban is None:
+                ban = torch.zeros(n, V, dtype=torch.bool, device=dev)
+            banned = list(p.stop_token_ids) + (
+                [r.eos_token_id] if r.eos_token_id is not None and not p.ignore_eos else []
+            )
+            if banned:
+                ban[i, torch.tensor(banned, device=dev)] = True
+    gens: list[torch.Generator | None] = []
+    for r in reqs:
+        seed = r.sampling_params.seed
+        if seed is None or r.sampling_params.is_greedy:
+            gens.append(None)
+            continue
+        g = generators.get(r.request_id)
+        if g is None:
+            g = torch.Generator(device=dev)
+            g.manual_seed(seed)
+            generators[r.request_id] = g
+        gens.append(g)
+    nlp = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingMetadata(
+        temps,
+        top_k,
+        top_p,
+        min_p,
+        pres,
+        freq,
+        rep,
+        counts,
+        prompt_mask,
+        ban,
+        gens,
+        all_greedy,
+        max(nlp) if nlp else None,
+    )

@@ -22,7 +22,7 @@ from torch import nn
 from tokenmill.config import ModelArchConfig
 from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.linear import Linear
-from tokenmill.models.interface import DecoderLayout
+from tokenmill.models.interface import DecoderLayout, LayerTaps
 
 if TYPE_CHECKING:
     from tokenmill.models.llama import LlamaAttention  # every family's attention is one
@@ -52,9 +52,10 @@ class CausalLM(nn.Module):
         self.model = model
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] (or [B, T] without a forward context) -> hidden states."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, taps: LayerTaps | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] (or [B, T] without a forward context) -> hidden states; `taps` also
+        collects chosen layers' outputs (a block drafter's target features)."""
+        return self.model(input_ids, positions, taps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] in float32."""

@@ -32,7 +32,7 @@ from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.norm import GemmaRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.causal_lm import CausalLM
-from tokenmill.models.interface import DecoderLayerParts, DecoderLayout, MlpActivation
+from tokenmill.models.interface import DecoderLayerParts, DecoderLayout, LayerTaps, MlpActivation
 from tokenmill.models.llama import LlamaMLP
 from tokenmill.models.qwen3 import Qwen3Attention
 
@@ -137,11 +137,13 @@ class Gemma3Model(nn.Module):
         h = self.embed_tokens(input_ids)
         return h * torch.tensor(self.embed_scale, dtype=h.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, taps: LayerTaps | None = None) -> torch.Tensor:
         h = self.embed(input_ids)
         with self.rotary_global.cached(positions), self.rotary_local.cached(positions):
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 h = layer(positions, h)
+                if taps is not None:
+                    taps.take(i, h)
         return self.norm(h)
 
 

@@ -30,6 +30,36 @@ class MlpActivation(IntEnum):
     """GeGLU: gelu(gate, tanh approximation) * up (Gemma)."""
 
 
+class LayerTaps:
+    """A forward's request for the residual stream after chosen decoder layers (a block drafter's target features):
+    the body (and the C++ layer loop) writes layer `layers[j]`'s output into columns j*H .. (j+1)*H of `rows`.
+    Passing none costs nothing; the forward itself is unchanged.
+
+        layers (2, 15, 29), 5 tokens, H 576  ->  rows [5, 1728]: [:, 0:576] after layer 2, [:, 576:1152] after 15, ...
+    """
+
+    def __init__(self, layers: tuple[int, ...], hidden_size: int) -> None:
+        self.layers = layers
+        self.hidden_size = hidden_size
+        self.rows: torch.Tensor | None = None
+        """[T, len(layers) * H] in the activations' dtype, made by the forward's first `buffer` call."""
+        self.column = {layer: j for j, layer in enumerate(layers)}
+        """layer index -> its slot in `rows`."""
+
+    def buffer(self, h: torch.Tensor) -> torch.Tensor:
+        """`rows`, made on first call for the rows of h ([T, H] or [B, T, H])."""
+        if self.rows is None:
+            self.rows = h.new_empty(h.numel() // self.hidden_size, len(self.layers) * self.hidden_size)
+        return self.rows
+
+    def take(self, layer: int, h: torch.Tensor) -> None:
+        """The module path: layer `layer`'s output h [T, H] or [B, T, H] (kept only when asked for)."""
+        j = self.column.get(layer)
+        if j is not None:
+            H = self.hidden_size
+            self.buffer(h)[:, j * H : (j + 1) * H] = h.reshape(-1, H)
+
+
 @dataclass(frozen=True)
 class DecoderLayerParts:
     """One layer, as LlamaDecoderLayer.forward uses it (brackets: steps a part present adds):

@@ -22,7 +22,7 @@ from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.causal_lm import CausalLM
-from tokenmill.models.interface import DecoderLayerParts, DecoderLayout
+from tokenmill.models.interface import DecoderLayerParts, DecoderLayout, LayerTaps
 
 
 class LlamaAttention(nn.Module):
@@ -136,11 +136,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = rotary  # shared by every layer
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, taps: LayerTaps | None = None) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         with self.rotary.cached(positions):
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 h = layer(positions, h)
+                if taps is not None:
+                    taps.take(i, h)
         return self.norm(h)
 
 

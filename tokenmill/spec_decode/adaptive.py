@@ -37,19 +37,29 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def predicted_speedup(alpha: float, gamma: int, c: float, verify_cost_ratio: float = 1.0) -> float:
+def predicted_speedup(
+    alpha: float, gamma: int, c: float, verify_cost_ratio: float = 1.0, one_pass: bool = False
+) -> float:
     """E[T] / (verify_cost_ratio + γ c); verify_cost_ratio = T(B (1 + γ)) / T(B), 1 when the
-    target is memory-bound, which gives the seeds' E[T] / (γ c + 1)."""
+    target is memory-bound, which gives the seeds' E[T] / (γ c + 1). one_pass: the proposer drafts any γ in one
+    pass (a block drafter), so the draft costs c, not γ c."""
     if gamma == 0:
         return 1.0
-    return expected_tokens(alpha, gamma) / (verify_cost_ratio + gamma * c)
+    return expected_tokens(alpha, gamma) / (verify_cost_ratio + (c if one_pass else gamma * c))
 
 
-def best_gamma(alpha: float, c: float, gamma_max: int, verify_cost_ratio=lambda g: 1.0, min_gain: float = 1.02) -> int:
+def best_gamma(
+    alpha: float,
+    c: float,
+    gamma_max: int,
+    verify_cost_ratio=lambda g: 1.0,
+    min_gain: float = 1.02,
+    one_pass: bool = False,
+) -> int:
     """argmax over γ in 1..gamma_max of the predicted speedup; 0 (off) unless it beats min_gain."""
     best, best_s = 0, min_gain
     for g in range(1, gamma_max + 1):
-        s = predicted_speedup(alpha, g, c, verify_cost_ratio(g))
+        s = predicted_speedup(alpha, g, c, verify_cost_ratio(g), one_pass)
         if s > best_s:
             best, best_s = g, s
     return best
@@ -95,8 +105,11 @@ class AdaptiveGamma:
         probe_interval: int = 16,
         min_gain: float = 1.05,
         tree_nodes: int | None = None,
+        one_pass: bool = False,
     ) -> None:
         self.gamma_max = gamma_max
+        self.one_pass = one_pass
+        """The proposer drafts any γ in one pass (a block drafter): c is its cost per call, not per draft token."""
         self.tree_nodes = tree_nodes
         """Token trees: γ is a depth, and a draft of depth γ gets `num_draft_tokens(γ)` nodes, up to this many
         (the verification cost is priced at that node count; α is the per-depth acceptance the trees show)."""
@@ -143,7 +156,8 @@ class AdaptiveGamma:
         """seconds spent proposing num_draft_steps tokens per request for batch_size requests."""
         if num_draft_steps <= 0 or batch_size <= 0:
             return
-        c = (seconds / num_draft_steps) / max(self.cost(batch_size), 1e-9)
+        per = seconds if self.one_pass else seconds / num_draft_steps
+        c = per / max(self.cost(batch_size), 1e-9)
         self._c = c if self._c is None else 0.8 * self._c + 0.2 * c
 
     # ---------------------------------------------------------------- estimates
@@ -181,7 +195,12 @@ class AdaptiveGamma:
             self.gamma = self.gamma_max
             return self.gamma
         g = best_gamma(
-            self.alpha, self.c, self.gamma_max, lambda g: self.verify_cost_ratio(batch_size, g), self.min_gain
+            self.alpha,
+            self.c,
+            self.gamma_max,
+            lambda g: self.verify_cost_ratio(batch_size, g),
+            self.min_gain,
+            self.one_pass,
         )
         if g == 0:
             self._steps_off += 1

@@ -45,7 +45,10 @@ class SpeculativeDecoder:
         self.rejection_sampler = RejectionSampler(self.stats)
         self.tree_verifier = TreeVerifier(self.stats)
         self.adaptive = AdaptiveGamma(
-            config.tree_max_depth, config.adaptive, tree_nodes=None if config.tree is None else config.tree.max_nodes
+            config.tree_max_depth,
+            config.adaptive,
+            tree_nodes=None if config.tree is None else config.tree.max_nodes,
+            one_pass=config.drafts_in_one_pass,
         )
         if config.adaptive and ctx.target is not None:  # a tensor-parallel shard cannot run alone: no prior
             self.adaptive.calibrate(_dense_forward(ctx.target, ctx.device))
@@ -61,6 +64,11 @@ class SpeculativeDecoder:
     def feature_sink(self) -> FeatureSink | None:
         """What the runner hands every step's final hidden states to (the proposer's), or None."""
         return self.proposer.feature_sink
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose outputs the sink gets (the proposer's); () = the final hidden states."""
+        return self.proposer.feature_layers
 
     # ------------------------------------------------------------------ rows
     def on_step(self, step: StepInput) -> None:

@@ -212,6 +212,7 @@ class DraftModelProposer:
         )
         self.runner = new_runner(model, arch, spec, seed + 1)
         self.feature_sink: FeatureSink | None = None  # drafts from its own layers
+        self.feature_layers: tuple[int, ...] = ()  # the final hidden states, if any
         self.num_computed: dict[str, int] = {}
         """request id -> real tokens with draft K/V in mirrored blocks."""
 

@@ -204,6 +204,38 @@ def read_head_config(path: Path, fmt: str, version: int, missing: str) -> dict:
     return cfg
 
 
+def read_head_weights(
+    w_path: Path, what: str, num_draft_vocab: int | None, vocab_size: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A draft head's safetensors (EAGLE, the block drafter): its tensors and its draft vocabulary (popped from
+    them), checked against the config's length and the target's vocabulary; errors name the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(w_path))
+    except (FileNotFoundError, SafetensorError, OSError) as e:
+        raise ValueError(f"{w_path}: cannot read {what} weights ({e})") from None
+    vocab = tensors.pop("draft_vocab", None)
+    if vocab is None or vocab.dim() != 1 or len(vocab) != num_draft_vocab:
+        raise ValueError(f"{w_path}: draft_vocab missing or not of length num_draft_vocab")
+    if int(vocab.min()) < 0 or int(vocab.max()) >= vocab_size:
+        raise ValueError(f"{w_path}: draft_vocab has token ids outside [0, {vocab_size})")
+    return tensors, vocab
+
+
+def copy_checked(w_path: Path, own: dict[str, nn.Parameter], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy a file's tensors into a module's parameters: exactly the same names and shapes, or an error naming
+    the file."""
+    missing, unexpected = set(own) - set(tensors), set(tensors) - set(own)
+    if missing or unexpected:
+        raise ValueError(f"{w_path}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
+    for k, p in own.items():
+        if tuple(tensors[k].shape) != tuple(p.shape):
+            raise ValueError(f"{w_path}: {k} has shape {tuple(tensors[k].shape)}, expected {tuple(p.shape)}")
+        p.data.copy_(tensors[k].to(p.dtype))
+
+
 def load_eagle_head(
     directory: str | Path,
     target_arch: ModelArchConfig,
@@ -213,8 +245,6 @@ def load_eagle_head(
     device: str | torch.device = "cpu",
 ) -> EagleHead:
     """Load a head written by EagleHead.save, checking it fits the target; errors name the file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     d = Path(directory)
     cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
@@ -231,25 +261,10 @@ def load_eagle_head(
     arch = ModelArchConfig(**a)
     if arch.vocab_size != target_arch.vocab_size:
         raise ValueError(f"{cfg_path}: head made for vocab {arch.vocab_size}, the target has {target_arch.vocab_size}")
-    try:
-        tensors = load_file(str(w_path))
-    except (FileNotFoundError, SafetensorError, OSError) as e:
-        raise ValueError(f"{w_path}: cannot read EAGLE head weights ({e})") from None
-    vocab = tensors.pop("draft_vocab", None)
-    if vocab is None or vocab.dim() != 1 or len(vocab) != cfg.get("num_draft_vocab"):
-        raise ValueError(f"{w_path}: draft_vocab missing or not of length num_draft_vocab")
-    if int(vocab.min()) < 0 or int(vocab.max()) >= target_arch.vocab_size:
-        raise ValueError(f"{w_path}: draft_vocab has token ids outside [0, {target_arch.vocab_size})")
+    tensors, vocab = read_head_weights(w_path, "EAGLE head", cfg.get("num_draft_vocab"), target_arch.vocab_size)
     with torch.device(device):
         head = EagleHead(arch, embed, lm_weight[vocab.to(lm_weight.device)], vocab, dtype=dtype)
-    own = {k: v for k, v in head.named_parameters() if not k.startswith("head.")}
-    missing, unexpected = set(own) - set(tensors), set(tensors) - set(own)
-    if missing or unexpected:
-        raise ValueError(f"{w_path}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
-    for k, p in own.items():
-        if tuple(tensors[k].shape) != tuple(p.shape):
-            raise ValueError(f"{w_path}: {k} has shape {tuple(tensors[k].shape)}, expected {tuple(p.shape)}")
-        p.data.copy_(tensors[k].to(p.dtype))
+    copy_checked(w_path, {k: v for k, v in head.named_parameters() if not k.startswith("head.")}, tensors)
     head.eval()
     for m in head.modules():  # weights final: build the copies the linears' kernels read
         if isinstance(m, Linear):

@@ -231,6 +231,7 @@ class MedusaProposer:
         self.latest: dict[str, tuple[int, torch.Tensor]] = {}
         """request id -> (position, target feature there) of its latest computed position."""
         self.feature_sink = self.write
+        self.feature_layers: tuple[int, ...] = ()  # the final hidden states, if any
 
     @classmethod
     def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> MedusaProposer:

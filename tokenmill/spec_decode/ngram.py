@@ -184,6 +184,7 @@ class NgramProposer:
         online: OnlineSuffixStore | None = None,
     ) -> None:
         self.feature_sink = None  # drafts from tokens only
+        self.feature_layers: tuple[int, ...] = ()  # the final hidden states, if any
         self.tree = tree
         """Draft token trees (ngram_tree) instead of chains."""
         self.max_depth = max_depth

@@ -71,7 +71,10 @@ class Proposal:
 
 class Proposer(Protocol):
     feature_sink: FeatureSink | None
-    """Given to the target's runner: receives every step's final hidden states (EAGLE), or None."""
+    """Given to the target's runner: receives every step's features (EAGLE, the block drafter), or None."""
+    feature_layers: tuple[int, ...]
+    """The target layers whose outputs the sink receives, side by side ([T, len * H], the block drafter's
+    multi-layer features); () = the final hidden states (after the final norm)."""
 
     def propose(self, requests: list[DraftRequest], num_tokens: list[int]) -> Proposal:
         """Drafts for rows that just sampled (their next step is a decode). `num_tokens[i]` caps request
@@ -99,6 +102,7 @@ _REGISTRY: dict[str, str] = {
     "draft_model": "tokenmill.spec_decode.draft_model:DraftModelProposer",
     "eagle": "tokenmill.spec_decode.eagle:EagleProposer",
     "medusa": "tokenmill.spec_decode.medusa:MedusaProposer",
+    "dflash": "tokenmill.spec_decode.dflash:DFlashProposer",
 }
 
 

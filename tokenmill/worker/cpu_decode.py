@@ -42,7 +42,7 @@ from tokenmill.attention import cpu_kernels
 from tokenmill.attention.backend import tiled_plan
 from tokenmill.attention.metadata import AttentionKind, AttentionMetadata
 from tokenmill.layers.linear import KernelKind, LinearKernel
-from tokenmill.models.interface import DecoderLayout
+from tokenmill.models.interface import DecoderLayout, LayerTaps
 
 
 class CpuDecodeLoop:
@@ -83,8 +83,9 @@ class CpuDecodeLoop:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         group_metas: Sequence[AttentionMetadata] = (),
+        taps: LayerTaps | None = None,
     ) -> torch.Tensor:
-        return self.forward_rows(self.embed(input_ids), positions, meta, group_metas)
+        return self.forward_rows(self.embed(input_ids), positions, meta, group_metas, taps)
 
     def forward_rows(
         self,
@@ -92,9 +93,12 @@ class CpuDecodeLoop:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         group_metas: Sequence[AttentionMetadata] = (),
+        taps: LayerTaps | None = None,
     ) -> torch.Tensor:
-        """The layers and final norm over input rows h [n, hidden] (embedded tokens, or a head's own input)."""
+        """The layers and final norm over input rows h [n, hidden] (embedded tokens, or a head's own input);
+        `taps` also receives chosen layers' outputs (models/interface.py)."""
         n = h.shape[0]
+        tap_rows, tap_layers = (None, []) if taps is None else (taps.buffer(h), list(taps.layers))
         self.steps_served += 1
         self.max_tokens_served = max(self.max_tokens_served, n)
         if meta.plan is AttentionKind.PER_TOKEN:
@@ -108,6 +112,8 @@ class CpuDecodeLoop:
                 meta.token_key_mask,
                 [m.key_start for m in metas],
                 None,
+                tap_rows,
+                tap_layers,
             )
         plan = tiled_plan(meta)
         assert plan is not None, "serves() admitted a step without per-token metadata or long prompt chunks"
@@ -121,7 +127,9 @@ class CpuDecodeLoop:
         )
         if plan.short is None:
             empty = torch.empty(0, 1, dtype=torch.long)
-            return self.stack.forward(h, positions, [meta.slot_mapping], [empty], empty[:, 0], None, [None], tiled)
+            return self.stack.forward(
+                h, positions, [meta.slot_mapping], [empty], empty[:, 0], None, [None], tiled, tap_rows, tap_layers
+            )
         short = plan.short.tables
         return self.stack.forward(
             h,
@@ -132,6 +140,8 @@ class CpuDecodeLoop:
             short.key_mask,
             [None],
             tiled,
+            tap_rows,
+            tap_layers,
         )
 
 

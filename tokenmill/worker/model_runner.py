@@ -48,7 +48,8 @@ from tokenmill.core.step_io import (
     StepOutput,
     StepTokens,
 )
-from tokenmill.layers.sampler import Sampler, SamplingMetadata, masks_from_bytes
+from tokenmill.layers.sampler import Sampler, SamplingMetadata, masks_from_bytes, sampling_metadata
+from tokenmill.models.interface import LayerTaps
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import cpu_decode
 from tokenmill.worker.kv_cache_ops import add_forked_samples, compact_accepted_path, copy_blocks
@@ -64,7 +65,9 @@ class RunnerModel(Protocol):
     """What a runner uses of its model: the target (models/causal_lm.py's CausalLM) or a draft's (a draft
     CausalLM, or EAGLE's head, whose proposer calls it with features itself and never through run_model)."""
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, taps: LayerTaps | None = None) -> torch.Tensor:
+        """Final hidden states; `taps` (a target only) also collects chosen layers' outputs."""
+        ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -160,8 +163,10 @@ class StepInputs:
 
 
 FeatureSink = Callable[[list[StepTokens], torch.Tensor], None]
-"""(the step's requests in input order, final hidden states [num_tokens, hidden]) -> None (EAGLE's store).
-After a verification step it gets only the tokens that stay (`kept_rows`)."""
+"""(the step's requests in input order, features [num_tokens, F]) -> None (EAGLE's store, the block drafter's).
+The features are the final hidden states, or, when the proposer names `feature_layers`, those target layers'
+outputs side by side (models/interface.py's LayerTaps). After a verification step it gets only the tokens that
+stay (`kept_rows`)."""
 
 
 def kept_rows(
@@ -271,6 +276,8 @@ class ModelRunner:
         prompt logprobs skip worker/prompt_outputs.py altogether."""
         self.speculator = speculator
         self.feature_sink: FeatureSink | None = speculator.feature_sink if speculator is not None else None
+        self.feature_layers: tuple[int, ...] = speculator.feature_layers if speculator is not None else ()
+        """Target layers whose outputs the sink gets instead of the final hidden states; () = the final ones."""
         self.prompts_per_token = prompts_per_token
         self.samples = samples
         self.num_paths_compacted = 0
@@ -308,19 +315,22 @@ class ModelRunner:
         logits_indices, sampling = inp.logits_indices, inp.sampling
         if forked:
             logits_indices, sampling = add_forked_samples(forked, logits_indices, sampling)
-        hidden = self.run_model(inp)  # [num_tokens, hidden]
+        want_taps = self.feature_sink is not None and self.feature_layers
+        taps = LayerTaps(self.feature_layers, self.arch.hidden_size) if want_taps else None
+        hidden = self.run_model(inp, taps)  # [num_tokens, hidden]
+        features = hidden if taps is None else taps.buffer(hidden)
         prompt = PromptOutputs()
         if self.pooling_rows or any(c.wants_prompt_logprobs for c in step.scheduled):
             prompt = prompt_outputs(step, batch, self.requests, hidden, self.model.compute_logits)
         if self.feature_sink is not None and not any(s.num_spec_tokens for s in batch):
-            self.feature_sink(batch, hidden)
+            self.feature_sink(batch, features)
         if not sampling:
             return StepOutput(
                 spec_metrics=self.speculator.metrics() if self.speculator is not None else None,
                 prompt_logprobs=prompt.prompt_logprobs,
                 pooled=prompt.pooled,
             )
-        sampled = self.sample(step, batch, sampling, hidden, logits_indices)
+        sampled = self.sample(step, batch, sampling, hidden, logits_indices, features)
         if self.speculator is None:
             return StepOutput(sampled.results, prompt_logprobs=prompt.prompt_logprobs, pooled=prompt.pooled)
         self.speculator.observe_target_step(batch, time.perf_counter() - t0)
@@ -334,14 +344,17 @@ class ModelRunner:
             prompt.pooled,
         )
 
-    def run_model(self, inp: StepInputs) -> torch.Tensor:
+    def run_model(self, inp: StepInputs, taps: LayerTaps | None = None) -> torch.Tensor:
         """The forward over a step's inputs: the C++ layer loop where it serves the step (its attention plan and
-        size), else the model's modules. Final hidden states [num_tokens, hidden]."""
+        size), else the model's modules. Final hidden states [num_tokens, hidden]; `taps` also gets chosen
+        layers' outputs, from either forward."""
         loop = self.decode_loop
         if loop is not None and loop.serves(inp.meta, inp.input_ids.shape[0], inp.group_metas):
-            return loop(inp.input_ids, inp.positions, inp.meta, inp.group_metas)
+            return loop(inp.input_ids, inp.positions, inp.meta, inp.group_metas, taps)
         with forward_context(inp.meta, inp.group_metas):
-            return self.model(inp.input_ids, inp.positions)
+            if taps is None:
+                return self.model(inp.input_ids, inp.positions)
+            return self.model(inp.input_ids, inp.positions, taps)
 
     def run_rows(self, inp: StepInputs, rows: torch.Tensor) -> torch.Tensor | None:
         """The C++ layer loop over given input rows [num_tokens, hidden] in place of the embedded tokens (a draft
@@ -364,9 +377,11 @@ class ModelRunner:
         sampling: list[StepTokens],
         hidden: torch.Tensor,
         logits_indices: torch.Tensor,
+        features: torch.Tensor,
     ) -> Sampled:
         """The step's tokens: sampled from the logits at `logits_indices`, or, for requests with drafts, the
-        speculator's verdict (whose accepted tree paths are then moved into consecutive slots)."""
+        speculator's verdict (whose accepted tree paths are then moved into consecutive slots); the feature sink
+        gets the `features` rows that stay."""
         logits = self.model.compute_logits(hidden[logits_indices])  # [num_sampling, vocab]
         if not self.samples:
             return Sampled({})
@@ -398,7 +413,7 @@ class ModelRunner:
                 moves.extend(PathMove(table, base, res.accepted_nodes) for table in s.tables())
         self.move_paths(moves)
         if self.feature_sink is not None:
-            self.feature_sink(*kept_rows(batch, hidden, results))
+            self.feature_sink(*kept_rows(batch, features, results))
         return Sampled(results, moves)
 
     def move_paths(self, moves: Sequence[PathMove]) -> None:
@@ -565,72 +580,6 @@ class ModelRunner:
         return torch.tensor(slots, dtype=torch.long, device=dev), block_tables.to(dev), token_tables
 
     def sampling_metadata(self, reqs: Sequence[SamplingRow]) -> SamplingMetadata:
-        """Per-row sampling tensors for `reqs` (penalty counts from their outputs, min_tokens bans, the
-        seeded requests' own generators, created on first use)."""
-        dev = self.device
-        params = [r.sampling_params for r in reqs]
-        n, V = len(reqs), self.vocab_size
-        temps = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], device=dev)
-        all_greedy = all(p.is_greedy for p in params)
-
-        def opt(values: list[float], neutral: float, dtype=torch.float32) -> torch.Tensor | None:
-            if all(v == neutral for v in values):
-                return None
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        top_k = opt([p.top_k for p in params], 0, torch.long)
-        top_p = opt([p.top_p for p in params], 1.0)
-        min_p = opt([p.min_p for p in params], 0.0)
-        pres = opt([p.presence_penalty for p in params], 0.0)
-        freq = opt([p.frequency_penalty for p in params], 0.0)
-        rep = opt([p.repetition_penalty for p in params], 1.0)
-        counts = prompt_mask = None
-        if pres is not None or freq is not None or rep is not None:
-            counts = torch.zeros(n, V, device=dev)
-            for i, r in enumerate(reqs):
-                if r.output_token_ids:
-                    ids = torch.tensor(r.output_token_ids, device=dev)
-                    counts[i].scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
-            if rep is not None:
-                prompt_mask = torch.zeros(n, V, dtype=torch.bool, device=dev)
-                for i, r in enumerate(reqs):
-                    prompt_mask[i, torch.tensor(r.prompt_token_ids, device=dev)] = True
-        ban = None
-        for i, r in enumerate(reqs):
-            p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
-                if ban is None:
-                    ban = torch.zeros(n, V, dtype=torch.bool, device=dev)
-                banned = list(p.stop_token_ids) + (
-                    [r.eos_token_id] if r.eos_token_id is not None and not p.ignore_eos else []
-                )
-                if banned:
-                    ban[i, torch.tensor(banned, device=dev)] = True
-        gens: list[torch.Generator | None] = []
-        for r in reqs:
-            seed = r.sampling_params.seed
-            if seed is None or r.sampling_params.is_greedy:
-                gens.append(None)
-                continue
-            g = self.generators.get(r.request_id)
-            if g is None:
-                g = torch.Generator(device=dev)
-                g.manual_seed(seed)
-                self.generators[r.request_id] = g
-            gens.append(g)
-        nlp = [p.logprobs for p in params if p.logprobs is not None]
-        return SamplingMetadata(
-            temps,
-            top_k,
-            top_p,
-            min_p,
-            pres,
-            freq,
-            rep,
-            counts,
-            prompt_mask,
-            ban,
-            gens,
-            all_greedy,
-            max(nlp) if nlp else None,
-        )
+        """Per-row sampling tensors for `reqs` (layers/sampler.py's sampling_metadata), with this runner's
+        per-request generators."""
+        return sampling_metadata(reqs, self.vocab_size, self.device, self.generators)

@@ -1,0 +1,278 @@
+"""A block drafter (DFlash-style): a few transformer layers that denoise a whole block of positions in one pass,
+conditioned on the target's hidden states from several of its layers.
+
+At drafting time a request holds tokens t_0 .. t_{N-1}; the target has computed positions 0 .. N-2 (t_{N-1}, the
+token it just sampled, is not fed yet). The drafter's block sits at positions N-1 .. N+B-2:
+
+    position      0 .. N-2 (context)                 N-1          N        ...     N+B-2
+    input         target features f_p (chosen        embed(t_N-1)  [mask]   ...     [mask]
+                  layers, side by side)
+    drafter       c_p = ctx_norm(fc([rms(f_p^1) | rms(f_p^2) | ...]))  ->  each draft layer's keys and values
+    output                                           -            d_1      ...     d_{B-1}
+
+Every draft layer's attention reads the context rows' keys and values (its own k/v projections of c_p, RoPE at
+p) and the block's own, bidirectionally inside the block; block rows never see later context because there is
+none. The mask rows predict the tokens at their positions, so one forward gives B - 1 drafts. The embedding and
+the LM head are the target's (tied, shared tensors): the head keeps only `draft_vocab` rows, the tokens the target
+emits most often, as EAGLE's does here (a draft outside them is never proposed: acceptance, never exactness).
+
+One plain-torch forward serves training (autograd) and drafting, so the two cannot drift apart. Context keys and
+values depend only on c_p and p, so drafting computes them once per position (`context_kv`) and keeps them.
+
+Directory (written by `tokenmill train-drafter`, read by `load_block_drafter`):
+
+    drafter_config.json   {"format": "tokenmill-block-drafter", "version": 1, "target": NAME, "target_arch": {...},
+                           "arch": {draft layers' ModelArchConfig}, "target_layers": [...], "block_size": B,
+                           "num_draft_vocab": N, "training": {...}}
+    model.safetensors     fc, ctx_norm, mask_embed, layers.{i}.*, norm, draft_vocab (int64 [N]); bfloat16
+    README.md             the card: how it was trained, on what, what it measured
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.config import ModelArchConfig
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.spec_decode.eagle_head import copy_checked, read_head_config, read_head_weights
+
+FORMAT = "tokenmill-block-drafter"
+VERSION = 1
+CONFIG_FILE = "drafter_config.json"
+WEIGHTS_FILE = "model.safetensors"
+TARGET_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+"""The target's arch fields a drafter is bound to: another target is refused when any differs."""
+
+
+def rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMS norm in float32, rounded once to x's dtype; w None: no weight (the per-layer feature normalization)."""
+    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (y if w is None else y * w.float()).to(x.dtype)
+
+
+def default_target_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
+    """`count` target layers spread from shallow to deep, the last included (30 layers, 3 -> (1, 15, 29))."""
+    if count == 1:
+        return (num_layers - 1,)
+    return tuple(sorted({round(1 + i * (num_layers - 2) / (count - 1)) for i in range(count)}))
+
+
+class DraftLayer(nn.Module):
+    """A pre-norm Llama layer (SwiGLU) whose attention also reads the context's keys and values."""
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        nh, nkv = arch.num_attention_heads, arch.num_key_value_heads
+        self.in_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.qkv = nn.Parameter(torch.empty((nh + 2 * nkv) * d, h, dtype=dtype))
+        self.o = nn.Parameter(torch.empty(h, nh * d, dtype=dtype))
+        self.mlp_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.gate_up = nn.Parameter(torch.empty(2 * arch.intermediate_size, h, dtype=dtype))
+        self.down = nn.Parameter(torch.empty(h, arch.intermediate_size, dtype=dtype))
+
+
+class BlockDrafter(nn.Module):
+    """See the module docstring. `embed` [V, H] is the target's token table; `lm_rows` [N, H] its LM-head rows of
+    `draft_vocab` (both shared, not parameters)."""
+
+    draft_vocab: torch.Tensor  # buffers (register_buffer in __init__)
+    cos_sin: torch.Tensor
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        target_layers: tuple[int, ...],
+        block_size: int,
+        embed: torch.Tensor,
+        lm_rows: torch.Tensor,
+        draft_vocab: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if block_size < 2:
+            raise ValueError("a block drafter's block holds the last token and at least one mask: block_size >= 2")
+        h = arch.hidden_size
+        self.arch = arch
+        self.target_layers = tuple(target_layers)
+        self.block_size = block_size
+        self.fc = nn.Parameter(torch.empty(h, len(target_layers) * h, dtype=dtype))
+        self.ctx_norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        self.mask_embed = nn.Parameter(torch.zeros(h, dtype=dtype))
+        self.layers = nn.ModuleList(DraftLayer(arch, dtype) for _ in range(arch.num_hidden_layers))
+        self.norm = nn.Parameter(torch.ones(h, dtype=dtype))
+        rot = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+        self.register_buffer("cos_sin", rot.cos_sin, persistent=False)
+        self.register_buffer("draft_vocab", draft_vocab.to(torch.long), persistent=False)
+        if tuple(lm_rows.shape) != (len(draft_vocab), h):
+            raise ValueError(f"lm_rows must be [{len(draft_vocab)}, {h}], got {tuple(lm_rows.shape)}")
+        self.embed = embed.detach()
+        self.lm_rows = lm_rows.detach().to(dtype).contiguous()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.dtype
+
+    @property
+    def draft_layers(self) -> list[DraftLayer]:
+        return cast("list[DraftLayer]", list(self.layers))
+
+    # ------------------------------------------------------------------ pieces
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., T, heads, d] at positions [..., T] (the half-rotation layout of layers/rotary.py)."""
+        d = x.shape[-1]
+        cs = self.cos_sin[positions].to(x.dtype)  # [..., T, d]
+        cos, sin = cs[..., None, : d // 2], cs[..., None, d // 2 :]
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def encode_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., len(target_layers) * H] -> context rows c [..., H]: each layer's feature RMS-
+        normalized (their scales differ by depth), fused by fc, normed."""
+        h, eps = self.arch.hidden_size, self.arch.rms_norm_eps
+        f = features.to(self.dtype)
+        parts = [rms(f[..., j * h : (j + 1) * h], None, eps) for j in range(len(self.target_layers))]
+        return rms(F.linear(torch.cat(parts, dim=-1), self.fc), self.ctx_norm, eps)
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Context rows [..., T, H] at positions [..., T] -> per draft layer (keys after RoPE, values), each
+        [..., T, kv_heads, d]: what every block after them attends to."""
+        a = self.arch
+        nh, nkv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        out = []
+        for layer in self.draft_layers:
+            kv = F.linear(ctx, layer.qkv[nh * d :])
+            k, v = kv.split([nkv * d, nkv * d], dim=-1)
+            k = self._rope(k.unflatten(-1, (nkv, d)), positions)
+            out.append((k, v.unflatten(-1, (nkv, d))))
+        return out
+
+    def block_rows(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Anchor tokens [...] -> the blocks' input rows [..., B, H]: the anchor's embedding, then mask rows."""
+        e = F.embedding(anchor_ids, self.embed).to(self.dtype)
+        masks = self.mask_embed.expand(*anchor_ids.shape, self.block_size - 1, -1)
+        return torch.cat([e.unsqueeze(-2), masks], dim=-2)
+
+    def forward_blocks(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Block rows x [S, Q, H] (Q = blocks x B, block by block) at positions [S, Q], attending to the context
+        keys/values ctx_kv (per layer, [S, T, kv_heads, d]) and to the block rows themselves, as `mask`
+        [S, Q, T + Q] (True = may attend) says; None: every row sees every key (one block per row of S).
+        Returns the final-normed hidden states [S, Q, H]."""
+        a = self.arch
+        nh, nkv, d, eps = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps
+        S, Q, _ = x.shape
+        rep = nh // nkv
+        attn_mask = None if mask is None else mask[:, None]
+        for layer, (kc, vc) in zip(self.draft_layers, ctx_kv):
+            qkv = F.linear(rms(x, layer.in_norm, eps), layer.qkv)
+            q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+            q = self._rope(q.unflatten(-1, (nh, d)), positions)
+            k = self._rope(k.unflatten(-1, (nkv, d)), positions)
+            keys = torch.cat([kc, k], dim=1).repeat_interleave(rep, dim=2).transpose(1, 2)
+            vals = torch.cat([vc, v.unflatten(-1, (nkv, d))], dim=1).repeat_interleave(rep, dim=2).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=attn_mask, scale=d**-0.5)
+            x = x + F.linear(o.transpose(1, 2).reshape(S, Q, nh * d), layer.o)
+            g, u = F.linear(rms(x, layer.mlp_norm, eps), layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, layer.down)
+        return rms(x, self.norm, eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> logits over draft_vocab [..., N] in float32."""
+        return F.linear(hidden, self.lm_rows).float()
+
+    # ------------------------------------------------------------------ files
+    def save(self, directory: str | Path, target_name: str, target_arch: ModelArchConfig, training: dict) -> None:
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        cfg = {
+            "format": FORMAT,
+            "version": VERSION,
+            "target": target_name,
+            "target_arch": {k: getattr(target_arch, k) for k in TARGET_FIELDS},
+            "arch": arch_dict(self.arch),
+            "target_layers": list(self.target_layers),
+            "block_size": self.block_size,
+            "num_draft_vocab": int(len(self.draft_vocab)),
+            "training": training,
+        }
+        (d / CONFIG_FILE).write_text(json.dumps(cfg, indent=1) + "\n")
+        tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.named_parameters()}
+        tensors["draft_vocab"] = self.draft_vocab.detach().cpu().contiguous()
+        save_file(tensors, str(d / WEIGHTS_FILE))
+
+
+def arch_dict(arch: ModelArchConfig) -> dict:
+    out = dataclasses.asdict(arch)
+    out["eos_token_ids"] = list(out["eos_token_ids"])
+    return out
+
+
+def drafter_arch(target: ModelArchConfig, num_layers: int) -> ModelArchConfig:
+    """The draft layers have the target's layer shape, `num_layers` of them, no quantization."""
+    return dataclasses.replace(target, num_hidden_layers=num_layers, quantization_config=None)
+
+
+def read_drafter_config(directory: str | Path) -> dict:
+    return read_head_config(
+        Path(directory) / CONFIG_FILE,
+        FORMAT,
+        VERSION,
+        "no block drafter here (train one with `tokenmill train-drafter`)",
+    )
+
+
+def load_block_drafter(
+    directory: str | Path,
+    target_arch: ModelArchConfig,
+    embed: torch.Tensor,
+    lm_weight: torch.Tensor,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+) -> BlockDrafter:
+    """A drafter written by BlockDrafter.save, checked against the target it will draft for; every error names
+    the file and the fault (a drafter made for another target is refused)."""
+    d = Path(directory)
+    cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
+    cfg = read_drafter_config(d)
+    made_for = cfg.get("target_arch") or {}
+    wrong = {
+        k: (made_for.get(k), getattr(target_arch, k))
+        for k in TARGET_FIELDS
+        if made_for.get(k) != getattr(target_arch, k)
+    }
+    if wrong:
+        detail = ", ".join(f"{k} {a} vs the target's {b}" for k, (a, b) in wrong.items())
+        raise ValueError(f"{cfg_path}: drafter made for another target ({cfg.get('target')!r}): {detail}")
+    a = dict(cfg["arch"])
+    a["eos_token_ids"] = tuple(a.get("eos_token_ids") or ())
+    arch = ModelArchConfig(**a)
+    layers = tuple(int(x) for x in cfg.get("target_layers", ()))
+    if not layers or any(not 0 <= x < target_arch.num_hidden_layers for x in layers):
+        raise ValueError(
+            f"{cfg_path}: target_layers {list(layers)} not within the target's {target_arch.num_hidden_layers} layers"
+        )
+    tensors, vocab = read_head_weights(w_path, "block drafter", cfg.get("num_draft_vocab"), target_arch.vocab_size)
+    with torch.device(device):
+        drafter = BlockDrafter(
+            arch, layers, int(cfg["block_size"]), embed, lm_weight[vocab.to(lm_weight.device)], vocab, dtype=dtype
+        )
+    copy_checked(w_path, dict(drafter.named_parameters()), tensors)
+    for p in drafter.parameters():
+        p.requires_grad_(False)
+    drafter.eval()
+    return drafter

@@ -1,0 +1,261 @@
+"""The block drafter's proposer (`{"method": "dflash"}`): one drafter forward proposes a whole block.
+
+The target's runner hands the sink the outputs of the drafter's `target_layers` at every position it computes
+(models/interface.py's LayerTaps, from the C++ layer loop or the modules). The sink turns them into the drafter's
+context keys and values at once (`BlockDrafter.context_kv`) and keeps them per request, by position:
+
+    request holds t_0 .. t_{N-1}; context K/V held for positions first .. N-2 (what the target computed)
+    block at positions N-1 .. N+B-2: [t_{N-1}, mask, ..., mask]  ->  one forward  ->  q_1 .. q_{B-1}
+
+A chain takes draft j from q_j: the argmax for greedy rows, a sample of q_j (after the request's temperature and
+filters) otherwise, with q_j handed to the rejection sampler, so the output stays the target's. Draft j does not
+depend on drafts 1..j-1 (the block is denoised at once), so q_j is also its distribution given them. A tree takes
+the per-position top-k: best-first by the sum of draft log-probabilities along a path, up to the node budget
+(point masses for the tree verifier, as EAGLE's trees are).
+
+Rows of rejected drafts never reach the sink (the runner hands it `kept_rows`), and a position written again (a
+rebuilt row) replaces what was held from there on. After a prefix-cache hit the target computes no features for
+the cached positions: the context then starts at the first computed one, which can cost acceptance, never
+exactness.
+"""
+
+from __future__ import annotations
+
+import heapq
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits, sampling_metadata
+from tokenmill.spec_decode.block_drafter import BlockDrafter, load_block_drafter
+from tokenmill.spec_decode.draft_model import draft_loop
+from tokenmill.spec_decode.proposer import DraftRequest, Proposal, draft_budget
+
+if TYPE_CHECKING:
+    from tokenmill.config import SpeculativeConfig, TreeConfig
+    from tokenmill.core.step_io import StepInput, StepTokens
+    from tokenmill.spec_decode.proposer import ProposerContext
+
+DRAFTERS = Path(__file__).resolve().parents[1] / "drafters"
+"""The drafters shipped in the package: one directory per target alias."""
+
+
+def shipped_drafter(target_model: str) -> Path:
+    """The drafter shipped for `target_model`: one whose directory names the model alias the target is, or
+    resolves to the same file as. A ValueError says which targets have one."""
+    from tokenmill.models.loader import resolve_model_path
+
+    known = (
+        sorted(p.name for p in DRAFTERS.iterdir() if (p / "drafter_config.json").is_file()) if DRAFTERS.is_dir() else []
+    )
+    for alias in known:
+        if target_model == alias:
+            return DRAFTERS / alias
+        try:
+            if Path(resolve_model_path(alias)).resolve() == Path(resolve_model_path(target_model)).resolve():
+                return DRAFTERS / alias
+        except (OSError, ValueError):
+            continue
+    raise ValueError(
+        f"speculative_config: no block drafter ships for {target_model!r} (shipped: {known}); train one with "
+        '`tokenmill train-drafter --model ... --out DIR` and pass "model": DIR'
+    )
+
+
+class ContextKV:
+    """Per request: the first position held and each draft layer's context keys and values [n, kv_heads, d]."""
+
+    def __init__(self, first: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.first = first
+        self.kv = kv
+
+    @property
+    def end(self) -> int:
+        """One past the last position held."""
+        return self.first + self.kv[0][0].shape[0]
+
+    def extend(self, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> ContextKV:
+        """Rows for positions start.. appended; positions held from `start` on are replaced. A gap, or rows
+        before the first held, start afresh."""
+        if start < self.first or start > self.end:
+            return ContextKV(start, kv)
+        keep = start - self.first
+        return ContextKV(
+            self.first,
+            [(torch.cat([k[:keep], nk]), torch.cat([v[:keep], nv])) for (k, v), (nk, nv) in zip(self.kv, kv)],
+        )
+
+
+class DFlashProposer:
+    def __init__(
+        self,
+        drafter: BlockDrafter,
+        vocab_size: int,
+        device: torch.device,
+        tree: TreeConfig | None = None,
+        max_depth: int = 7,
+        max_model_len: int = 1 << 30,
+        seed: int = 0,
+    ) -> None:
+        self.drafter = drafter
+        self.vocab_size = vocab_size
+        self.device = device
+        self.tree = tree
+        self.max_depth = max_depth
+        self.max_model_len = max_model_len
+        self.feature_layers: tuple[int, ...] = drafter.target_layers
+        self.feature_sink = self.write
+        self.context: dict[str, ContextKV] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        """Seeded requests' own generators for the drafts (the target's are the runner's)."""
+        self.global_gen = torch.Generator(device=device)
+        self.global_gen.manual_seed(seed + 1)
+        self.num_blocks_drafted = 0
+        """Drafter forwards' blocks (tests and metrics read it)."""
+
+    @classmethod
+    def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> DFlashProposer:
+        path = config.model or str(shipped_drafter(ctx.target_model))
+        embed, lm = ctx.tables()
+        drafter = load_block_drafter(path, ctx.target_arch, embed, lm, ctx.dtype, ctx.device)
+        depth = min(config.tree_max_depth, drafter.block_size - 1)
+        return cls(drafter, ctx.target_arch.vocab_size, ctx.device, config.tree, depth, ctx.max_model_len, ctx.seed)
+
+    # ------------------------------------------------------------------ rows
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.context.pop(rid, None)
+            self.generators.pop(rid, None)
+
+    def restart(self, request_ids: list[str]) -> None:
+        for rid in request_ids:  # its features come again as the rebuilt row is recomputed
+            self.context.pop(rid, None)
+
+    def on_step(self, step: StepInput) -> None:
+        pass
+
+    @torch.inference_mode()
+    def write(self, batch: list[StepTokens], features: torch.Tensor) -> None:
+        """The runner's sink: features [num_tokens, len(target_layers) * H] for `batch` in order (each request's
+        num_new_tokens rows at start_pos ..), turned into context keys and values in one drafter pass."""
+        pos = torch.cat([torch.arange(s.start_pos, s.start_pos + s.num_new_tokens) for s in batch]).to(self.device)
+        kv = self.drafter.context_kv(self.drafter.encode_context(features), pos)
+        off = 0
+        for s in batch:
+            n = s.num_new_tokens
+            rows = [(k[off : off + n], v[off : off + n]) for k, v in kv]
+            off += n
+            held = self.context.get(s.request_id)
+            self.context[s.request_id] = (
+                ContextKV(s.start_pos, rows) if held is None else held.extend(s.start_pos, rows)
+            )
+
+    # ---------------------------------------------------------------- propose
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest], num_tokens: list[int]) -> Proposal:
+        active = []
+        for i, (r, k) in enumerate(zip(requests, num_tokens)):
+            held = self.context.get(r.request_id)
+            if k > 0 and held is not None and held.end == r.num_tokens - 1:
+                active.append(i)
+        if not active:
+            return Proposal([[] for _ in requests], None)
+        reqs = [requests[i] for i in active]
+        logits = self.block_logits(reqs)  # [R, B - 1, N]
+        self.num_blocks_drafted += len(reqs)
+        if self.tree is not None:
+            trees = {
+                r.request_id: self.tree_from_block(logits[j].log_softmax(-1), num_tokens[i], r)
+                for j, (i, r) in enumerate(zip(active, reqs))
+            }
+            empty: tuple[list[int], list[int]] = ([], [])
+            return Proposal(
+                [trees.get(r.request_id, empty)[0] for r in requests],
+                None,
+                [trees.get(r.request_id, empty)[1] for r in requests],
+            )
+        ks = [min(num_tokens[i], logits.shape[1]) for i in active]
+        meta = sampling_metadata(reqs, self.vocab_size, self.device, self.generators)
+
+        def step(alive: list[int], keep: list[int], j: int, last: list[int]) -> torch.Tensor:
+            return logits[torch.tensor(alive), j + 1]
+
+        drafts, probs = draft_loop(reqs, ks, meta, logits[:, 0], self.sample, step)
+        return Proposal([drafts.get(r.request_id, []) for r in requests], probs)
+
+    def block_logits(self, reqs: list[DraftRequest]) -> torch.Tensor:
+        """One drafter forward over every request's block: logits over the draft vocab at its mask rows,
+        [R, B - 1, N]. Contexts of unequal length are padded and masked."""
+        d = self.drafter
+        B, R = d.block_size, len(reqs)
+        ctxs = [self.context[r.request_id] for r in reqs]
+        x = d.block_rows(torch.tensor([r.all_token_ids[-1] for r in reqs], device=self.device))
+        pos = torch.tensor([r.num_tokens - 1 for r in reqs], device=self.device)[:, None] + torch.arange(B)
+        lens = [c.kv[0][0].shape[0] for c in ctxs]
+        T = max(lens)
+        mask = None
+        if R > 1 and min(lens) < T:
+            mask = torch.ones(R, B, T + B, dtype=torch.bool, device=self.device)
+            for j, n in enumerate(lens):
+                mask[j, :, n:T] = False
+        ctx_kv = []
+        for layer in range(len(d.layers)):
+            ks, vs = [c.kv[layer][0] for c in ctxs], [c.kv[layer][1] for c in ctxs]
+            if R == 1:
+                ctx_kv.append((ks[0][None], vs[0][None]))
+            else:
+                pad = [(0, 0, 0, 0, 0, T - n) for n in lens]
+                ctx_kv.append(
+                    (
+                        torch.stack([torch.nn.functional.pad(k, p) for k, p in zip(ks, pad)]),
+                        torch.stack([torch.nn.functional.pad(v, p) for v, p in zip(vs, pad)]),
+                    )
+                )
+        hidden = d.forward_blocks(x, pos, ctx_kv, mask)
+        return d.compute_logits(hidden[:, 1:])
+
+    def sample(self, sub_logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [n] (vocabulary ids) and q [n, V] over the full vocabulary (None when every row is
+        greedy); q is 0 outside the draft vocabulary."""
+        vocab = self.drafter.draft_vocab
+        if meta.all_greedy and meta.output_counts is None and meta.prompt_mask is None and meta.min_tokens_mask is None:
+            return vocab[sub_logits.argmax(-1)], None
+        full = sub_logits.new_full((sub_logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, vocab] = sub_logits
+        processed = process_logits(full, meta)
+        greedy = processed.argmax(-1)
+        if meta.all_greedy:
+            return greedy, None
+        q = processed.softmax(-1)
+        noise = exponential_noise((q.shape[0], q.shape[1]), meta.generators, q.device, self.global_gen)
+        return torch.where(meta.temperature > 0, (q / noise).argmax(-1), greedy), q
+
+    def tree_from_block(self, logp: torch.Tensor, budget: int, r: DraftRequest) -> tuple[list[int], list[int]]:
+        """A token tree from one block's per-position log-probabilities logp [B - 1, N]: best-first by the sum of
+        log-probabilities along the path, each node's children the `max_width` likeliest tokens of the next
+        position, until `budget` nodes (a child never outscores its parent: the kept nodes form a tree).
+
+            logp top: pos 1 a -0.1, b -1.5; pos 2 c -0.2, d -0.9   budget 3, width 2
+            pop a (-0.1) -> push a.c (-0.3), a.d (-1.0); pop a.c -> ...; pop a.d (-1.0) -> nodes a, a.c, a.d
+        """
+        assert self.tree is not None  # trees are drafted only with a tree config
+        width = self.tree.max_width
+        depth_cap = min(logp.shape[0], draft_budget(r, self.max_depth, self.max_model_len))
+        if depth_cap <= 0 or budget <= 0:
+            return [], []
+        top = logp[:depth_cap].topk(width, dim=-1)
+        vals, idx = top.values.tolist(), self.drafter.draft_vocab[top.indices].tolist()
+        heap = [(-vals[0][w], 0, -1, idx[0][w]) for w in range(width)]
+        heapq.heapify(heap)
+        toks: list[int] = []
+        parents: list[int] = []
+        while heap and len(toks) < budget:
+            neg, depth, parent, tok = heapq.heappop(heap)
+            node = len(toks)
+            toks.append(tok)
+            parents.append(parent)
+            if depth + 1 < depth_cap:
+                for w in range(width):
+                    heapq.heappush(heap, (neg - vals[depth + 1][w], depth + 1, node, idx[depth + 1][w]))
+        return toks, parents
