@@ -416,6 +416,10 @@ class SpeculativeConfig:
     suffix_max_tokens: int = 65536
     """suffix: the most tokens of served text the online store holds over all tenants (oldest requests evicted
     first; up to ~0.9 KB of memory per token)."""
+    choose_proposer: bool = True
+    """dflash: per request and step, draft with the block drafter or with prompt lookup (and the datastore, if
+    given), whichever the measured acceptance predicts gives more tokens per target step (spec_decode/dflash.py);
+    false: the block drafter only."""
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "suffix", "draft_model", "eagle", "medusa", "dflash"):
@@ -431,8 +435,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.model is required for method {self.method}")
         if self.draft_num_layers is not None and self.draft_num_layers < 1:
             raise ValueError("speculative_config.draft_num_layers must be >= 1")
-        if self.datastore and self.method not in ("ngram", "suffix", "medusa"):
-            raise ValueError("speculative_config.datastore backs the ngram and suffix proposers (and medusa trees)")
+        if self.datastore and self.method not in ("ngram", "suffix", "medusa", "dflash"):
+            raise ValueError(
+                "speculative_config.datastore backs the ngram and suffix proposers (and medusa and dflash's choice)"
+            )
         if self.datastore and self.method == "medusa" and self.tree is None:
             raise ValueError("speculative_config.datastore with medusa needs a tree (the heads' guesses join it)")
         if not 0.0 <= self.datastore_min_share <= 1.0:

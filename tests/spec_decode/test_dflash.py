@@ -139,7 +139,13 @@ def test_training_forward_is_the_drafting_forward(tiny_llama, trained):
     """Greedy, blocks of 4: when a request holds N tokens, its drafts are the drafter's argmax at block rows
     1..3 from the target's features at 0..N-2, as the training forward (block_logits) computes them."""
     path, drafter, *_ = trained
-    cfg = {"method": "dflash", "model": str(path), "num_speculative_tokens": 3, "adaptive": False}
+    cfg = {
+        "method": "dflash",
+        "model": str(path),
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+        "choose_proposer": False,
+    }
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
     prop = llm.engine.executor.runner.speculator.proposer
     inner, log = prop.propose, []
@@ -196,7 +202,10 @@ def test_greedy_identical_with_chunking_preemption_and_prefix_hits(tiny_llama, t
     assert spec["num_drafts"] > 0 and spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
     if not adaptive:
         assert spec["num_accepted_tokens"] > 0
-    assert llm.engine.executor.runner.speculator.proposer.num_blocks_drafted > 0
+    prop = llm.engine.executor.runner.speculator.proposer
+    assert prop.num_blocks_drafted > 0
+    if not adaptive:  # the repetitive prompt gives lookup matches: both sources drafted
+        assert prop.num_chosen["drafter"] > 0 and prop.num_chosen["lookup"] > 0, prop.num_chosen
 
 
 def test_seeded_sampling_reproduces_and_greedy_rows_match(tiny_llama, trained, greedy_ref):
@@ -245,6 +254,19 @@ def test_drafter_for_another_target_is_refused(tiny_llama, tiny_qwen3, trained, 
         load_block_drafter(tmp_path, target.config, embed, lm, torch.float32)
     with pytest.raises(ValueError, match="no block drafter ships"):
         LLM(str(tiny_llama), dtype="float32", speculative_config={"method": "dflash"})
+
+
+def test_choice_follows_each_sources_measured_acceptance():
+    """The per-request choice: lookup's draft is kept while its measured acceptance predicts as many tokens as
+    the drafter's, and the drafter's once lookup's drafts keep failing."""
+    from tokenmill.spec_decode.dflash import SourceStats
+
+    good, bad = SourceStats(), SourceStats()
+    for _ in range(20):
+        good.observe(4, 3)
+        bad.observe(4, 0)
+    assert good.alpha > 0.7 and bad.alpha < 0.15  # the prior (α 0.5, worth 4 tokens) fades
+    assert good.expected(4) > 2.5 and bad.expected(4) < 1.2
 
 
 def test_sample_anchors_stay_in_the_answer():

@@ -13,6 +13,12 @@ depend on drafts 1..j-1 (the block is denoised at once), so q_j is also its dist
 the per-position top-k: best-first by the sum of draft log-probabilities along a path, up to the node budget
 (point masses for the tree verifier, as EAGLE's trees are).
 
+With `choose_proposer` (the default) every request also gets prompt lookup's draft (the n-gram proposer, with the
+datastore when one is given); per request and step the proposer keeps the one whose source's measured acceptance
+predicts more tokens: E = (1 - α^(k+1)) / (1 - α) for a k-token draft, the drafter's divided by (1 + its cost
+share), since choosing lookup for every row skips the drafter's forward. Each source's α is a running estimate
+from what its drafts got accepted (the row's next length tells: accepted = tokens gained - 1).
+
 Rows of rejected drafts never reach the sink (the runner hands it `kept_rows`), and a position written again (a
 rebuilt row) replaces what was held from there on. After a prefix-cache hit the target computes no features for
 the cached positions: the context then starts at the first computed one, which can cost acceptance, never
@@ -28,8 +34,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits, sampling_metadata
+from tokenmill.spec_decode.adaptive import expected_tokens
 from tokenmill.spec_decode.block_drafter import BlockDrafter, load_block_drafter
 from tokenmill.spec_decode.draft_model import draft_loop
+from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.spec_decode.proposer import DraftRequest, Proposal, draft_budget
 
 if TYPE_CHECKING:
@@ -87,6 +95,28 @@ class ContextKV:
         )
 
 
+class SourceStats:
+    """One draft source's acceptance: exponentially weighted accepted / judged draft tokens (judged: up to and
+    including the first rejection), with a prior of α = 0.5 worth 4 tokens."""
+
+    def __init__(self, decay: float = 0.95) -> None:
+        self.decay = decay
+        self.accepted = 0.0
+        self.judged = 0.0
+
+    def observe(self, k: int, accepted: int) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.judged = self.decay * self.judged + min(accepted + 1, k)
+
+    @property
+    def alpha(self) -> float:
+        return min(0.99, (self.accepted + 2.0) / (self.judged + 4.0))
+
+    def expected(self, k: int) -> float:
+        """Tokens a k-token draft is expected to emit per target pass."""
+        return expected_tokens(self.alpha, k)
+
+
 class DFlashProposer:
     def __init__(
         self,
@@ -97,6 +127,7 @@ class DFlashProposer:
         max_depth: int = 7,
         max_model_len: int = 1 << 30,
         seed: int = 0,
+        lookup: NgramProposer | None = None,
     ) -> None:
         self.drafter = drafter
         self.vocab_size = vocab_size
@@ -113,6 +144,13 @@ class DFlashProposer:
         self.global_gen.manual_seed(seed + 1)
         self.num_blocks_drafted = 0
         """Drafter forwards' blocks (tests and metrics read it)."""
+        self.lookup = lookup
+        """Prompt lookup (and a datastore), the other source the per-request choice weighs; None: the drafter only."""
+        self.sources = {"drafter": SourceStats(), "lookup": SourceStats()}
+        self.pending: dict[str, tuple[str, int, int]] = {}
+        """request id -> (source, draft length, tokens held) of its last draft, until its next proposal judges it."""
+        self.num_chosen = {"drafter": 0, "lookup": 0}
+        """Drafts each source made (tests and benchmarks read it)."""
 
     @classmethod
     def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> DFlashProposer:
@@ -120,17 +158,30 @@ class DFlashProposer:
         embed, lm = ctx.tables()
         drafter = load_block_drafter(path, ctx.target_arch, embed, lm, ctx.dtype, ctx.device)
         depth = min(config.tree_max_depth, drafter.block_size - 1)
-        return cls(drafter, ctx.target_arch.vocab_size, ctx.device, config.tree, depth, ctx.max_model_len, ctx.seed)
+        lookup = None
+        if config.choose_proposer:  # matches of 2+ tokens only: one-token matches guess right ~1 time in 5
+            store = None
+            if config.datastore:
+                from tokenmill.spec_decode.datastore import SuffixDatastore
+
+                store = SuffixDatastore.load(config.datastore)
+            n = max(2, config.prompt_lookup_max)
+            lookup = NgramProposer(2, n, store, config.datastore_min_share, config.tree, depth, ctx.max_model_len)
+        return cls(
+            drafter, ctx.target_arch.vocab_size, ctx.device, config.tree, depth, ctx.max_model_len, ctx.seed, lookup
+        )
 
     # ------------------------------------------------------------------ rows
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.context.pop(rid, None)
             self.generators.pop(rid, None)
+            self.pending.pop(rid, None)
 
     def restart(self, request_ids: list[str]) -> None:
         for rid in request_ids:  # its features come again as the rebuilt row is recomputed
             self.context.pop(rid, None)
+            self.pending.pop(rid, None)
 
     def on_step(self, step: StepInput) -> None:
         pass
@@ -154,13 +205,52 @@ class DFlashProposer:
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], num_tokens: list[int]) -> Proposal:
+        self.judge(requests)
+        looked = self.lookup.propose(requests, num_tokens) if self.lookup is not None else None
+        use_lookup = [
+            looked is not None and self.prefers_lookup(looked.token_ids[i], k) for i, k in enumerate(num_tokens)
+        ]
         active = []
         for i, (r, k) in enumerate(zip(requests, num_tokens)):
             held = self.context.get(r.request_id)
-            if k > 0 and held is not None and held.end == r.num_tokens - 1:
+            if k > 0 and not use_lookup[i] and held is not None and held.end == r.num_tokens - 1:
                 active.append(i)
+        out = self.propose_blocks(requests, num_tokens, active)
+        if looked is not None:  # lookup's drafts where it was chosen (or the drafter had no context)
+            for i in range(len(requests)):
+                if i not in active and looked.token_ids[i]:
+                    out.token_ids[i] = looked.token_ids[i]
+                    if out.parents is not None:
+                        out.parents[i] = (looked.parents or [[]] * len(requests))[i]
+        for i, r in enumerate(requests):
+            if out.token_ids[i]:
+                source = "drafter" if i in active else "lookup"
+                self.num_chosen[source] += 1
+                self.pending[r.request_id] = (source, len(out.token_ids[i]), r.num_tokens)
+        return out
+
+    def judge(self, requests: list[DraftRequest]) -> None:
+        """Each request's last draft, judged by how many tokens its row gained since (accepted + 1), feeds its
+        source's acceptance estimate. (A tree's length is its node count; its accepted depth is judged the same.)"""
+        for r in requests:
+            last = self.pending.pop(r.request_id, None)
+            if last is not None:
+                source, k, held = last
+                self.sources[source].observe(k, max(0, min(k, r.num_tokens - held - 1)))
+
+    def prefers_lookup(self, lookup_draft: list[int], k: int) -> bool:
+        """Lookup has a draft whose expected tokens reach the drafter's (depth-capped at its block)."""
+        if not lookup_draft or k <= 0:
+            return False
+        depth = k if self.tree is None else self.max_depth
+        drafter = self.sources["drafter"].expected(min(depth, self.drafter.block_size - 1))
+        lookup_depth = len(lookup_draft) if self.tree is None else min(len(lookup_draft), self.max_depth)
+        return self.sources["lookup"].expected(lookup_depth) >= drafter
+
+    def propose_blocks(self, requests: list[DraftRequest], num_tokens: list[int], active: list[int]) -> Proposal:
+        """The drafter's drafts (a chain or a tree) for requests[i], i in active; [] for the others."""
         if not active:
-            return Proposal([[] for _ in requests], None)
+            return Proposal([[] for _ in requests], None, None if self.tree is None else [[] for _ in requests])
         reqs = [requests[i] for i in active]
         logits = self.block_logits(reqs)  # [R, B - 1, N]
         self.num_blocks_drafted += len(reqs)
@@ -177,6 +267,10 @@ class DFlashProposer:
             )
         ks = [min(num_tokens[i], logits.shape[1]) for i in active]
         meta = sampling_metadata(reqs, self.vocab_size, self.device, self.generators)
+        if self.plain_greedy(meta):  # every row's drafts are the argmaxes: one op, no per-position loop
+            top = self.drafter.draft_vocab[logits.argmax(-1)].tolist()
+            by_id = {r.request_id: top[j][: ks[j]] for j, r in enumerate(reqs)}
+            return Proposal([by_id.get(r.request_id, []) for r in requests], None)
 
         def step(alive: list[int], keep: list[int], j: int, last: list[int]) -> torch.Tensor:
             return logits[torch.tensor(alive), j + 1]
@@ -215,11 +309,18 @@ class DFlashProposer:
         hidden = d.forward_blocks(x, pos, ctx_kv, mask)
         return d.compute_logits(hidden[:, 1:])
 
+    @staticmethod
+    def plain_greedy(meta: SamplingMetadata) -> bool:
+        """Every row greedy, with no penalty or min_tokens ban that could move its argmax."""
+        return (
+            meta.all_greedy and meta.output_counts is None and meta.prompt_mask is None and meta.min_tokens_mask is None
+        )
+
     def sample(self, sub_logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [n] (vocabulary ids) and q [n, V] over the full vocabulary (None when every row is
         greedy); q is 0 outside the draft vocabulary."""
         vocab = self.drafter.draft_vocab
-        if meta.all_greedy and meta.output_counts is None and meta.prompt_mask is None and meta.min_tokens_mask is None:
+        if self.plain_greedy(meta):
             return vocab[sub_logits.argmax(-1)], None
         full = sub_logits.new_full((sub_logits.shape[0], self.vocab_size), float("-inf"))
         full[:, vocab] = sub_logits
