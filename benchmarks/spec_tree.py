@@ -150,7 +150,9 @@ def main() -> None:
         if args.dflash != "shipped":
             df["model"] = args.dflash
         configs["dflash chain"] = df
+        configs["dflash chain (drafter only)"] = {**df, "choose_proposer": False}
         configs["dflash tree"] = {**df, "tree": tree}
+        configs["dflash tree (drafter only)"] = {**df, "tree": tree, "choose_proposer": False}
     if args.only:
         keep = set(args.only.split(","))
         configs = {k: v for k, v in configs.items() if k == "plain" or k in keep}

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelArchConfig
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.spec_decode.eagle_head import copy_checked, read_head_config, read_head_weights
 
@@ -115,6 +116,31 @@ class BlockDrafter(nn.Module):
             raise ValueError(f"lm_rows must be [{len(draft_vocab)}, {h}], got {tuple(lm_rows.shape)}")
         self.embed = embed.detach()
         self.lm_rows = lm_rows.detach().to(dtype).contiguous()
+        self.kernels: dict[str, Linear] = {}
+        """Inference copies of the weights for the runtime's linear kernels (oneDNN reorders a plain bf16 weight on
+        every call: F.linear made a draft step cost more than a target step), built by `prepare_kernels` once the
+        weights are final; empty (training): plain F.linear, which autograd follows."""
+
+    def prepare_kernels(self) -> None:
+        """The weights are final (loaded): build the kernels' copies of every matrix."""
+        a = self.arch
+        split = a.num_attention_heads * a.head_dim
+        mats = {"fc": self.fc, "lm": self.lm_rows}
+        for i, layer in enumerate(self.draft_layers):
+            mats |= {f"{i}.qkv": layer.qkv, f"{i}.kv": layer.qkv[split:], f"{i}.o": layer.o}
+            mats |= {f"{i}.gate_up": layer.gate_up, f"{i}.down": layer.down}
+        self.kernels = {}
+        for name, w in mats.items():
+            lin = Linear(w.shape[1], w.shape[0], dtype=w.dtype)
+            lin.weight = nn.Parameter(w.detach().contiguous(), requires_grad=False)
+            lin.process_weights_after_loading()
+            self.kernels[name] = lin
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+        k = self.kernels.get(name)
+        if k is None:
+            return F.linear(x, w)
+        return k(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -139,7 +165,7 @@ class BlockDrafter(nn.Module):
         h, eps = self.arch.hidden_size, self.arch.rms_norm_eps
         f = features.to(self.dtype)
         parts = [rms(f[..., j * h : (j + 1) * h], None, eps) for j in range(len(self.target_layers))]
-        return rms(F.linear(torch.cat(parts, dim=-1), self.fc), self.ctx_norm, eps)
+        return rms(self._linear(torch.cat(parts, dim=-1), self.fc, "fc"), self.ctx_norm, eps)
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Context rows [..., T, H] at positions [..., T] -> per draft layer (keys after RoPE, values), each
@@ -147,8 +173,8 @@ class BlockDrafter(nn.Module):
         a = self.arch
         nh, nkv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         out = []
-        for layer in self.draft_layers:
-            kv = F.linear(ctx, layer.qkv[nh * d :])
+        for i, layer in enumerate(self.draft_layers):
+            kv = self._linear(ctx, layer.qkv[nh * d :], f"{i}.kv")
             k, v = kv.split([nkv * d, nkv * d], dim=-1)
             k = self._rope(k.unflatten(-1, (nkv, d)), positions)
             out.append((k, v.unflatten(-1, (nkv, d))))
@@ -176,22 +202,22 @@ class BlockDrafter(nn.Module):
         S, Q, _ = x.shape
         rep = nh // nkv
         attn_mask = None if mask is None else mask[:, None]
-        for layer, (kc, vc) in zip(self.draft_layers, ctx_kv):
-            qkv = F.linear(rms(x, layer.in_norm, eps), layer.qkv)
+        for i, (layer, (kc, vc)) in enumerate(zip(self.draft_layers, ctx_kv)):
+            qkv = self._linear(rms(x, layer.in_norm, eps), layer.qkv, f"{i}.qkv")
             q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
             q = self._rope(q.unflatten(-1, (nh, d)), positions)
             k = self._rope(k.unflatten(-1, (nkv, d)), positions)
             keys = torch.cat([kc, k], dim=1).repeat_interleave(rep, dim=2).transpose(1, 2)
             vals = torch.cat([vc, v.unflatten(-1, (nkv, d))], dim=1).repeat_interleave(rep, dim=2).transpose(1, 2)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=attn_mask, scale=d**-0.5)
-            x = x + F.linear(o.transpose(1, 2).reshape(S, Q, nh * d), layer.o)
-            g, u = F.linear(rms(x, layer.mlp_norm, eps), layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(g) * u, layer.down)
+            x = x + self._linear(o.transpose(1, 2).reshape(S, Q, nh * d), layer.o, f"{i}.o")
+            g, u = self._linear(rms(x, layer.mlp_norm, eps), layer.gate_up, f"{i}.gate_up").chunk(2, dim=-1)
+            x = x + self._linear(F.silu(g) * u, layer.down, f"{i}.down")
         return rms(x, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> logits over draft_vocab [..., N] in float32."""
-        return F.linear(hidden, self.lm_rows).float()
+        return self._linear(hidden, self.lm_rows, "lm").float()
 
     # ------------------------------------------------------------------ files
     def save(self, directory: str | Path, target_name: str, target_arch: ModelArchConfig, training: dict) -> None:
@@ -275,4 +301,5 @@ def load_block_drafter(
     for p in drafter.parameters():
         p.requires_grad_(False)
     drafter.eval()
+    drafter.prepare_kernels()
     return drafter
