@@ -42,7 +42,13 @@ from torch import nn
 from tokenmill.config import ModelArchConfig
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.spec_decode.eagle_head import copy_checked, read_head_config, read_head_weights
+from tokenmill.spec_decode.eagle_head import (
+    arch_from_dict,
+    arch_to_dict,
+    copy_checked,
+    read_head_config,
+    read_head_weights,
+)
 
 FORMAT = "tokenmill-block-drafter"
 VERSION = 1
@@ -230,7 +236,7 @@ class BlockDrafter(nn.Module):
             "version": VERSION,
             "target": target_name,
             "target_arch": {k: getattr(target_arch, k) for k in TARGET_FIELDS},
-            "arch": arch_dict(self.arch),
+            "arch": arch_to_dict(self.arch),
             "target_layers": list(self.target_layers),
             "block_size": self.block_size,
             "num_draft_vocab": int(len(self.draft_vocab)),
@@ -240,12 +246,6 @@ class BlockDrafter(nn.Module):
         tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.named_parameters()}
         tensors["draft_vocab"] = self.draft_vocab.detach().cpu().contiguous()
         save_file(tensors, str(d / WEIGHTS_FILE))
-
-
-def arch_dict(arch: ModelArchConfig) -> dict:
-    out = dataclasses.asdict(arch)
-    out["eos_token_ids"] = list(out["eos_token_ids"])
-    return out
 
 
 def drafter_arch(target: ModelArchConfig, num_layers: int) -> ModelArchConfig:
@@ -284,9 +284,7 @@ def load_block_drafter(
     if wrong:
         detail = ", ".join(f"{k} {a} vs the target's {b}" for k, (a, b) in wrong.items())
         raise ValueError(f"{cfg_path}: drafter made for another target ({cfg.get('target')!r}): {detail}")
-    a = dict(cfg["arch"])
-    a["eos_token_ids"] = tuple(a.get("eos_token_ids") or ())
-    arch = ModelArchConfig(**a)
+    arch = arch_from_dict(cfg["arch"])
     layers = tuple(int(x) for x in cfg.get("target_layers", ()))
     if not layers or any(not 0 <= x < target_arch.num_hidden_layers for x in layers):
         raise ValueError(

@@ -27,6 +27,7 @@ exactness.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -160,13 +161,9 @@ class DFlashProposer:
         depth = min(config.tree_max_depth, drafter.block_size - 1)
         lookup = None
         if config.choose_proposer:  # matches of 2+ tokens only: one-token matches guess right ~1 time in 5
-            store = None
-            if config.datastore:
-                from tokenmill.spec_decode.datastore import SuffixDatastore
-
-                store = SuffixDatastore.load(config.datastore)
             n = max(2, config.prompt_lookup_max)
-            lookup = NgramProposer(2, n, store, config.datastore_min_share, config.tree, depth, ctx.max_model_len)
+            lookup_config = dataclasses.replace(config, method="ngram", prompt_lookup_min=2, prompt_lookup_max=n)
+            lookup = NgramProposer.from_context(lookup_config, ctx)
         return cls(
             drafter, ctx.target_arch.vocab_size, ctx.device, config.tree, depth, ctx.max_model_len, ctx.seed, lookup
         )
@@ -216,15 +213,16 @@ class DFlashProposer:
             if k > 0 and not use_lookup[i] and held is not None and held.end == r.num_tokens - 1:
                 active.append(i)
         out = self.propose_blocks(requests, num_tokens, active)
+        drafted = set(active)
         if looked is not None:  # lookup's drafts where it was chosen (or the drafter had no context)
             for i in range(len(requests)):
-                if i not in active and looked.token_ids[i]:
+                if i not in drafted and looked.token_ids[i]:
                     out.token_ids[i] = looked.token_ids[i]
-                    if out.parents is not None:
-                        out.parents[i] = (looked.parents or [[]] * len(requests))[i]
+                    if out.parents is not None and looked.parents is not None:
+                        out.parents[i] = looked.parents[i]
         for i, r in enumerate(requests):
             if out.token_ids[i]:
-                source = "drafter" if i in active else "lookup"
+                source = "drafter" if i in drafted else "lookup"
                 self.num_chosen[source] += 1
                 self.pending[r.request_id] = (source, len(out.token_ids[i]), r.num_tokens)
         return out

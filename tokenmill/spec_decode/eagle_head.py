@@ -145,8 +145,7 @@ class EagleHead(nn.Module):
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        arch = dataclasses.asdict(self.arch)
-        arch["eos_token_ids"] = list(arch["eos_token_ids"])
+        arch = arch_to_dict(self.arch)
         cfg = {
             "format": FORMAT,
             "version": VERSION,
@@ -204,6 +203,19 @@ def read_head_config(path: Path, fmt: str, version: int, missing: str) -> dict:
     return cfg
 
 
+def arch_to_dict(arch: ModelArchConfig) -> dict:
+    """A head's layer arch as its JSON config stores it (arch_from_dict reads it back)."""
+    out = dataclasses.asdict(arch)
+    out["eos_token_ids"] = list(out["eos_token_ids"])
+    return out
+
+
+def arch_from_dict(d: dict) -> ModelArchConfig:
+    a = dict(d)
+    a["eos_token_ids"] = tuple(a.get("eos_token_ids") or ())
+    return ModelArchConfig(**a)
+
+
 def read_head_weights(
     w_path: Path, what: str, num_draft_vocab: int | None, vocab_size: int
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -256,9 +268,7 @@ def load_eagle_head(
             f"{cfg_path}: head made for hidden size {cfg.get('target_hidden_size')}, "
             f"the target has {target_arch.hidden_size}"
         )
-    a = dict(cfg["arch"])
-    a["eos_token_ids"] = tuple(a.get("eos_token_ids") or ())
-    arch = ModelArchConfig(**a)
+    arch = arch_from_dict(cfg["arch"])
     if arch.vocab_size != target_arch.vocab_size:
         raise ValueError(f"{cfg_path}: head made for vocab {arch.vocab_size}, the target has {target_arch.vocab_size}")
     tensors, vocab = read_head_weights(w_path, "EAGLE head", cfg.get("num_draft_vocab"), target_arch.vocab_size)
