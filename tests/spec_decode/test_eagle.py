@@ -204,11 +204,10 @@ def test_greedy_identical_with_chunking_preemption_and_prefix_hits(tiny_llama, t
     assert head_loop is not None and head_loop.steps_served > 0
 
 
-def test_drafts_are_the_heads_teacher_forced_predictions(tiny_llama, trained_head):
-    """Greedy, γ = 1: when a request holds N tokens, its draft is the head's prediction from the
-    target's feature at N - 2 and token N - 1, as the dense training forward computes it."""
-    path, head, *_ = trained_head
-    cfg = {"method": "eagle", "model": str(path), "num_speculative_tokens": 1, "adaptive": False}
+def _greedy_with_drafts(tiny_llama, head_dir) -> tuple[list[int], list[tuple[int, int]]]:
+    """PROMPTS[2] and its greedy answer under the head at γ = 1, and every draft made: (tokens the request held,
+    the draft)."""
+    cfg = {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": 1, "adaptive": False}
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
     prop = llm.engine.executor.runner.speculator.proposer
     inner, log = prop.propose, []
@@ -218,10 +217,16 @@ def test_drafts_are_the_heads_teacher_forced_predictions(tiny_llama, trained_hea
         log.extend((r.num_tokens, d[0]) for r, d in zip(reqs, out.token_ids) if d)
         return out
 
-    prop.propose = spy
+    prop.propose = spy  # a test's spy on the proposer's own method
     prompt = PROMPTS[2]
-    out = run(llm, [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
-    full = prompt + out
+    return prompt + run(llm, [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0], log
+
+
+def test_drafts_are_the_heads_teacher_forced_predictions(tiny_llama, trained_head):
+    """Greedy, γ = 1: when a request holds N tokens, its draft is the head's prediction from the
+    target's feature at N - 2 and token N - 1, as the dense training forward computes it."""
+    path, head, *_ = trained_head
+    full, log = _greedy_with_drafts(tiny_llama, path)
     target = _target(tiny_llama)
     feats, _ = et.extract_features(target, [full], log=lambda *_: None)
     with torch.no_grad():
@@ -367,3 +372,105 @@ def test_dynamic_tree_nodes_are_the_heads_top_guesses(tiny_llama, trained_head):
         run(llm, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
         outs[name] = seen
     assert outs["chain"] == outs["tree"] and any(any(d) for d in outs["chain"])
+
+
+# ------------------------------------------------------------------ multi-layer features (EAGLE-3's)
+MULTI_LAYERS = (0, 1)
+"""Both layers of the tiny target (the last one must be among them)."""
+
+
+@pytest.fixture(scope="module")
+def multi_head(corpus, tmp_path_factory):
+    """A head reading the outputs of both tiny layers, trained briefly on the same corpus (two steps unrolled)."""
+    target, seqs, _, argmaxes = corpus
+    taps, _ = et.extract_features(target, seqs, MULTI_LAYERS, log=lambda *_: None)
+    vocab = et.choose_draft_vocab(argmaxes, target.config.vocab_size, 256)
+    head = et.init_head_from_target(target, vocab, target_layers=MULTI_LAYERS)
+    first = et.train_head(
+        head, seqs, taps, argmaxes, epochs=1, lr=3e-3, tokens_per_batch=256, steps=2, log=lambda *_: None
+    )
+    last = et.train_head(
+        head, seqs, taps, argmaxes, epochs=6, lr=3e-3, tokens_per_batch=256, steps=2, log=lambda *_: None
+    )
+    path = tmp_path_factory.mktemp("eagle-multi")
+    head.save(path, "tiny")
+    return path, head, taps, first, last
+
+
+def test_multi_layer_head_starts_from_the_final_hidden_state(corpus):
+    """Untrained, the fused feature of the layers' outputs is the target's final hidden state (fuse starts as the
+    identity on the last layer's part, fuse_norm as the final norm), and the training forward is the module's."""
+    target, seqs, feats, argmaxes = corpus
+    head = et.init_head_from_target(target, torch.arange(100), target_layers=MULTI_LAYERS)
+    taps, _ = et.extract_features(target, seqs[:2], MULTI_LAYERS, log=lambda *_: None)
+    assert taps[0].shape == (len(seqs[0]), 2 * target.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(head.target_features(taps[0].float()), feats[0].float(), atol=1e-5, rtol=1e-5)
+        n = len(seqs[0])
+        ids = torch.tensor([seqs[0][1:], seqs[1][1:n]])
+        f = torch.stack([taps[0][:-1], taps[1][: n - 1]]).float()
+        dense = head(ids, torch.arange(n - 1).expand(2, -1).contiguous(), f)
+        assert torch.allclose(dense, train_forward(head, ids, f), atol=1e-5, rtol=1e-5)
+
+
+def test_multi_layer_head_learns_and_round_trips(tiny_llama, multi_head, tmp_path):
+    path, head, _, first, last = multi_head
+    assert last["ce"] < first["ce"] and last["top1"] > first["top1"]
+    assert last["smooth_l1"] == 0  # tokens only: no feature to regress to
+    target = _target(tiny_llama)
+    embed, lm = target_tables(target)
+    loaded = load_eagle_head(path, target.config, embed, lm, torch.float32)
+    assert loaded.target_layers == MULTI_LAYERS
+    assert torch.equal(loaded.fuse.weight, head.fuse.weight)
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    cfg = json.loads((bad / "eagle_config.json").read_text())
+    (bad / "eagle_config.json").write_text(json.dumps({**cfg, "target_layers": [0, 7]}))
+    with pytest.raises(ValueError, match=r"eagle_config.json: target_layers \[0, 7\] outside"):
+        load_eagle_head(bad, target.config, embed, lm, torch.float32)
+    (bad / "eagle_config.json").write_text(json.dumps({**cfg, "target_layers": []}))
+    with pytest.raises(ValueError, match="model.safetensors: missing tensors.*unexpected.*fuse"):
+        load_eagle_head(bad, target.config, embed, lm, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def trained_prompts_ref(tiny_llama, corpus):
+    """Prompts the heads were trained on (the weak tiny heads get drafts accepted there) and plain greedy output."""
+    _, seqs, _, _ = corpus
+    prompts = [s[: len(s) - 40] for s in seqs[:4]]  # the last 40 tokens of each sequence are its answer
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return prompts, params, run(LLM(str(tiny_llama), dtype="float32", **TIGHT), prompts, params)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_multi_layer_head_greedy_identical(tiny_llama, multi_head, trained_prompts_ref, tree):
+    """The runner taps both layers for the head (it names them), drafts are accepted, and greedy output stays plain
+    decoding's through chunking, preemption and prefix hits, for chains and trees."""
+    path, *_ = multi_head
+    prompts, params, ref = trained_prompts_ref
+    cfg: dict = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3, "adaptive": False}
+    if tree:
+        cfg["tree"] = {"max_nodes": 6, "max_width": 2}
+    llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, **TIGHT)
+    runner = llm.engine.executor.runner
+    assert runner.feature_layers == MULTI_LAYERS
+    assert run(llm, prompts, params) == ref
+    assert run(llm, prompts[:1], params) == ref[:1]
+    assert llm.stats().num_preemptions > 0
+    spec = llm.stats().spec_decode
+    assert spec["num_drafts"] > 0 and 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+
+
+def test_multi_layer_drafts_are_the_training_forwards(tiny_llama, multi_head):
+    """Greedy, γ = 1: each draft is the multi-layer head's teacher-forced prediction from the target's taps, as the
+    dense training forward computes it (so the runner's taps are the layers the head was trained on)."""
+    path, head, *_ = multi_head
+    full, log = _greedy_with_drafts(tiny_llama, path)
+    taps, _ = et.extract_features(_target(tiny_llama), [full], MULTI_LAYERS, log=lambda *_: None)
+    with torch.no_grad():
+        out = train_forward(head, torch.tensor([full[1:]]), taps[0][None, :-1].float())[0]
+        pred = head.draft_vocab[head.compute_logits(out).argmax(-1)]
+    assert len(log) >= 10
+    assert sum(d == int(pred[n - 2]) for n, d in log) >= len(log) - 1

@@ -51,6 +51,14 @@ class GemmaRMSNorm(nn.Module):
         _norm_heads(qk, num_heads, self.weight, self.eps, self.unit_offset)
 
 
+def plain_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMS norm in plain (differentiable) torch ops, float32 inside, rounded once to x's dtype; w None: no weight.
+    The draft heads' trainers and the block drafter use it, where autograd must follow and the fused kernels
+    cannot."""
+    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (y if w is None else y * w.float()).to(x.dtype)
+
+
 def _norm_heads(qk: torch.Tensor, num_heads: int, weight: torch.Tensor, eps: float, unit_offset: bool) -> None:
     d = weight.shape[0]
     if fused_ops.head_rms_norm_inplace(qk, num_heads, d, weight, eps, unit_offset):

@@ -41,6 +41,7 @@ from torch import nn
 
 from tokenmill.config import ModelArchConfig
 from tokenmill.layers.linear import Linear
+from tokenmill.layers.norm import plain_rms_norm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.spec_decode.eagle_head import (
     arch_from_dict,
@@ -56,12 +57,6 @@ CONFIG_FILE = "drafter_config.json"
 WEIGHTS_FILE = "model.safetensors"
 TARGET_FIELDS = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 """The target's arch fields a drafter is bound to: another target is refused when any differs."""
-
-
-def rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMS norm in float32, rounded once to x's dtype; w None: no weight (the per-layer feature normalization)."""
-    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return (y if w is None else y * w.float()).to(x.dtype)
 
 
 def default_target_layers(num_layers: int, count: int = 3) -> tuple[int, ...]:
@@ -170,8 +165,8 @@ class BlockDrafter(nn.Module):
         normalized (their scales differ by depth), fused by fc, normed."""
         h, eps = self.arch.hidden_size, self.arch.rms_norm_eps
         f = features.to(self.dtype)
-        parts = [rms(f[..., j * h : (j + 1) * h], None, eps) for j in range(len(self.target_layers))]
-        return rms(self._linear(torch.cat(parts, dim=-1), self.fc, "fc"), self.ctx_norm, eps)
+        parts = [plain_rms_norm(f[..., j * h : (j + 1) * h], None, eps) for j in range(len(self.target_layers))]
+        return plain_rms_norm(self._linear(torch.cat(parts, dim=-1), self.fc, "fc"), self.ctx_norm, eps)
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Context rows [..., T, H] at positions [..., T] -> per draft layer (keys after RoPE, values), each
@@ -209,7 +204,7 @@ class BlockDrafter(nn.Module):
         rep = nh // nkv
         attn_mask = None if mask is None else mask[:, None]
         for i, (layer, (kc, vc)) in enumerate(zip(self.draft_layers, ctx_kv)):
-            qkv = self._linear(rms(x, layer.in_norm, eps), layer.qkv, f"{i}.qkv")
+            qkv = self._linear(plain_rms_norm(x, layer.in_norm, eps), layer.qkv, f"{i}.qkv")
             q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
             q = self._rope(q.unflatten(-1, (nh, d)), positions)
             k = self._rope(k.unflatten(-1, (nkv, d)), positions)
@@ -217,9 +212,9 @@ class BlockDrafter(nn.Module):
             vals = torch.cat([vc, v.unflatten(-1, (nkv, d))], dim=1).repeat_interleave(rep, dim=2).transpose(1, 2)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=attn_mask, scale=d**-0.5)
             x = x + self._linear(o.transpose(1, 2).reshape(S, Q, nh * d), layer.o, f"{i}.o")
-            g, u = self._linear(rms(x, layer.mlp_norm, eps), layer.gate_up, f"{i}.gate_up").chunk(2, dim=-1)
+            g, u = self._linear(plain_rms_norm(x, layer.mlp_norm, eps), layer.gate_up, f"{i}.gate_up").chunk(2, dim=-1)
             x = x + self._linear(F.silu(g) * u, layer.down, f"{i}.down")
-        return rms(x, self.norm, eps)
+        return plain_rms_norm(x, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> logits over draft_vocab [..., N] in float32."""

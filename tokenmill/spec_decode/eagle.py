@@ -98,6 +98,7 @@ class EagleProposer(DraftModelProposer):
         self.max_model_len = max_model_len
         self.store = FeatureStore()
         self.feature_sink = self.store.write  # the target's runner hands it every step's features
+        self.feature_layers = head.target_layers  # () the final hidden states
         # num_computed (inherited): positions whose head K/V came from real target features
 
     @classmethod
@@ -137,6 +138,7 @@ class EagleProposer(DraftModelProposer):
             if got is None:  # no feature for position n - 2 (cannot happen after a target step)
                 continue
             first, f = got
+            f = self.head.target_features(f.to(self.head.norm.weight.dtype))  # [n, H]: fused if multi-layer
             # positions up to n + k - 3 (a chain's last input); a tree's k nodes sit at slots up to n + k - 2
             num_needed = -(-(n + k - 2 + (self.tree is not None)) // bs)
             extra = max(0, num_needed - len(real))

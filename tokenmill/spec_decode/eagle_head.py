@@ -10,16 +10,28 @@ that follows it, t_{i+1}, and predicts the next feature:
     logits = f^_i+1 @ W[draft_vocab]^T               the target's own tied LM-head rows, a subset
 
 Drafting continues from its own prediction: (f^_{i+1}, drafted t_{i+2}) at position i + 1, and so
-on (EAGLE, Li et al. 2024). The LM head keeps only `draft_vocab` rows (the tokens the target emits
-most often in the training data): the full 49,152-row head costs about a fifth of a SmolLM2-135M
-decode step, the 8,192-row subset a sixth of that. A draft outside the subset is never proposed,
-which costs acceptance, never exactness (the rejection sampler takes q = 0 there).
+on (EAGLE, Li et al. 2024).
+
+Multi-layer features (EAGLE-3's idea, `target_layers` non-empty): f_i is then not the final hidden state but
+the outputs of several target layers (shallow to deep, the runner's LayerTaps) fused into one row,
+
+    f_i = fuse_norm(fuse([rms(h_i^a) | rms(h_i^b) | rms(h_i^c)]))      [3H] -> [H], each layer normalized first
+
+and the head is trained on the target's tokens only (no feature regression: there is no single target feature
+to regress to). Its own outputs f^ still feed the steps after the first, which training teaches by unrolling.
+
+The LM head keeps only `draft_vocab` rows (the tokens the target emits most often in the training data):
+the full 49,152-row head costs about a fifth of a SmolLM2-135M decode step, the 8,192-row subset a sixth of
+that. A draft outside the subset is never proposed, which costs acceptance, never exactness (the rejection
+sampler takes q = 0 there).
 
 Checkpoint directory (written by `tokenmill train-eagle`):
 
     eagle_config.json    {"format": "tokenmill-eagle", "version": 1, "target_hidden_size": ...,
-                          "arch": {the one-layer ModelArchConfig fields}, "num_draft_vocab": N}
-    model.safetensors    fc.weight, layer.*, norm.weight, draft_vocab (int64 [N])
+                          "arch": {the one-layer ModelArchConfig fields}, "num_draft_vocab": N,
+                          "target_layers": [...] (absent or [] for the final hidden state)}
+    model.safetensors    fc.weight, layer.*, norm.weight, draft_vocab (int64 [N]); fuse.weight and
+                         fuse_norm.weight with target_layers
 
 The head's own embedding and LM head are the target's (shared tensors, not stored).
 """
@@ -39,7 +51,7 @@ from tokenmill.attention.backend import TorchPagedAttention
 from tokenmill.config import ModelArchConfig
 from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.linear import Linear
-from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm
+from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm, plain_rms_norm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.interface import DecoderLayout
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer
@@ -71,13 +83,21 @@ class EagleHead(nn.Module):
         lm_rows: torch.Tensor,
         draft_vocab: torch.Tensor,
         dtype: torch.dtype = torch.float32,
+        target_layers: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         if arch.num_hidden_layers != 1:
             raise ValueError("an EAGLE head has exactly one decoder layer")
         h = arch.hidden_size
         self.arch = arch
+        self.target_layers = tuple(target_layers)
+        """The target layers whose outputs it reads (the runner's LayerTaps); () reads the final hidden state."""
         self.fc = Linear(2 * h, h, dtype=dtype)
+        self.fuse: Linear | None = None
+        self.fuse_norm: RMSNorm | None = None
+        if self.target_layers:
+            self.fuse = Linear(len(self.target_layers) * h, h, dtype=dtype)
+            self.fuse_norm = RMSNorm(h, arch.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
         self.layer = LlamaDecoderLayer(arch, 0, self.rotary, TorchPagedAttention(), dtype)
         self.norm = RMSNorm(h, arch.rms_norm_eps, dtype)
@@ -114,10 +134,22 @@ class EagleHead(nn.Module):
         return [self.layer.self_attn]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] (the token after each feature), positions [T], features [T, H] -> predicted
-        next features [T, H]. Inside a forward context attention goes through the paged cache;
-        outside, dense causal over [T] or [B, T]."""
-        return self.forward_rows(positions, self.input_rows(input_ids, features))
+        """input_ids [T] (the token after each feature), positions [T], the target's features [T, F] (as the
+        runner hands them: `target_features`) -> predicted next features [T, H]. Inside a forward context
+        attention goes through the paged cache; outside, dense causal over [T] or [B, T]."""
+        return self.forward_rows(positions, self.input_rows(input_ids, self.target_features(features)))
+
+    def target_features(self, rows: torch.Tensor) -> torch.Tensor:
+        """What the runner handed the feature sink, [n, F], as the head reads it, [n, H]: the final hidden states
+        as they are, or the chosen layers' outputs fused (module docstring)."""
+        if self.fuse is None or self.fuse_norm is None:
+            return rows
+        return self.fuse_norm(self.fuse(self.normalize_layers(rows)))
+
+    def normalize_layers(self, rows: torch.Tensor) -> torch.Tensor:
+        """[..., L * H] -> each layer's part RMS-normalized without a weight (their scales differ by depth)."""
+        h, eps = self.arch.hidden_size, self.arch.rms_norm_eps
+        return torch.cat([plain_rms_norm(p, None, eps) for p in rows.split(h, dim=-1)], dim=-1)
 
     def input_rows(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The decoder layer's input [T, H]: fc over [the token's embedding | the feature before it]."""
@@ -153,6 +185,7 @@ class EagleHead(nn.Module):
             "target_hidden_size": self.arch.hidden_size,
             "num_draft_vocab": int(len(self.draft_vocab)),
             "arch": arch,
+            "target_layers": list(self.target_layers),
         }
         (d / CONFIG_FILE).write_text(json.dumps(cfg, indent=1) + "\n")
         save_file(
@@ -271,9 +304,13 @@ def load_eagle_head(
     arch = arch_from_dict(cfg["arch"])
     if arch.vocab_size != target_arch.vocab_size:
         raise ValueError(f"{cfg_path}: head made for vocab {arch.vocab_size}, the target has {target_arch.vocab_size}")
+    layers = cfg.get("target_layers") or []
+    if not all(isinstance(i, int) and 0 <= i < target_arch.num_hidden_layers for i in layers):
+        raise ValueError(f"{cfg_path}: target_layers {layers} outside the target's {target_arch.num_hidden_layers}")
     tensors, vocab = read_head_weights(w_path, "EAGLE head", cfg.get("num_draft_vocab"), target_arch.vocab_size)
     with torch.device(device):
-        head = EagleHead(arch, embed, lm_weight[vocab.to(lm_weight.device)], vocab, dtype=dtype)
+        rows = lm_weight[vocab.to(lm_weight.device)]
+        head = EagleHead(arch, embed, rows, vocab, dtype=dtype, target_layers=tuple(layers))
     copy_checked(w_path, {k: v for k, v in head.named_parameters() if not k.startswith("head.")}, tensors)
     head.eval()
     for m in head.modules():  # weights final: build the copies the linears' kernels read
@@ -310,7 +347,8 @@ def train_forward(
 ) -> torch.Tensor | list[torch.Tensor]:
     """The head's forward in plain differentiable torch ops, dense causal over [B, T] (positions
     0..T-1). The inference kernels (fused norms, in-place RoPE) bypass autograd, so training uses
-    this; tests check it equals `head(...)` outside a forward context.
+    this; tests check it equals `head(...)` outside a forward context. `features` [B, T, F] are the target's, as the
+    runner hands them (several layers side by side for a multi-layer head, fused here).
 
     steps > 1 also runs the head on its own drafts, as it drafts at serving time (EAGLE-3's
     "training-time test"): step s at position j reads the step-(s-1) prediction made at j - 1 (the
@@ -325,6 +363,9 @@ def train_forward(
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
     B, T = input_ids.shape
+    if head.fuse is not None and head.fuse_norm is not None:  # target_features, in plain ops
+        features = F.linear(head.normalize_layers(features), head.fuse.weight)
+        features = plain_rms_norm(features, head.fuse_norm.weight, eps)
     e = F.embedding(input_ids, head.embed.detach()).to(features.dtype)
     lay = head.layer
     cs = head.rotary.cos_sin[:T].to(features.dtype)

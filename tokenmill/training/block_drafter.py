@@ -29,10 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenmill.models.interface import LayerTaps
 from tokenmill.spec_decode.block_drafter import BlockDrafter, default_target_layers, drafter_arch
 from tokenmill.spec_decode.eagle_head import target_tables
-from tokenmill.training.eagle import add_corpus_arguments, choose_draft_vocab, generate_corpus
+from tokenmill.training.eagle import add_corpus_arguments, choose_draft_vocab, extract_features, generate_corpus
 
 
 @dataclass
@@ -45,23 +44,6 @@ class FeatureCorpus:
     argmaxes: list[torch.Tensor]
     """Per sequence [L] int32: the target's argmax at every position (the label of the position after it)."""
     layers: tuple[int, ...]
-
-
-@torch.inference_mode()
-def extract_features(model, sequences: list[list[int]], layers: tuple[int, ...], log=print) -> tuple[list, list]:
-    """Per sequence: the chosen layers' outputs [L, len(layers) * H] (the model's dtype) and its argmax [L]."""
-    feats, argmaxes = [], []
-    t0 = time.perf_counter()
-    H = model.config.hidden_size
-    for i, s in enumerate(sequences):
-        taps = LayerTaps(layers, H)
-        h = model(torch.tensor(s, dtype=torch.long), torch.arange(len(s)), taps)
-        assert taps.rows is not None  # the body filled it
-        feats.append(taps.rows.clone())
-        argmaxes.append(model.compute_logits(h).argmax(-1).to(torch.int32))
-        if (i + 1) % 200 == 0 or i + 1 == len(sequences):
-            log(f"features: {i + 1}/{len(sequences)} sequences, {time.perf_counter() - t0:.0f} s")
-    return feats, argmaxes
 
 
 def block_mask(anchors: torch.Tensor, ctx_len: torch.Tensor, T: int, B: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenmill.models.interface import LayerTaps
 from tokenmill.spec_decode.eagle_head import EagleHead, head_arch, target_tables, train_forward
 
 
@@ -118,14 +119,22 @@ def corpus_from_datastore(
 
 
 @torch.inference_mode()
-def extract_features(model, sequences: list[list[int]], log=print) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per sequence: features [L, H] (the model's dtype) and the target's argmax [L] (int32)."""
+def extract_features(
+    model, sequences: list[list[int]], layers: tuple[int, ...] = (), log=print
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sequence: features [L, F] (the model's dtype) and the target's argmax [L] (int32). The features are the
+    final hidden states (after the final norm, F = H), or with `layers` those layers' outputs side by side
+    (LayerTaps, F = len(layers) * H): a multi-layer EAGLE head's and the block drafter's."""
     feats, argmaxes = [], []
     t0 = time.perf_counter()
     for i, s in enumerate(sequences):
-        ids = torch.tensor(s, dtype=torch.long)
-        h = model(ids, torch.arange(len(s)))
-        feats.append(h.clone())
+        taps = LayerTaps(layers, model.config.hidden_size) if layers else None
+        h = model(torch.tensor(s, dtype=torch.long), torch.arange(len(s)), taps)
+        if taps is not None:
+            assert taps.rows is not None  # the body filled it
+            feats.append(taps.rows.clone())
+        else:
+            feats.append(h.clone())
         argmaxes.append(model.compute_logits(h).argmax(-1).to(torch.int32))
         if (i + 1) % 200 == 0 or i + 1 == len(sequences):
             log(f"features: {i + 1}/{len(sequences)} sequences, {time.perf_counter() - t0:.0f} s")
@@ -141,12 +150,19 @@ def choose_draft_vocab(argmaxes: list[torch.Tensor], vocab_size: int, size: int)
     return top.sort().values
 
 
-def init_head_from_target(target, draft_vocab: torch.Tensor, seed: int = 0) -> EagleHead:
+def init_head_from_target(
+    target, draft_vocab: torch.Tensor, seed: int = 0, target_layers: tuple[int, ...] = ()
+) -> EagleHead:
     """A float32 head whose layer starts as a copy of the target's last layer, its norm as the
-    target's final norm, and fc as [small random | identity] so it starts by passing f_i on."""
+    target's final norm, and fc as [small random | identity] so it starts by passing f_i on.
+    Multi-layer (`target_layers`, the last target layer among them): fuse starts as the identity on the last
+    layer's part (zeros elsewhere: their gradients are not zero) and fuse_norm as the final norm, so the fused
+    feature starts as exactly the final hidden state (the last layer's output, normalized)."""
     arch = head_arch(target.config)
     embed, lm = target_tables(target)
-    head = EagleHead(arch, embed.float(), lm[draft_vocab].float(), draft_vocab, dtype=torch.float32)
+    head = EagleHead(
+        arch, embed.float(), lm[draft_vocab].float(), draft_vocab, dtype=torch.float32, target_layers=target_layers
+    )
     last = target.model.layers[-1]
     with torch.no_grad():
         for name, p in head.layer.named_parameters():
@@ -155,6 +171,13 @@ def init_head_from_target(target, draft_vocab: torch.Tensor, seed: int = 0) -> E
         h = arch.hidden_size
         g = torch.Generator().manual_seed(seed)
         head.fc.weight.copy_(torch.cat([torch.randn(h, h, generator=g) * (0.2 / math.sqrt(h)), torch.eye(h)], dim=1))
+        if head.fuse is not None and head.fuse_norm is not None:
+            last_layer = target.config.num_hidden_layers - 1
+            if last_layer not in target_layers:
+                raise ValueError(f"a multi-layer head's target_layers must include the last layer ({last_layer})")
+            blocks = [torch.eye(h) if i == last_layer else torch.zeros(h, h) for i in target_layers]
+            head.fuse.weight.copy_(torch.cat(blocks, dim=1))
+            head.fuse_norm.weight.copy_(target.model.norm.weight.float())
     return head
 
 
@@ -181,7 +204,13 @@ def train_head(
     inside answers, so `prompt_len - 1` scores answer predictions only; earlier positions still
     give attention context). bf16: autocast the forward (AVX512-BF16 CPUs train ~2x faster).
     steps > 1: also train on the head's own drafts, steps deep (`train_forward(..., steps)`); the
-    losses of all steps are summed and `top1_step{s}` reports each step's accuracy."""
+    losses of all steps are summed and `top1_step{s}` reports each step's accuracy.
+    A multi-layer head (`head.target_layers`; feats are those layers' outputs side by side) learns from the
+    cross-entropy alone and without input noise (EAGLE-3's recipe): there is no one target feature to regress to,
+    and unrolling (`steps`) is what teaches it to read its own outputs."""
+    multi = bool(head.target_layers)
+    if multi:
+        noise = 0.0
     for name, p in head.named_parameters():
         p.requires_grad_(not name.startswith("head."))
     params = [p for p in head.parameters() if p.requires_grad]
@@ -221,15 +250,16 @@ def train_head(
             B = len(batch)
             H = head.arch.hidden_size
             ids = torch.zeros(B, T, dtype=torch.long)
-            fin = torch.zeros(B, T, H)
-            fout = torch.zeros(B, T, H)
+            fin = torch.zeros(B, T, feats[0].shape[-1])
+            fout = torch.zeros(B, T, H if not multi else 0)
             labels = torch.full((B, T), -100, dtype=torch.long)
             mask = torch.zeros(B, T, dtype=torch.bool)
             for j, (si, a, b) in enumerate(batch):
                 n = b - a - 1
                 ids[j, :n] = torch.tensor(sequences[si][a + 1 : b])
                 fin[j, :n] = feats[si][a : b - 1].float()
-                fout[j, :n] = feats[si][a + 1 : b].float()
+                if not multi:
+                    fout[j, :n] = feats[si][a + 1 : b].float()
                 labels[j, :n] = index_of[argmaxes[si][a + 1 : b].long()]
                 first = 0 if loss_start is None else max(0, loss_start[si] - a)
                 mask[j, first:n] = True
@@ -250,7 +280,8 @@ def train_head(
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     picked = pred[mk]
                     logits = F.linear(picked, head_w).float()
-                l1 = l1 + F.smooth_l1_loss(picked.float(), fout[mk]) / feat_rms
+                if not multi:
+                    l1 = l1 + F.smooth_l1_loss(picked.float(), fout[mk]) / feat_rms
                 lab = labels[mk]
                 ce = ce + F.cross_entropy(logits, lab, ignore_index=-100)
                 with torch.no_grad():
@@ -258,7 +289,7 @@ def train_head(
                     step_acc.append(
                         (logits.argmax(-1)[valid] == lab[valid]).float().mean().item() if valid.any() else 0.0
                     )
-            loss = l1 + ce_weight * ce
+            loss = l1 + ce_weight * ce if not multi else ce
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -351,11 +382,14 @@ def main(
     unroll: int = 1,
     eval_prompts: int = 0,
     eval_depth: int = 5,
+    feature_layers: tuple[int, ...] = (),
 ) -> dict[str, float]:
     """The whole recipe; `cache` keeps the corpus and features between runs (a .pt file); `init`
     continues training a head saved before (its draft vocabulary is kept); `unroll` trains on the
     head's own drafts that deep; `eval_prompts` > 0 measures greedy chain acceptance (`chain_acceptance`)
-    before and after training on that many held-out prompts: the benchmark's rows, never trained on."""
+    before and after training on that many held-out prompts: the benchmark's rows, never trained on.
+    `feature_layers`: a multi-layer head reading those target layers' outputs (EAGLE-3's features); the cache
+    then holds those layers' outputs."""
     from tokenmill import LLM
     from tokenmill.spec_decode.eagle_head import load_eagle_head
 
@@ -375,7 +409,7 @@ def main(
             else generate_corpus(llm, sharegpt, num_prompts, max_tokens)
         )
         seqs, plens = corpus.sequences, corpus.prompt_lens
-        feats, argmaxes = extract_features(target, seqs)
+        feats, argmaxes = extract_features(target, seqs, feature_layers)
         if cache:
             torch.save({"sequences": seqs, "features": feats, "argmaxes": argmaxes, "prompt_lens": plens}, cache)
     t_data = time.perf_counter() - t0
@@ -385,7 +419,7 @@ def main(
         vocab = head.draft_vocab
     else:
         vocab = choose_draft_vocab(argmaxes, target.config.vocab_size, draft_vocab_size)
-        head = init_head_from_target(target, vocab)
+        head = init_head_from_target(target, vocab, target_layers=feature_layers)
     covered = torch.zeros(target.config.vocab_size, dtype=torch.bool)
     covered[vocab] = True
     coverage = covered[torch.cat(argmaxes).long()].float().mean().item()
@@ -393,7 +427,7 @@ def main(
     held = None
     if eval_prompts:
         ev = generate_corpus(llm, sharegpt, eval_prompts, max_tokens, skip_rows=0)
-        ev_feats, ev_arg = extract_features(target, ev.sequences)
+        ev_feats, ev_arg = extract_features(target, ev.sequences, feature_layers)
         held = (ev.sequences, ev_feats, ev_arg, [p - 1 for p in ev.prompt_lens])
         before = chain_acceptance(head, *held, depth=eval_depth)
         print(f"held-out chain acceptance before training: {json.dumps(before)}")
@@ -458,6 +492,12 @@ def add_arguments(p) -> None:
         default=None,
         help="reuse the answers of a `tokenmill build-datastore` file instead of generating a corpus",
     )
+    p.add_argument(
+        "--feature-layers",
+        default="",
+        help="a multi-layer head (EAGLE-3's features): target layers whose outputs it reads, comma separated "
+        "(e.g. 1,15,29; the last layer must be among them); empty: the final hidden state",
+    )
 
 
 def run(args) -> int:
@@ -480,5 +520,6 @@ def run(args) -> int:
         datastore=args.datastore,
         unroll=args.unroll,
         eval_prompts=args.eval_prompts,
+        feature_layers=tuple(int(x) for x in args.feature_layers.split(",") if x.strip()),
     )
     return 0
