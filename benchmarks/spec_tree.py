@@ -11,7 +11,8 @@ Columns:
     measured   plain wall time / speculative wall time, same prompts and lengths (ignore_eos)
     same       greedy rows: the speculative tokens equal plain decoding's
 
-    python benchmarks/spec_tree.py --datastore FILE [--medusa DIR] [--eagle DIR] [--dflash [DIR]] [--only NAME,...]
+    python benchmarks/spec_tree.py --datastore FILE [--medusa DIR] [--eagle DIR] [--eagle-multi DIR]
+        [--dflash [DIR]] [--only NAME,...]
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ def main() -> None:
     ap.add_argument("--medusa", default=None, help="tokenmill train-medusa output: adds medusa rows")
     ap.add_argument("--eagle", default=None, help="tokenmill train-eagle output: adds eagle rows")
     ap.add_argument(
+        "--eagle-multi", default=None, help="a multi-layer EAGLE head (train-eagle --feature-layers): adds its rows"
+    )
+    ap.add_argument(
         "--dflash",
         nargs="?",
         const="shipped",
@@ -145,6 +149,10 @@ def main() -> None:
         eg = {"method": "eagle", "model": args.eagle, "num_speculative_tokens": args.gamma}
         configs["eagle chain"] = eg
         configs["eagle tree"] = {**eg, "tree": tree}
+    if args.eagle_multi:
+        em = {"method": "eagle", "model": args.eagle_multi, "num_speculative_tokens": args.gamma}
+        configs["eagle multi-layer chain"] = em
+        configs["eagle multi-layer tree"] = {**em, "tree": tree}
     if args.dflash:
         df = {"method": "dflash", "num_speculative_tokens": args.dflash_gamma}
         if args.dflash != "shipped":

@@ -414,12 +414,12 @@ class SpeculativeConfig:
     """Draft token trees (ngram, suffix, medusa, eagle, dflash): several candidates per position, verified exactly
     in one pass (TreeConfig)."""
     suffix_max_tokens: int = 65536
-    """suffix: the most tokens of served text the online store holds over all tenants (oldest requests evicted
-    first; up to ~0.9 KB of memory per token)."""
+    """suffix, and dflash's choice of source: the most tokens of served text the online store holds over all
+    tenants (oldest requests evicted first; up to ~0.9 KB of memory per token); 0: dflash keeps no store."""
     choose_proposer: bool = True
-    """dflash: per request and step, draft with the block drafter or with prompt lookup (and the datastore, if
-    given), whichever the measured acceptance predicts gives more tokens per target step (spec_decode/dflash.py);
-    false: the block drafter only."""
+    """dflash: per request and step, draft with the block drafter or with lookup (the request's own tokens, the
+    online suffix store of its cache_salt, the datastore if given), whichever the measured acceptance predicts
+    gives more tokens per target step (spec_decode/dflash.py); false: the block drafter only."""
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "suffix", "draft_model", "eagle", "medusa", "dflash"):

@@ -256,6 +256,38 @@ def test_drafter_for_another_target_is_refused(tiny_llama, tiny_qwen3, trained, 
         LLM(str(tiny_llama), dtype="float32", speculative_config={"method": "dflash"})
 
 
+def test_lookup_source_includes_the_online_store_per_tenant(tiny_llama, trained):
+    """dflash's lookup source holds the online suffix store: a finished answer joins its cache_salt's store, the
+    same request again drafts from it (store hits, lookup chosen), another tenant's never does; output stays
+    plain greedy decoding's. `suffix_max_tokens: 0` keeps no store."""
+    path, *_ = trained
+    prompt = [3, 97, 41, 250, 18, 77, 5, 160]  # no repeats: prompt lookup alone finds little
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = run(LLM(str(tiny_llama), dtype="float32"), [prompt], params)[0]
+    cfg = {"method": "dflash", "model": str(path), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg, enable_prefix_caching=False)
+    prop = llm.engine.executor.runner.speculator.proposer
+    online = prop.lookup.online
+
+    def ask(salt: str) -> list[int]:
+        out = llm.generate([prompt], params, use_tqdm=False, cache_salt=salt)[0].outputs[0].token_ids
+        llm.check_integrity()
+        return list(out)
+
+    assert ask("alice") == ref
+    lookups_before = prop.num_chosen["lookup"]
+    assert ask("bob") == ref
+    assert online.tenant_tokens_held("alice") > len(ref) // 2
+    assert online.stats("bob").hits == 0 and online.stats("bob").lookups > 0
+    bob_lookups = prop.num_chosen["lookup"] - lookups_before
+    lookups_before = prop.num_chosen["lookup"]
+    assert ask("alice") == ref  # her earlier answer is in her store
+    assert online.stats("alice").hits > 0
+    assert prop.num_chosen["lookup"] - lookups_before > bob_lookups
+    none = LLM(str(tiny_llama), dtype="float32", speculative_config={**cfg, "suffix_max_tokens": 0})
+    assert none.engine.executor.runner.speculator.proposer.lookup.online is None
+
+
 def test_choice_follows_each_sources_measured_acceptance():
     """The per-request choice: lookup's draft is kept while its measured acceptance predicts as many tokens as
     the drafter's, and the drafter's once lookup's drafts keep failing."""

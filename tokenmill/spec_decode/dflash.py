@@ -13,11 +13,14 @@ depend on drafts 1..j-1 (the block is denoised at once), so q_j is also its dist
 the per-position top-k: best-first by the sum of draft log-probabilities along a path, up to the node budget
 (point masses for the tree verifier, as EAGLE's trees are).
 
-With `choose_proposer` (the default) every request also gets prompt lookup's draft (the n-gram proposer, with the
-datastore when one is given); per request and step the proposer keeps the one whose source's measured acceptance
-predicts more tokens: E = (1 - α^(k+1)) / (1 - α) for a k-token draft, the drafter's divided by (1 + its cost
-share), since choosing lookup for every row skips the drafter's forward. Each source's α is a running estimate
-from what its drafts got accepted (the row's next length tells: accepted = tokens gained - 1).
+With `choose_proposer` (the default) every request also gets lookup's draft (the n-gram proposer: the request's
+own tokens, the online suffix store of what the server wrote for the same cache_salt unless `suffix_max_tokens` is
+0, and the offline datastore when one is given). Per request and step the proposer keeps the one whose source's
+measured acceptance predicts more tokens, E = (1 - α^(k+1)) / (1 - α) for a k-token draft, lookup on a tie (it
+costs nothing; the drafter's forward is skipped when every row chose lookup). Each source's α is a running
+estimate from what its drafts got accepted (the row's next length tells: accepted = tokens gained - 1). The
+drafter's cost is weighed once, by adaptive γ, which prices a one-pass draft at its measured c and turns drafting
+off where it does not pay; the choice itself does not weigh c per source.
 
 Rows of rejected drafts never reach the sink (the runner hands it `kept_rows`), and a position written again (a
 rebuilt row) replaces what was held from there on. After a prefix-cache hit the target computes no features for
@@ -162,7 +165,8 @@ class DFlashProposer:
         lookup = None
         if config.choose_proposer:  # matches of 2+ tokens only: one-token matches guess right ~1 time in 5
             n = max(2, config.prompt_lookup_max)
-            lookup_config = dataclasses.replace(config, method="ngram", prompt_lookup_min=2, prompt_lookup_max=n)
+            method = "suffix" if config.suffix_max_tokens > 0 else "ngram"  # with the online store, if it may hold
+            lookup_config = dataclasses.replace(config, method=method, prompt_lookup_min=2, prompt_lookup_max=n)
             lookup = NgramProposer.from_context(lookup_config, ctx)
         return cls(
             drafter, ctx.target_arch.vocab_size, ctx.device, config.tree, depth, ctx.max_model_len, ctx.seed, lookup
@@ -174,11 +178,15 @@ class DFlashProposer:
             self.context.pop(rid, None)
             self.generators.pop(rid, None)
             self.pending.pop(rid, None)
+        if self.lookup is not None:  # finished text joins its tenant's online store
+            self.lookup.forget(request_ids)
 
     def restart(self, request_ids: list[str]) -> None:
         for rid in request_ids:  # its features come again as the rebuilt row is recomputed
             self.context.pop(rid, None)
             self.pending.pop(rid, None)
+        if self.lookup is not None:
+            self.lookup.restart(request_ids)
 
     def on_step(self, step: StepInput) -> None:
         pass
