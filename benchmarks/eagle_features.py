@@ -97,6 +97,7 @@ def main() -> None:
     starts = [p - 1 for p in data["prompt_lens"]]
     ev_starts = [p - 1 for p in data["ev_prompt_lens"]]
     vocab = et.choose_draft_vocab(argmaxes, target.config.vocab_size, 8192)
+    dense = et.dense_target(args.model)  # the heads' layers start as copies of its last layer
     n_tokens = sum(len(s) for s in seqs)
     print(f"corpus: {len(seqs)} sequences, {n_tokens} tokens; layers {tuple(data['layers'])}", flush=True)
     rows = []
@@ -104,7 +105,7 @@ def main() -> None:
         multi = kind == "multi-layer"
         layers = tuple(data["layers"]) if multi else ()
         feats, ev_feats = (data["taps"], data["ev_taps"]) if multi else (data["final"], data["ev_final"])
-        head = et.init_head_from_target(target, vocab, target_layers=layers)
+        head = et.init_head_from_target(dense, vocab, target_layers=layers)
         held = (data["ev_sequences"], ev_feats, data["ev_argmaxes"], ev_starts)
         before = et.chain_acceptance(head, *held, depth=5)
         t0 = time.perf_counter()

@@ -31,7 +31,13 @@ import torch.nn.functional as F
 
 from tokenmill.spec_decode.block_drafter import BlockDrafter, default_target_layers, drafter_arch
 from tokenmill.spec_decode.eagle_head import target_tables
-from tokenmill.training.eagle import add_corpus_arguments, choose_draft_vocab, extract_features, generate_corpus
+from tokenmill.training.eagle import (
+    add_corpus_arguments,
+    choose_draft_vocab,
+    dense_target,
+    extract_features,
+    generate_corpus,
+)
 
 
 @dataclass
@@ -374,9 +380,7 @@ def main(args) -> dict[str, float]:
         corpus.sequences[:-nv], corpus.prompt_lens[:-nv], corpus.features[:-nv], corpus.argmaxes[:-nv], layers
     )
     vocab = choose_draft_vocab(corpus.argmaxes, target.config.vocab_size, args.draft_vocab)
-    dense = LLM(args.model, dtype="float32", gguf_dequantize=True, enable_prefix_caching=False, max_num_seqs=1)
-    dense_model = dense.engine.model
-    assert dense_model is not None
+    dense_model = dense_target(args.model)
     n_t = target.config.num_hidden_layers
     drafter = init_drafter(
         target,
@@ -386,7 +390,7 @@ def main(args) -> dict[str, float]:
         args.block_size,
         vocab,
     )
-    del dense, dense_model
+    del dense_model
     before = block_acceptance(drafter, held, stride=4)
     print(f"held-out acceptance before training: {json.dumps(before)}")
     stats = train(

@@ -150,6 +150,14 @@ def choose_draft_vocab(argmaxes: list[torch.Tensor], vocab_size: int, size: int)
     return top.sort().values
 
 
+def dense_target(model: str):
+    """The target with dense float32 weights (a GGUF file's dequantized), whose last layer a new head copies: the
+    served target's matrices may be packed for its kernels, with no plain `weight` to copy."""
+    from tokenmill import LLM
+
+    return LLM(model, dtype="float32", gguf_dequantize=True, enable_prefix_caching=False, max_num_seqs=1).engine.model
+
+
 def init_head_from_target(
     target, draft_vocab: torch.Tensor, seed: int = 0, target_layers: tuple[int, ...] = ()
 ) -> EagleHead:
@@ -419,7 +427,7 @@ def main(
         vocab = head.draft_vocab
     else:
         vocab = choose_draft_vocab(argmaxes, target.config.vocab_size, draft_vocab_size)
-        head = init_head_from_target(target, vocab, target_layers=feature_layers)
+        head = init_head_from_target(dense_target(model), vocab, target_layers=feature_layers)
     covered = torch.zeros(target.config.vocab_size, dtype=torch.bool)
     covered[vocab] = True
     coverage = covered[torch.cat(argmaxes).long()].float().mean().item()
