@@ -288,6 +288,45 @@ def test_lookup_source_includes_the_online_store_per_tenant(tiny_llama, trained)
     assert none.engine.executor.runner.speculator.proposer.lookup.online is None
 
 
+def test_context_is_encoded_once_when_needed_and_rewrites_replace(trained):
+    """The sink holds raw rows (nothing encoded while a request does not draft); encoding them later, in pieces,
+    after rewrites, gives the keys and values of encoding the final rows at once. A gap starts afresh."""
+    from tokenmill.core.step_io import StepTokens
+    from tokenmill.spec_decode.dflash import DFlashProposer, RequestContext
+
+    _, drafter, *_ = trained
+    prop = DFlashProposer(drafter, drafter.arch.vocab_size, torch.device("cpu"))
+    F = len(drafter.target_layers) * drafter.arch.hidden_size
+    g = torch.Generator().manual_seed(0)
+    truth = torch.randn(40, F, generator=g)
+
+    def write(start: int, rows: torch.Tensor) -> None:
+        prop.write([StepTokens("r", start, [0] * len(rows), [])], rows)
+
+    write(0, truth[:10])
+    ctx = prop.context["r"]
+    assert ctx.num_encoded == 0 and ctx.end == 10  # held raw
+    write(10, truth[10:12])
+    write(12, torch.randn(3, F, generator=g))  # rows later rebuilt
+    prop.encode([ctx])
+    assert ctx.num_encoded == 15
+    write(12, truth[12:20])  # a rewrite into encoded positions cuts them back
+    assert ctx.num_encoded == 12 and ctx.end == 20
+    write(18, truth[18:25])  # a rewrite of pending rows
+    write(25, truth[25:40])
+    prop.encode([ctx])
+    with torch.no_grad():
+        want = drafter.context_kv(drafter.encode_context(truth), torch.arange(40))
+    for (k, v), (wk, wv) in zip(ctx.kv, want):
+        torch.testing.assert_close(k, wk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, wv, atol=1e-5, rtol=1e-5)
+    write(50, truth[:3])  # a gap: a fresh context from there
+    assert prop.context["r"].first == 50 and prop.context["r"].end == 53
+    big = RequestContext.PENDING_LIMIT + 1
+    prop.write([StepTokens("s", 0, [0] * big, [])], torch.randn(big, F, generator=g))
+    assert prop.context["s"].num_encoded == big  # past the bound: encoded in the sink
+
+
 def test_choice_follows_each_sources_measured_acceptance():
     """The per-request choice: lookup's draft is kept while its measured acceptance predicts as many tokens as
     the drafter's, and the drafter's once lookup's drafts keep failing."""

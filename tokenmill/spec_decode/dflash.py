@@ -1,8 +1,9 @@
 """The block drafter's proposer (`{"method": "dflash"}`): one drafter forward proposes a whole block.
 
 The target's runner hands the sink the outputs of the drafter's `target_layers` at every position it computes
-(models/interface.py's LayerTaps, from the C++ layer loop or the modules). The sink turns them into the drafter's
-context keys and values at once (`BlockDrafter.context_kv`) and keeps them per request, by position:
+(models/interface.py's LayerTaps, from the C++ layer loop or the modules). The sink keeps them per request, by
+position (`RequestContext`); they become the drafter's context keys and values (`BlockDrafter.context_kv`) once,
+when the request next drafts (or in bulk past a bound), so steps that draft nothing encode nothing:
 
     request holds t_0 .. t_{N-1}; context K/V held for positions first .. N-2 (what the target computed)
     block at positions N-1 .. N+B-2: [t_{N-1}, mask, ..., mask]  ->  one forward  ->  q_1 .. q_{B-1}
@@ -75,28 +76,90 @@ def shipped_drafter(target_model: str) -> Path:
     )
 
 
-class ContextKV:
-    """Per request: the first position held and each draft layer's context keys and values [n, kv_heads, d]."""
+class RequestContext:
+    """One request's drafter context: each draft layer's keys and values for positions first .. encoded_end - 1,
+    in buffers that grow by doubling (a step appends, it does not copy what is held), then the target's raw
+    feature rows for positions encoded_end .. end - 1 not encoded yet.
 
-    def __init__(self, first: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    The sink only appends raw rows; they are encoded (BlockDrafter.encode_context + context_kv) when the request
+    is about to draft, or in bulk once PENDING_LIMIT rows wait. So steps where adaptive γ drafts nothing (most
+    steps at batch 32) cost a list append per request, and the encoding runs as a few large calls.
+
+        first 10; 6 positions encoded (10..15), pending rows for 16..18  ->  end 19
+        write at 17 (a rebuilt row)  ->  pending keeps 16 only, then the new rows from 17
+        write at 12                  ->  encoded cut back to 10..11, pending the new rows from 12
+        write at 25 (a gap) or at 5  ->  a fresh context from there
+    """
+
+    PENDING_LIMIT = 256
+    """Raw rows a request holds before they are encoded whether it drafts or not (bounds their memory)."""
+
+    def __init__(self, first: int) -> None:
         self.first = first
-        self.kv = kv
+        self.num_encoded = 0
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Per draft layer (keys, values) [capacity, kv_heads, d]; the first num_encoded rows are held."""
+        self.pending: list[torch.Tensor] = []
+        """Raw feature rows [n, F] in position order, from encoded_end on."""
+        self.num_pending = 0
+
+    @property
+    def encoded_end(self) -> int:
+        return self.first + self.num_encoded
 
     @property
     def end(self) -> int:
-        """One past the last position held."""
-        return self.first + self.kv[0][0].shape[0]
+        """One past the last position held, encoded or not."""
+        return self.encoded_end + self.num_pending
 
-    def extend(self, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> ContextKV:
-        """Rows for positions start.. appended; positions held from `start` on are replaced. A gap, or rows
-        before the first held, start afresh."""
+    def append_rows(self, start: int, rows: torch.Tensor) -> bool:
+        """Feature rows for positions start .. start + n - 1; what was held from `start` on is replaced. False
+        (nothing changed) when start is before the first position held or past the end: the caller starts afresh."""
         if start < self.first or start > self.end:
-            return ContextKV(start, kv)
-        keep = start - self.first
-        return ContextKV(
-            self.first,
-            [(torch.cat([k[:keep], nk]), torch.cat([v[:keep], nv])) for (k, v), (nk, nv) in zip(self.kv, kv)],
-        )
+            return False
+        if start < self.encoded_end:
+            self.num_encoded = start - self.first
+            self.pending, self.num_pending = [], 0
+        elif start < self.end:
+            keep = start - self.encoded_end
+            self.pending = [torch.cat(self.pending)[:keep]] if keep else []
+            self.num_pending = keep
+        self.pending.append(rows)
+        self.num_pending += rows.shape[0]
+        return True
+
+    def take_pending(self) -> torch.Tensor | None:
+        """The raw rows not encoded yet, [num_pending, F] (None if none); `add_encoded` must follow."""
+        if not self.num_pending:
+            return None
+        rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        self.pending, self.num_pending = [], 0
+        return rows
+
+    def add_encoded(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append the encoded keys and values of the rows take_pending returned."""
+        n = kv[0][0].shape[0]
+        need = self.num_encoded + n
+        if not self.buffers or need > self.buffers[0][0].shape[0]:
+            cap = max(64, 2 * need)
+            grown = []
+            for layer, (k, v) in enumerate(kv):
+                nk = k.new_empty((cap, *k.shape[1:]))
+                nv = v.new_empty((cap, *v.shape[1:]))
+                if self.buffers:
+                    nk[: self.num_encoded] = self.buffers[layer][0][: self.num_encoded]
+                    nv[: self.num_encoded] = self.buffers[layer][1][: self.num_encoded]
+                grown.append((nk, nv))
+            self.buffers = grown
+        for (bk, bv), (k, v) in zip(self.buffers, kv):
+            bk[self.num_encoded : need] = k
+            bv[self.num_encoded : need] = v
+        self.num_encoded = need
+
+    @property
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per draft layer (keys, values) [num_encoded, kv_heads, d] (views of the buffers)."""
+        return [(k[: self.num_encoded], v[: self.num_encoded]) for k, v in self.buffers]
 
 
 class SourceStats:
@@ -141,7 +204,7 @@ class DFlashProposer:
         self.max_model_len = max_model_len
         self.feature_layers: tuple[int, ...] = drafter.target_layers
         self.feature_sink = self.write
-        self.context: dict[str, ContextKV] = {}
+        self.context: dict[str, RequestContext] = {}
         self.generators: dict[str, torch.Generator] = {}
         """Seeded requests' own generators for the drafts (the target's are the runner's)."""
         self.global_gen = torch.Generator(device=device)
@@ -191,21 +254,39 @@ class DFlashProposer:
     def on_step(self, step: StepInput) -> None:
         pass
 
-    @torch.inference_mode()
     def write(self, batch: list[StepTokens], features: torch.Tensor) -> None:
         """The runner's sink: features [num_tokens, len(target_layers) * H] for `batch` in order (each request's
-        num_new_tokens rows at start_pos ..), turned into context keys and values in one drafter pass."""
-        pos = torch.cat([torch.arange(s.start_pos, s.start_pos + s.num_new_tokens) for s in batch]).to(self.device)
-        kv = self.drafter.context_kv(self.drafter.encode_context(features), pos)
+        num_new_tokens rows at start_pos ..), held raw per request (`RequestContext`); requests past
+        PENDING_LIMIT raw rows get them encoded now, in one drafter pass."""
         off = 0
+        full: list[RequestContext] = []
         for s in batch:
             n = s.num_new_tokens
-            rows = [(k[off : off + n], v[off : off + n]) for k, v in kv]
+            rows = features[off : off + n].clone()  # not a view that keeps the step's whole buffer alive
             off += n
             held = self.context.get(s.request_id)
-            self.context[s.request_id] = (
-                ContextKV(s.start_pos, rows) if held is None else held.extend(s.start_pos, rows)
-            )
+            if held is None or not held.append_rows(s.start_pos, rows):
+                held = self.context[s.request_id] = RequestContext(s.start_pos)
+                held.append_rows(s.start_pos, rows)
+            if held.num_pending >= RequestContext.PENDING_LIMIT:
+                full.append(held)
+        self.encode(full)
+
+    @torch.inference_mode()
+    def encode(self, contexts: list[RequestContext]) -> None:
+        """Encode every given context's pending rows into its keys and values, all in one drafter pass."""
+        starts = [c.encoded_end for c in contexts]
+        rows = [c.take_pending() for c in contexts]
+        todo = [(c, st, r) for c, st, r in zip(contexts, starts, rows) if r is not None]
+        if not todo:
+            return
+        pos = torch.cat([torch.arange(st, st + r.shape[0]) for _, st, r in todo]).to(self.device)
+        kv = self.drafter.context_kv(self.drafter.encode_context(torch.cat([r for *_, r in todo])), pos)
+        off = 0
+        for c, _, r in todo:
+            n = r.shape[0]
+            c.add_encoded([(k[off : off + n], v[off : off + n]) for k, v in kv])
+            off += n
 
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
@@ -220,6 +301,7 @@ class DFlashProposer:
             held = self.context.get(r.request_id)
             if k > 0 and not use_lookup[i] and held is not None and held.end == r.num_tokens - 1:
                 active.append(i)
+        self.encode([self.context[requests[i].request_id] for i in active])
         out = self.propose_blocks(requests, num_tokens, active)
         drafted = set(active)
         if looked is not None:  # lookup's drafts where it was chosen (or the drafter had no context)
