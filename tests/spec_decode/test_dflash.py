@@ -346,3 +346,28 @@ def test_sample_anchors_stay_in_the_answer():
         a = bt.sample_anchors(7, 20, 5, rng)
         assert a == sorted(set(a)) and all(6 <= x <= 18 for x in a) and len(a) == 5
     assert bt.sample_anchors(10, 10, 3, rng) == []
+
+
+def test_train_drafter_command_end_to_end_and_continued(tiny_llama, tmp_path):
+    """`tokenmill train-drafter` on the tiny model: corpus from ShareGPT, taps, training, a drafter that loads into
+    the engine and drafts; `--init` continues it (its draft vocabulary kept, the card says where it started)."""
+    from tests.conftest import SHARED_DATA
+    from tokenmill.entrypoints.cli import main
+
+    data = SHARED_DATA / "sharegpt_v3_first_exchange_5000.jsonl"
+    if not data.is_file():
+        pytest.fail(f"{data} not found: the shared data folder must sit next to the repository")
+    common = ["--model", str(tiny_llama), "--sharegpt", str(data), "--num-prompts", "6", "--max-tokens", "8"]
+    common += ["--eval-prompts", "2", "--validation-sequences", "2", "--minutes", "0.05", "--cache", ""]
+    first, second = tmp_path / "first", tmp_path / "second"
+    small = ["--num-layers", "1", "--block-size", "4", "--draft-vocab", "128"]
+    assert main(["train-drafter", *common, *small, "--out", str(first)]) == 0
+    assert main(["train-drafter", *common, "--init", str(first), "--out", str(second)]) == 0
+    card = json.loads((second / "train_stats.json").read_text())
+    assert card["continued_from"]["drafter"] == "first" and card["heldout_after"]["blocks"] > 0
+    vocab = [json.loads((d / "drafter_config.json").read_text())["num_draft_vocab"] for d in (first, second)]
+    assert vocab == [128, 128]
+    cfg = {"method": "dflash", "model": str(second), "num_speculative_tokens": 2, "adaptive": False}
+    llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
+    run(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert llm.stats().spec_decode["num_drafts"] > 0

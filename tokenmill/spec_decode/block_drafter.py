@@ -264,9 +264,11 @@ def load_block_drafter(
     lm_weight: torch.Tensor,
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
+    for_training: bool = False,
 ) -> BlockDrafter:
     """A drafter written by BlockDrafter.save, checked against the target it will draft for; every error names
-    the file and the fault (a drafter made for another target is refused)."""
+    the file and the fault (a drafter made for another target is refused). for_training: no kernel copies (the
+    plain forward, which autograd follows), to continue training it."""
     d = Path(directory)
     cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
     cfg = read_drafter_config(d)
@@ -294,5 +296,6 @@ def load_block_drafter(
     for p in drafter.parameters():
         p.requires_grad_(False)
     drafter.eval()
-    drafter.prepare_kernels()
+    if not for_training:
+        drafter.prepare_kernels()
     return drafter

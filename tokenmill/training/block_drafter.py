@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenmill.spec_decode.block_drafter import BlockDrafter, default_target_layers, drafter_arch
+from tokenmill.spec_decode.block_drafter import (
+    BlockDrafter,
+    default_target_layers,
+    drafter_arch,
+    load_block_drafter,
+    read_drafter_config,
+)
 from tokenmill.spec_decode.eagle_head import target_tables
 from tokenmill.training.eagle import (
     add_corpus_arguments,
@@ -379,18 +385,24 @@ def main(args) -> dict[str, float]:
     corpus = FeatureCorpus(
         corpus.sequences[:-nv], corpus.prompt_lens[:-nv], corpus.features[:-nv], corpus.argmaxes[:-nv], layers
     )
-    vocab = choose_draft_vocab(corpus.argmaxes, target.config.vocab_size, args.draft_vocab)
-    dense_model = dense_target(args.model)
-    n_t = target.config.num_hidden_layers
-    drafter = init_drafter(
-        target,
-        [dense_model.model.layers[i] for i in range(n_t - args.num_layers, n_t)],
-        layers,
-        args.num_layers,
-        args.block_size,
-        vocab,
-    )
-    del dense_model
+    if args.init:  # continue a drafter: its layers, target layers and draft vocabulary stay
+        embed, lm = target_tables(target)
+        drafter = load_block_drafter(args.init, target.config, embed.float(), lm.float(), torch.float32, "cpu", True)
+        if drafter.target_layers != layers:
+            raise ValueError(f"{args.init}: drafter reads target layers {drafter.target_layers}, the corpus {layers}")
+    else:
+        vocab = choose_draft_vocab(corpus.argmaxes, target.config.vocab_size, args.draft_vocab)
+        dense_model = dense_target(args.model)
+        n_t = target.config.num_hidden_layers
+        drafter = init_drafter(
+            target,
+            [dense_model.model.layers[i] for i in range(n_t - args.num_layers, n_t)],
+            layers,
+            args.num_layers,
+            args.block_size,
+            vocab,
+        )
+        del dense_model
     before = block_acceptance(drafter, held, stride=4)
     print(f"held-out acceptance before training: {json.dumps(before)}")
     stats = train(
@@ -414,6 +426,7 @@ def main(args) -> dict[str, float]:
         "validation": f"the corpus's last {nv} sequences, never trained on: early stopping",
         "heldout": f"{len(held.sequences)} benchmark prompts (rows 0+), never trained on",
         "data_seconds": round(data_seconds),
+        **({"continued_from": continued_from(args.init)} if args.init else {}),
         **{k: round(v, 4) for k, v in stats.items()},
         "heldout_before": before,
         "heldout_after": after,
@@ -421,6 +434,12 @@ def main(args) -> dict[str, float]:
     drafter.save(out, args.model, target.config, training)
     (out / "train_stats.json").write_text(json.dumps(training, indent=1) + "\n")
     return training
+
+
+def continued_from(init: str) -> dict:
+    """What a continued drafter's card records of its start: the directory's name (no machine path) and how that
+    drafter was trained."""
+    return {"drafter": Path(init).name, "its_training": read_drafter_config(Path(init)).get("training", {})}
 
 
 def add_arguments(p) -> None:
@@ -436,6 +455,9 @@ def add_arguments(p) -> None:
     p.add_argument("--eval-prompts", type=int, default=64, help="held-out benchmark prompts for the acceptance report")
     p.add_argument("--cache", default=None, help="a .pt file keeping corpus and features between runs")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument(
+        "--init", default=None, help="start from this drafter directory (its layers, target layers, draft vocabulary)"
+    )
     p.add_argument("--validation-sequences", type=int, default=96, help="corpus sequences held out for early stopping")
     p.add_argument("--eval-every", type=int, default=250, help="steps between validation scores")
 
