@@ -111,6 +111,11 @@ def main() -> None:
         action="store_true",
         help="adaptive speculation at batch 1 too (default: pinned γ and tree size at batch 1)",
     )
+    ap.add_argument(
+        "--gguf-dequantize",
+        action="store_true",
+        help="a GGUF target dequantized to --dtype at load (dense kernels) instead of run on its own blocks",
+    )
     args = ap.parse_args()
     if args.threads:
         os.environ["TOKENMILL_NUM_THREADS"] = str(args.threads)
@@ -123,6 +128,7 @@ def main() -> None:
         max_num_seqs=max(batches),
         max_num_batched_tokens=1024,
         enable_prefix_caching=False,
+        gguf_dequantize=args.gguf_dequantize,
     )
     tree = {"max_nodes": args.tree_nodes, "max_width": args.tree_width}
     configs: dict[str, dict | None] = {"plain": None}
@@ -173,8 +179,10 @@ def main() -> None:
     prompts = sharegpt_prompts(engines["plain"].tokenizer, max(batches + [args.num_prompts]), 256)
     for llm in engines.values():  # warm-up
         run(llm, prompts[:1], 1, 8, 0.0)
+    dequantized = " (GGUF dequantized)" if args.gguf_dequantize else ""
     print(
-        f"# token trees vs chains, {args.model} {args.dtype}, γ (chain length, tree depth) {args.gamma}, trees of "
+        f"# token trees vs chains, {args.model} {args.dtype}{dequantized}, γ (chain length, tree depth) {args.gamma}, "
+        f"trees of "
         f"≤ {args.tree_nodes} nodes, width ≤ {args.tree_width}; batch 1: {args.num_prompts} prompts x "
         f"{args.max_tokens} tokens one at a time, batch 8/32: {args.batch_max_tokens} tokens each; "
         f"speculation {'adaptive' if args.adaptive_single else 'pinned'} at batch 1, "
