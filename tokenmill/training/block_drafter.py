@@ -379,12 +379,17 @@ def main(args) -> dict[str, float]:
             torch.save({"train": corpus, "heldout": held}, cache)
     data_seconds = time.perf_counter() - t0
     nv = args.validation_sequences
-    validation = FeatureCorpus(
-        corpus.sequences[-nv:], corpus.prompt_lens[-nv:], corpus.features[-nv:], corpus.argmaxes[-nv:], layers
-    )
-    corpus = FeatureCorpus(
-        corpus.sequences[:-nv], corpus.prompt_lens[:-nv], corpus.features[:-nv], corpus.argmaxes[:-nv], layers
-    )
+    validation = None
+    if nv > 0:  # the corpus's last nv sequences, never trained on
+        n = len(corpus.sequences) - nv
+        if n < 1:
+            raise ValueError(f"--validation-sequences {nv} leaves no training sequence of {len(corpus.sequences)}")
+        validation = FeatureCorpus(
+            corpus.sequences[n:], corpus.prompt_lens[n:], corpus.features[n:], corpus.argmaxes[n:], layers
+        )
+        corpus = FeatureCorpus(
+            corpus.sequences[:n], corpus.prompt_lens[:n], corpus.features[:n], corpus.argmaxes[:n], layers
+        )
     if args.init:  # continue a drafter: its layers, target layers and draft vocabulary stay
         embed, lm = target_tables(target)
         drafter = load_block_drafter(args.init, target.config, embed.float(), lm.float(), torch.float32, "cpu", True)
@@ -423,7 +428,9 @@ def main(args) -> dict[str, float]:
         "corpus": f"greedy answers of {args.model} (bf16) to {len(corpus.sequences)} ShareGPT first turns (rows 1000+ "
         f"of the file shuffled with seed 0), at most {args.max_tokens} tokens each",
         "tokens": int(sum(len(s) for s in corpus.sequences)),
-        "validation": f"the corpus's last {nv} sequences, never trained on: early stopping",
+        "validation": f"the corpus's last {nv} sequences, never trained on: early stopping"
+        if nv > 0
+        else "none (no early stopping)",
         "heldout": f"{len(held.sequences)} benchmark prompts (rows 0+), never trained on",
         "data_seconds": round(data_seconds),
         **({"continued_from": continued_from(args.init)} if args.init else {}),
@@ -458,7 +465,13 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--init", default=None, help="start from this drafter directory (its layers, target layers, draft vocabulary)"
     )
-    p.add_argument("--validation-sequences", type=int, default=96, help="corpus sequences held out for early stopping")
+    p.add_argument(
+        "--validation-sequences",
+        type=int,
+        default=96,
+        help="corpus sequences held out for early stopping; 0: none (e.g. continuing a drafter whose own training "
+        "saw every sequence of this corpus, so none is unseen)",
+    )
     p.add_argument("--eval-every", type=int, default=250, help="steps between validation scores")
 
 
