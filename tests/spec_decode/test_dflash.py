@@ -340,6 +340,32 @@ def test_choice_follows_each_sources_measured_acceptance():
     assert good.expected(4) > 2.5 and bad.expected(4) < 1.2
 
 
+def test_choice_weighs_the_drafters_measured_cost(trained):
+    """c is the drafter's seconds over the rest of the time between proposals (given times here); at equal
+    acceptance lookup wins, and a drafter expected to give more tokens still loses once its cost outweighs them."""
+    from tokenmill.spec_decode.dflash import DFlashProposer, DrafterCost
+
+    cost = DrafterCost(decay=0.5)
+    cost.proposal(0.0, 0.004, 0.003)  # first: nothing between proposals yet
+    assert cost.share == 0
+    cost.proposal(0.010, 0.014, 0.003)  # 6 ms of target step, 3 ms of drafter
+    assert cost.share == pytest.approx(0.5)
+    cost.proposal(0.024, 0.025, None)  # a proposal without drafter passes: 10 ms of step
+    assert cost.share == pytest.approx(3 / 8)
+
+    _, drafter, *_ = trained
+    prop = DFlashProposer(drafter, drafter.arch.vocab_size, torch.device("cpu"))
+    for _ in range(30):  # the drafter: 2 of 3 drafts accepted; lookup: 1 of 3
+        prop.sources["drafter"].observe(3, 2)
+        prop.sources["lookup"].observe(3, 1)
+    e_d, e_l = prop.sources["drafter"].expected(3), prop.sources["lookup"].expected(3)
+    assert e_d > e_l
+    assert not prop.prefers_lookup([5, 6, 7], 3)  # no cost measured yet: more tokens win
+    prop.cost.forward, prop.cost.rest = 1.0, 1.0 / (e_d / e_l - 1) * 0.9  # c just above the break-even
+    assert prop.prefers_lookup([5, 6, 7], 3)
+    assert not prop.prefers_lookup([], 3)  # no lookup draft: the drafter
+
+
 def test_sample_anchors_stay_in_the_answer():
     rng = random.Random(0)
     for _ in range(50):

@@ -16,12 +16,14 @@ the per-position top-k: best-first by the sum of draft log-probabilities along a
 
 With `choose_proposer` (the default) every request also gets lookup's draft (the n-gram proposer: the request's
 own tokens, the online suffix store of what the server wrote for the same cache_salt unless `suffix_max_tokens` is
-0, and the offline datastore when one is given). Per request and step the proposer keeps the one whose source's
-measured acceptance predicts more tokens, E = (1 - α^(k+1)) / (1 - α) for a k-token draft, lookup on a tie (it
-costs nothing; the drafter's forward is skipped when every row chose lookup). Each source's α is a running
-estimate from what its drafts got accepted (the row's next length tells: accepted = tokens gained - 1). The
-drafter's cost is weighed once, by adaptive γ, which prices a one-pass draft at its measured c and turns drafting
-off where it does not pay; the choice itself does not weigh c per source.
+0, and the offline datastore when one is given). Per request and step the proposer keeps the one whose source
+predicts more tokens per unit of step time: E = (1 - α^(k+1)) / (1 - α) for a k-token draft, the drafter's
+divided by 1 + c, c its measured cost share (`DrafterCost`: its passes' seconds over the rest of the time
+between proposals; lookup's cost, a dictionary walk per row, is taken as 0), lookup on a tie. Each source's α is
+a running estimate from what its drafts got accepted (the row's next length tells: accepted = tokens gained - 1).
+Adaptive γ then weighs the chosen draft once more and turns drafting off where it does not pay. At batch > 1 the
+drafter's pass is shared by the rows that chose it, so dividing each row's E by the whole pass's 1 + c leans
+towards lookup.
 
 Rows of rejected drafts never reach the sink (the runner hands it `kept_rows`), and a position written again (a
 rebuilt row) replaces what was held from there on. After a prefix-cache hit the target computes no features for
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -184,6 +187,37 @@ class SourceStats:
         return expected_tokens(self.alpha, k)
 
 
+class DrafterCost:
+    """The drafter's measured cost c as a share of a step: the seconds of its passes (encoding and the block) over
+    the rest of the wall time from one proposal to the next (the target's step and the engine around it), each
+    exponentially weighted. Times are passed in, so tests can give them."""
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self.forward = 0.0
+        """Seconds of the drafter's passes in a proposal that ran it."""
+        self.rest = 0.0
+        """Seconds from the end of one proposal to the start of the next."""
+        self.last_end: float | None = None
+
+    def proposal(self, start: float, end: float, forward: float | None) -> None:
+        """A proposal ran from `start` to `end`; `forward`: seconds of drafter passes in it (None: it ran none)."""
+        if self.last_end is not None and start > self.last_end:
+            self.rest = (
+                start - self.last_end
+                if self.rest == 0
+                else self.decay * self.rest + (1 - self.decay) * (start - self.last_end)
+            )
+        if forward is not None:
+            self.forward = forward if self.forward == 0 else self.decay * self.forward + (1 - self.decay) * forward
+        self.last_end = end
+
+    @property
+    def share(self) -> float:
+        """c: drafter seconds per second of the rest of a step (0 until both were seen)."""
+        return self.forward / self.rest if self.rest > 0 else 0.0
+
+
 class DFlashProposer:
     def __init__(
         self,
@@ -218,6 +252,8 @@ class DFlashProposer:
         """request id -> (source, draft length, tokens held) of its last draft, until its next proposal judges it."""
         self.num_chosen = {"drafter": 0, "lookup": 0}
         """Drafts each source made (tests and benchmarks read it)."""
+        self.cost = DrafterCost()
+        """The drafter's measured c; lookup's is taken as 0 (a dictionary walk per row)."""
 
     @classmethod
     def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> DFlashProposer:
@@ -291,6 +327,13 @@ class DFlashProposer:
     # ---------------------------------------------------------------- propose
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], num_tokens: list[int]) -> Proposal:
+        start = time.perf_counter()
+        out, forward = self.choose_and_draft(requests, num_tokens)
+        self.cost.proposal(start, time.perf_counter(), forward)
+        return out
+
+    def choose_and_draft(self, requests: list[DraftRequest], num_tokens: list[int]) -> tuple[Proposal, float | None]:
+        """The proposal, and the seconds the drafter's passes took in it (None if it ran none)."""
         self.judge(requests)
         looked = self.lookup.propose(requests, num_tokens) if self.lookup is not None else None
         use_lookup = [
@@ -301,8 +344,10 @@ class DFlashProposer:
             held = self.context.get(r.request_id)
             if k > 0 and not use_lookup[i] and held is not None and held.end == r.num_tokens - 1:
                 active.append(i)
+        t0 = time.perf_counter()
         self.encode([self.context[requests[i].request_id] for i in active])
         out = self.propose_blocks(requests, num_tokens, active)
+        forward = time.perf_counter() - t0 if active else None
         drafted = set(active)
         if looked is not None:  # lookup's drafts where it was chosen (or the drafter had no context)
             for i in range(len(requests)):
@@ -315,7 +360,7 @@ class DFlashProposer:
                 source = "drafter" if i in drafted else "lookup"
                 self.num_chosen[source] += 1
                 self.pending[r.request_id] = (source, len(out.token_ids[i]), r.num_tokens)
-        return out
+        return out, forward
 
     def judge(self, requests: list[DraftRequest]) -> None:
         """Each request's last draft, judged by how many tokens its row gained since (accepted + 1), feeds its
@@ -327,13 +372,14 @@ class DFlashProposer:
                 self.sources[source].observe(k, max(0, min(k, r.num_tokens - held - 1)))
 
     def prefers_lookup(self, lookup_draft: list[int], k: int) -> bool:
-        """Lookup has a draft whose expected tokens reach the drafter's (depth-capped at its block)."""
+        """Lookup has a draft whose expected tokens per step time reach the drafter's: E_lookup >= E_drafter / (1 + c),
+        c the drafter's measured cost share (lookup's taken as 0; the drafter's E depth-capped at its block)."""
         if not lookup_draft or k <= 0:
             return False
         depth = k if self.tree is None else self.max_depth
         drafter = self.sources["drafter"].expected(min(depth, self.drafter.block_size - 1))
         lookup_depth = len(lookup_draft) if self.tree is None else min(len(lookup_draft), self.max_depth)
-        return self.sources["lookup"].expected(lookup_depth) >= drafter
+        return self.sources["lookup"].expected(lookup_depth) * (1 + self.cost.share) >= drafter
 
     def propose_blocks(self, requests: list[DraftRequest], num_tokens: list[int], active: list[int]) -> Proposal:
         """The drafter's drafts (a chain or a tree) for requests[i], i in active; [] for the others."""
