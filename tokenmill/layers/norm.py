@@ -59,6 +59,12 @@ def plain_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch
     return (y if w is None else y * w.float()).to(x.dtype)
 
 
+def normalize_parts(x: torch.Tensor, width: int, eps: float) -> torch.Tensor:
+    """[..., n * width] -> each width-wide part RMS-normalized without a weight (plain_rms_norm): several target
+    layers' outputs side by side, whose scales differ by depth, before a draft head fuses them."""
+    return torch.cat([plain_rms_norm(p, None, eps) for p in x.split(width, dim=-1)], dim=-1)
+
+
 def _norm_heads(qk: torch.Tensor, num_heads: int, weight: torch.Tensor, eps: float, unit_offset: bool) -> None:
     d = weight.shape[0]
     if fused_ops.head_rms_norm_inplace(qk, num_heads, d, weight, eps, unit_offset):

@@ -41,7 +41,7 @@ from torch import nn
 
 from tokenmill.config import ModelArchConfig
 from tokenmill.layers.linear import Linear
-from tokenmill.layers.norm import plain_rms_norm
+from tokenmill.layers.norm import normalize_parts, plain_rms_norm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.spec_decode.eagle_head import (
     arch_from_dict,
@@ -164,9 +164,8 @@ class BlockDrafter(nn.Module):
         """Target features [..., len(target_layers) * H] -> context rows c [..., H]: each layer's feature RMS-
         normalized (their scales differ by depth), fused by fc, normed."""
         h, eps = self.arch.hidden_size, self.arch.rms_norm_eps
-        f = features.to(self.dtype)
-        parts = [plain_rms_norm(f[..., j * h : (j + 1) * h], None, eps) for j in range(len(self.target_layers))]
-        return plain_rms_norm(self._linear(torch.cat(parts, dim=-1), self.fc, "fc"), self.ctx_norm, eps)
+        parts = normalize_parts(features.to(self.dtype), h, eps)
+        return plain_rms_norm(self._linear(parts, self.fc, "fc"), self.ctx_norm, eps)
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Context rows [..., T, H] at positions [..., T] -> per draft layer (keys after RoPE, values), each

@@ -203,14 +203,14 @@ class DrafterCost:
     def proposal(self, start: float, end: float, forward: float | None) -> None:
         """A proposal ran from `start` to `end`; `forward`: seconds of drafter passes in it (None: it ran none)."""
         if self.last_end is not None and start > self.last_end:
-            self.rest = (
-                start - self.last_end
-                if self.rest == 0
-                else self.decay * self.rest + (1 - self.decay) * (start - self.last_end)
-            )
+            self.rest = self.weighted(self.rest, start - self.last_end)
         if forward is not None:
-            self.forward = forward if self.forward == 0 else self.decay * self.forward + (1 - self.decay) * forward
+            self.forward = self.weighted(self.forward, forward)
         self.last_end = end
+
+    def weighted(self, mean: float, sample: float) -> float:
+        """The exponentially weighted mean after `sample` (the first sample, while the mean is 0)."""
+        return sample if mean == 0 else self.decay * mean + (1 - self.decay) * sample
 
     @property
     def share(self) -> float:

@@ -51,7 +51,7 @@ from tokenmill.attention.backend import TorchPagedAttention
 from tokenmill.config import ModelArchConfig
 from tokenmill.layers.embedding import VocabEmbedding
 from tokenmill.layers.linear import Linear
-from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm, plain_rms_norm
+from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm, normalize_parts, plain_rms_norm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.interface import DecoderLayout
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer
@@ -144,12 +144,7 @@ class EagleHead(nn.Module):
         as they are, or the chosen layers' outputs fused (module docstring)."""
         if self.fuse is None or self.fuse_norm is None:
             return rows
-        return self.fuse_norm(self.fuse(self.normalize_layers(rows)))
-
-    def normalize_layers(self, rows: torch.Tensor) -> torch.Tensor:
-        """[..., L * H] -> each layer's part RMS-normalized without a weight (their scales differ by depth)."""
-        h, eps = self.arch.hidden_size, self.arch.rms_norm_eps
-        return torch.cat([plain_rms_norm(p, None, eps) for p in rows.split(h, dim=-1)], dim=-1)
+        return self.fuse_norm(self.fuse(normalize_parts(rows, self.arch.hidden_size, self.arch.rms_norm_eps)))
 
     def input_rows(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The decoder layer's input [T, H]: fc over [the token's embedding | the feature before it]."""
@@ -364,7 +359,7 @@ def train_forward(
 
     B, T = input_ids.shape
     if head.fuse is not None and head.fuse_norm is not None:  # target_features, in plain ops
-        features = F.linear(head.normalize_layers(features), head.fuse.weight)
+        features = F.linear(normalize_parts(features, arch.hidden_size, eps), head.fuse.weight)
         features = plain_rms_norm(features, head.fuse_norm.weight, eps)
     e = F.embedding(input_ids, head.embed.detach()).to(features.dtype)
     lay = head.layer
