@@ -89,7 +89,9 @@ def test_stream_events_and_text_equal_non_streamed(client, server):
     events = list(client.messages.create(**kw, stream=True))
     kinds = [e.type for e in events]
     num_deltas = kinds.count("content_block_delta")
-    assert num_deltas > 1
+    # a reader that lags gets the queued deltas merged (engine/async_engine.py), so a count of 1 is
+    # possible on a loaded host; that deltas come one per step is tests/engine/test_deltas.py's check
+    assert num_deltas >= 1
     assert kinds == [
         "message_start",
         "content_block_start",

@@ -93,7 +93,9 @@ def test_streamed_reasoning_content_joins_to_the_same_split(oai, reference):
             kinds.append("content")
     msg = reference.model_dump()["message"]
     assert reasoning == msg["reasoning_content"] and content == msg["content"]
-    assert kinds.count("reasoning") > 1 and kinds.count("content") > 1
+    # a reader that lags gets the queued deltas merged (engine/async_engine.py), so a count of 1 is
+    # possible on a loaded host; that deltas come one per step is tests/engine/test_deltas.py's check
+    assert kinds.count("reasoning") >= 1 and kinds.count("content") >= 1
     assert kinds == sorted(kinds, key=lambda k: k != "reasoning")  # all the reasoning first
 
 
@@ -148,7 +150,9 @@ def test_responses_api_has_a_reasoning_item_streamed_as_reasoning_text(oai, refe
     events = list(oai.responses.create(**kw, stream=True))
     kinds = [e.type for e in events]
     n_reasoning, n_text = kinds.count("response.reasoning_text.delta"), kinds.count("response.output_text.delta")
-    assert n_reasoning > 1 and n_text > 1
+    # a reader that lags gets the queued deltas merged (engine/async_engine.py), so a count of 1 is
+    # possible on a loaded host; that deltas come one per step is tests/engine/test_deltas.py's check
+    assert n_reasoning >= 1 and n_text >= 1
     assert kinds == [
         "response.created",
         "response.in_progress",

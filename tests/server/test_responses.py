@@ -84,7 +84,9 @@ def test_stream_events_in_order_and_deltas_join_to_the_text(client):
     )
     kinds = [e.type for e in events]
     num_deltas = kinds.count("response.output_text.delta")
-    assert num_deltas > 1
+    # a reader that lags gets the queued deltas merged (engine/async_engine.py), so a count of 1 is
+    # possible on a loaded host; that deltas come one per step is tests/engine/test_deltas.py's check
+    assert num_deltas >= 1
     assert kinds == [
         "response.created",
         "response.in_progress",
@@ -203,7 +205,9 @@ def test_function_call_round_trip(client):
     )
     kinds = [e.type for e in events]
     num_deltas = kinds.count("response.function_call_arguments.delta")
-    assert num_deltas > 1
+    # a reader that lags gets the queued deltas merged (engine/async_engine.py), so a count of 1 is
+    # possible on a loaded host; that deltas come one per step is tests/engine/test_deltas.py's check
+    assert num_deltas >= 1
     assert kinds[2:] == [
         "response.output_item.added",
         *["response.function_call_arguments.delta"] * num_deltas,
