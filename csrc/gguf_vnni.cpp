@@ -19,36 +19,37 @@ inline __m512 i8x16(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// A unit's 8 code vectors (step j: 4 weights of 16 rows) as unsigned bytes; Q8_0's signed bytes + 128.
+// Steps j and j + 4 of a unit (each 4 weights of 16 rows) as unsigned bytes: the low and high nibbles of the
+// same 64 bytes, with the high-bit planes of 5- and 6-bit codes; Q8_0's signed bytes + 128.
 template <GgmlType F>
-inline void unit_codes(const uint8_t* unit, __m512i (&c)[8]) {
+inline void step_pair(const uint8_t* unit, int j, __m512i& lo, __m512i& hi) {
     if constexpr (F == GgmlType::q8_0) {
-        for (int j = 0; j < 8; ++j)
-            c[j] = _mm512_xor_si512(_mm512_loadu_si512(unit + 64 * j), _mm512_set1_epi8(static_cast<char>(0x80)));
+        const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+        lo = _mm512_xor_si512(_mm512_loadu_si512(unit + 64 * j), flip);
+        hi = _mm512_xor_si512(_mm512_loadu_si512(unit + 64 * (j + 4)), flip);
         return;
     } else {
         const __m512i low4 = _mm512_set1_epi8(15);
-        for (int j = 0; j < 4; ++j) {
-            const __m512i v = _mm512_loadu_si512(unit + 64 * j);
-            c[j] = _mm512_and_si512(v, low4);
-            c[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        }
+        const __m512i v = _mm512_loadu_si512(unit + 64 * j);
+        lo = _mm512_and_si512(v, low4);
+        hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         if constexpr (F == GgmlType::q5_0 || F == GgmlType::q5_k) {
-            for (int j = 0; j < 8; ++j) {
-                uint64_t bits;
-                std::memcpy(&bits, unit + 256 + 8 * j, 8);
-                c[j] = _mm512_or_si512(c[j], _mm512_maskz_mov_epi8(static_cast<__mmask64>(bits), _mm512_set1_epi8(16)));
-            }
+            uint64_t b0, b1;
+            std::memcpy(&b0, unit + 256 + 8 * j, 8);
+            std::memcpy(&b1, unit + 256 + 8 * (j + 4), 8);
+            const __m512i sixteen = _mm512_set1_epi8(16);
+            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(static_cast<__mmask64>(b0), sixteen));
+            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(static_cast<__mmask64>(b1), sixteen));
         }
         if constexpr (F == GgmlType::q6_k) {
             // 128-bit lane s of step j takes bits 2s, 2s + 1 of the chunk's bytes
             const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-            const __m512i two = _mm512_set1_epi8(3);
-            for (int j = 0; j < 8; ++j) {
-                const __m512i chunk = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 256 + 16 * j)));
-                const __m512i hi = _mm512_and_si512(_mm512_srlv_epi32(chunk, shift), two);
-                c[j] = _mm512_or_si512(c[j], _mm512_slli_epi16(hi, 4));
-            }
+            const __m512i three = _mm512_set1_epi8(3);
+            const __m512i c0 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 256 + 16 * j)));
+            const __m512i c1 =
+                _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + 256 + 16 * (j + 4))));
+            lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi32(c0, shift), three), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi32(c1, shift), three), 4));
         }
     }
 }
@@ -59,18 +60,26 @@ inline __m512i bcast4(const int8_t* p) {
     return _mm512_set1_epi32(v);
 }
 
-// The int32 dot products of steps [j0, j1) with x's weights at xp (two chains: vpdpbusd's latency).
-inline __m512i dot_steps(const __m512i (&c)[8], const int8_t* xp, int j0, int j1) {
-    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-    for (int j = j0; j < j1; j += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, c[j], bcast4(xp + 4 * j));
-        s1 = _mm512_dpbusd_epi32(s1, c[j + 1], bcast4(xp + 4 * j + 4));
+// The int32 dot products of one unit with activation rows m0 .. m0 + MT: h0[m] sums steps 0-3 (weights 0-15),
+// h1[m] steps 4-7. Steps are taken in pairs, each pair's code vectors serving all MT rows, so that no more than
+// two code vectors, 2 MT accumulators and the output lanes are live (no spills at MT = 8). Integer sums are
+// exact: the order of the products does not matter.
+template <GgmlType F, int MT>
+inline void unit_dots(const uint8_t* unit, const Act& a, int64_t m0, int64_t k0, __m512i (&h0)[MT], __m512i (&h1)[MT]) {
+    for (int m = 0; m < MT; ++m) h0[m] = h1[m] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+        __m512i lo, hi;
+        step_pair<F>(unit, j, lo, hi);
+        for (int m = 0; m < MT; ++m) {
+            const int8_t* xp = a.q + (m0 + m) * a.K + k0;
+            h0[m] = _mm512_dpbusd_epi32(h0[m], lo, bcast4(xp + 4 * j));
+            h1[m] = _mm512_dpbusd_epi32(h1[m], hi, bcast4(xp + 4 * j + 16));
+        }
     }
-    return _mm512_add_epi32(s0, s1);
 }
 
 // out[m] (16 rows' float lanes) for activation rows m0 .. m0 + MT over the whole of K: units in order, each
-// adding cvt(dot) * (S dx) + Mn ds; the order does not depend on MT.
+// adding cvt(dot) * (S dx) + Mn ds; the float operations and their order do not depend on MT.
 template <GgmlType F, int MT>
 inline void group_rows(const uint8_t* grp, const Layout& L, const Act& a, int64_t m0, __m512 (&out)[MT]) {
     for (int m = 0; m < MT; ++m) out[m] = _mm512_setzero_ps();
@@ -82,22 +91,20 @@ inline void group_rows(const uint8_t* grp, const Layout& L, const Act& a, int64_
         if constexpr (F == GgmlType::q4_1 || F == GgmlType::q4_k || F == GgmlType::q5_k) dmin = f16x16(rec + L.m_off);
         for (int64_t u = 0; u < L.units(); ++u) {
             const uint8_t* unit = rec + L.unit_off + u * L.unit_stride();
-            __m512i c[8];
-            unit_codes<F>(unit, c);
             const int64_t k0 = (b * L.units() + u) * 32;
             const int64_t ui = k0 / 32;
+            __m512i h0[MT], h1[MT];
+            unit_dots<F, MT>(unit, a, m0, k0, h0, h1);
             if constexpr (F == GgmlType::q6_k) {
                 const __m512 s0 = _mm512_mul_ps(d, i8x16(rec + L.sc_off + 16 * (2 * u)));
                 const __m512 s1 = _mm512_mul_ps(d, i8x16(rec + L.sc_off + 16 * (2 * u + 1)));
                 const __m512 n0 = _mm512_mul_ps(s0, _mm512_set1_ps(-32.f)), n1 = _mm512_mul_ps(s1, _mm512_set1_ps(-32.f));
                 for (int m = 0; m < MT; ++m) {
                     const int64_t r = m0 + m;
-                    const int8_t* xp = a.q + r * a.K + k0;
                     const __m512 dx = _mm512_set1_ps(a.dx[r * U + ui]);
-                    const __m512i h0 = dot_steps(c, xp, 0, 4), h1 = dot_steps(c, xp, 4, 8);
-                    out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h0), _mm512_mul_ps(s0, dx), out[m]);
+                    out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h0[m]), _mm512_mul_ps(s0, dx), out[m]);
                     out[m] = _mm512_fmadd_ps(n0, _mm512_set1_ps(a.ds16[r * 2 * U + 2 * ui]), out[m]);
-                    out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1), _mm512_mul_ps(s1, dx), out[m]);
+                    out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h1[m]), _mm512_mul_ps(s1, dx), out[m]);
                     out[m] = _mm512_fmadd_ps(n1, _mm512_set1_ps(a.ds16[r * 2 * U + 2 * ui + 1]), out[m]);
                 }
             } else {
@@ -115,7 +122,7 @@ inline void group_rows(const uint8_t* grp, const Layout& L, const Act& a, int64_
                 }
                 for (int m = 0; m < MT; ++m) {
                     const int64_t r = m0 + m;
-                    const __m512i dot = dot_steps(c, a.q + r * a.K + k0, 0, 8);
+                    const __m512i dot = _mm512_add_epi32(h0[m], h1[m]);
                     out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(a.dx[r * U + ui])), out[m]);
                     out[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.ds[r * U + ui]), out[m]);
                 }
