@@ -110,6 +110,53 @@ def test_adaptive_gamma_reacts_to_acceptance_and_batch():
     assert AdaptiveGamma(5, adaptive=False).choose(512) == 5
 
 
+def test_a_probe_drafts_for_a_few_requests_in_turn():
+    """At batch 32 a probe drafts for probe_rows requests, the next probe for the ones after them; the steps
+    between probes draft nothing, and c comes from passes that drafted for the whole batch only."""
+    ad = AdaptiveGamma(4, adaptive=True, probe_interval=2, probe_rows=4)
+    ad.prior_cost = LinearCost(0.01, 0.001)  # verification far from free at batch 32
+    ad.alpha_prior, ad.prior_weight = 0.1, 1e9
+    chosen = [ad.choose(32) for _ in range(6)]
+    assert chosen == [0, 1, 0, 0, 0, 1]  # probes after 2 steps off, then after 4
+    assert ad.choose(32) == 0 and not ad.probing
+    ks = [1] * 10
+    ks[2] = 0  # a request that may not draft (its budget is spent) is never picked
+    ad.probing = True
+    assert ad.probe_budgets(ks) == [1, 1, 0, 1, 1, 0, 0, 0, 0, 0]
+    assert ad.probe_budgets(ks) == [0, 0, 0, 0, 0, 1, 1, 1, 1, 0]
+    assert ad.probe_budgets(ks) == [1, 1, 0, 1, 0, 0, 0, 0, 0, 1]
+    assert ad.probe_budgets([1, 0, 1]) == [1, 0, 1]  # fewer than probe_rows: all of them
+    assert ad.num_probe_rows == 14
+    # a probe's draft time (4 of 32 requests) leaves c alone; a pass for all 32 sets it: 4.2 ms over T(32) = 42 ms
+    ad.observe_draft(1, 32, 0.001, num_drafted=4)
+    assert ad.c == 0.0
+    ad.observe_draft(1, 32, 0.0042, num_drafted=32)
+    assert ad.c == pytest.approx(0.1)
+
+
+def test_decoder_probes_with_a_few_requests(tiny_llama):
+    """Through the engine: with acceptance estimated at 0, batch 12 decodes without drafts except in probes, and
+    each probe drafts for probe_rows requests only (counted)."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(tiny_llama),
+        dtype="float32",
+        max_model_len=256,
+        num_gpu_blocks_override=256,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    spec = llm.engine.executor.runner.speculator
+    ad = spec.adaptive
+    ad.alpha_prior, ad.prior_weight, ad.probe_interval, ad._interval = 0.0, 1e9, 2, 2
+    ad.probe_rows = 3
+    prompts = [[5 + i, 9, 200, 31, 7] * 3 for i in range(12)]
+    llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert spec.num_draft_calls > 0  # probes ran, each for 3 of the 12 requests
+    assert ad.num_probe_rows == 3 * spec.num_draft_calls
+    assert 0 < spec.stats.num_drafts <= ad.num_probe_rows
+
+
 def test_stats_vllm_names():
     s = SpecDecodeStats()
     s.observe(4, 2)

@@ -20,6 +20,11 @@ over. Fitting the raw recent steps instead let 60 plain steps at n = 8 outvote o
 n = 13, kept the prior's shallow slope, and priced batch-8 verification too low (0.77x measured). α and c are
 exponentially weighted running estimates. Speculation stays off unless the predicted gain is at least 5 %; while
 off, a γ = 1 probe re-measures α after 16 steps, then 32, 64, ... (up to 256) while probes keep failing.
+
+A probe drafts for at most `probe_rows` requests of the batch (the caller picks which, in turn): α is a property
+of the proposer and the text, not of the batch, and a probe of the whole batch at batch 32 costs a verification
+of 64 rows and a draft pass over 32 requests, about one step lost each time, for an estimate four rows give as
+well. Its draft time does not join c (`observe_draft`): c stays what drafting for every request costs.
 """
 
 from __future__ import annotations
@@ -106,8 +111,17 @@ class AdaptiveGamma:
         min_gain: float = 1.05,
         tree_nodes: int | None = None,
         one_pass: bool = False,
+        probe_rows: int = 4,
     ) -> None:
         self.gamma_max = gamma_max
+        self.probe_rows = probe_rows
+        """Requests a probe drafts for, at most."""
+        self.probing = False
+        """The last `choose` answered a probe: the caller drafts for `probe_rows` requests only (`probe_budgets`)."""
+        self.next_probe = 0
+        """Where in the batch the next probe's requests start (each probe takes the ones after the last's)."""
+        self.num_probe_rows = 0
+        """Requests that drafted in probes (tests and benchmarks read it)."""
         self.one_pass = one_pass
         """The proposer drafts any γ in one pass (a block drafter): c is its cost per call, not per draft token."""
         self.tree_nodes = tree_nodes
@@ -152,9 +166,13 @@ class AdaptiveGamma:
             self._by_n[num_tokens] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
             self._cost = None
 
-    def observe_draft(self, num_draft_steps: int, batch_size: int, seconds: float) -> None:
-        """seconds spent proposing num_draft_steps tokens per request for batch_size requests."""
-        if num_draft_steps <= 0 or batch_size <= 0:
+    def observe_draft(
+        self, num_draft_steps: int, batch_size: int, seconds: float, num_drafted: int | None = None
+    ) -> None:
+        """seconds spent proposing num_draft_steps tokens per request for num_drafted of batch_size requests (all
+        when None). A probe's pass over part of the batch is left out: c is what drafting for all of it costs, and
+        a pass's fixed costs (the drafter's layers at any row count) make the part no measure of the whole."""
+        if num_draft_steps <= 0 or batch_size <= 0 or (num_drafted is not None and num_drafted < batch_size):
             return
         per = seconds if self.one_pass else seconds / num_draft_steps
         c = per / max(self.cost(batch_size), 1e-9)
@@ -191,6 +209,7 @@ class AdaptiveGamma:
 
     # ------------------------------------------------------------------- choice
     def choose(self, batch_size: int) -> int:
+        self.probing = False
         if not self.adaptive or batch_size == 0:
             self.gamma = self.gamma_max
             return self.gamma
@@ -208,11 +227,29 @@ class AdaptiveGamma:
                 self._steps_off = 0
                 self._interval = min(2 * self._interval, 16 * self.probe_interval)
                 g = 1
+                self.probing = True
         else:
             self._steps_off = 0
             self._interval = self.probe_interval
         self.gamma = g
         return g
+
+    def probe_budgets(self, ks: list[int]) -> list[int]:
+        """A probe's draft budgets: ks kept for `probe_rows` of the requests that may draft (ks[i] > 0), taken in
+        turn from where the last probe stopped, 0 for the others.
+
+            ks [1, 1, 0, 1, 1, 1], probe_rows 2:
+            [1, 1, 0, 0, 0, 0]  then  [0, 0, 0, 1, 1, 0]  then  [1, 0, 0, 0, 0, 1]
+        """
+        eligible = [i for i, k in enumerate(ks) if k]
+        if len(eligible) <= self.probe_rows:
+            self.num_probe_rows += len(eligible)
+            return ks
+        first = self.next_probe % len(eligible)
+        chosen = set((eligible[first:] + eligible[:first])[: self.probe_rows])
+        self.next_probe = first + self.probe_rows
+        self.num_probe_rows += self.probe_rows
+        return [k if i in chosen else 0 for i, k in enumerate(ks)]
 
     def as_dict(self) -> dict[str, float]:
         return {"gamma": self.gamma, "alpha_estimate": self.alpha, "draft_cost_ratio": self.c}

@@ -127,6 +127,8 @@ class SpeculativeDecoder:
             ks = [draft_budget(r, budget, self.max_model_len) for r in reqs]
         else:  # a tree's nodes are not all outputs: the proposer caps its depth (draft_budget) instead
             ks = [budget if draft_budget(r, 1, self.max_model_len) else 0 for r in reqs]
+        if self.adaptive.probing:
+            ks = self.adaptive.probe_budgets(ks)
         if not any(ks):
             return {}
         t0 = time.perf_counter()
@@ -142,7 +144,7 @@ class SpeculativeDecoder:
                 out[r.request_id] = Drafts(d[:k], None if proposal.parents is None else proposal.parents[i][:k])
         if proposal.probs is not None:
             self.draft_probs.update({rid: q for rid, q in proposal.probs.items() if rid in out})
-        self.adaptive.observe_draft(max(ks), len(reqs), seconds)
+        self.adaptive.observe_draft(max(ks), len(reqs), seconds, sum(1 for k in ks if k))
         return out
 
     def reset_stats(self) -> None:
