@@ -9,7 +9,10 @@
 namespace tokenmill::gguf {
 namespace {
 
-constexpr int kMaxTile = 8;   // activation rows per pass: 8 code vectors, 8 accumulators and the scales
+// Activation rows per pass: one int32 accumulator and one float output per row, two code vectors and the scales
+// in the 32 vector registers; Q6_K keeps two accumulators per row (its scales cover 16 weights), so fewer rows.
+template <GgmlType F>
+constexpr int kMaxTile = F == GgmlType::q6_k ? 8 : 12;
 
 inline __m512 f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 u8x16(const uint8_t* p) {
@@ -60,10 +63,16 @@ inline __m512i bcast4(const int8_t* p) {
     return _mm512_set1_epi32(v);
 }
 
-// The int32 dot products of one unit with activation rows m0 .. m0 + MT: h0[m] sums steps 0-3 (weights 0-15),
-// h1[m] steps 4-7. Steps are taken in pairs, each pair's code vectors serving all MT rows, so that no more than
-// two code vectors, 2 MT accumulators and the output lanes are live (no spills at MT = 8). Integer sums are
-// exact: the order of the products does not matter.
+// Two int32 sums per row (steps 0-3 in h0, 4-7 in h1): Q6_K's two scales need them apart, and a tile of fewer
+// than 4 rows needs the second chain to hide vpdpbusd's latency. Otherwise one sum per row (h0), so that 12 rows
+// fit in the registers.
+template <GgmlType F, int MT>
+constexpr bool kTwoSums = F == GgmlType::q6_k || MT < 4;
+
+// The int32 dot products of one unit with activation rows m0 .. m0 + MT: with kTwoSums h0[m] sums steps 0-3
+// (weights 0-15) and h1[m] steps 4-7, else h0[m] all 8 steps. Steps are taken in pairs, each pair's code vectors
+// serving all MT rows, so that no more than two code vectors, the accumulators and the output lanes are live.
+// Integer sums are exact: the order of the products does not matter.
 template <GgmlType F, int MT>
 inline void unit_dots(const uint8_t* unit, const Act& a, int64_t m0, int64_t k0, __m512i (&h0)[MT], __m512i (&h1)[MT]) {
     for (int m = 0; m < MT; ++m) h0[m] = h1[m] = _mm512_setzero_si512();
@@ -72,8 +81,12 @@ inline void unit_dots(const uint8_t* unit, const Act& a, int64_t m0, int64_t k0,
         step_pair<F>(unit, j, lo, hi);
         for (int m = 0; m < MT; ++m) {
             const int8_t* xp = a.q + (m0 + m) * a.K + k0;
-            h0[m] = _mm512_dpbusd_epi32(h0[m], lo, bcast4(xp + 4 * j));
-            h1[m] = _mm512_dpbusd_epi32(h1[m], hi, bcast4(xp + 4 * j + 16));
+            if constexpr (kTwoSums<F, MT>) {
+                h0[m] = _mm512_dpbusd_epi32(h0[m], lo, bcast4(xp + 4 * j));
+                h1[m] = _mm512_dpbusd_epi32(h1[m], hi, bcast4(xp + 4 * j + 16));
+            } else {   // one sum per row: MT independent chains
+                h0[m] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(h0[m], lo, bcast4(xp + 4 * j)), hi, bcast4(xp + 4 * j + 16));
+            }
         }
     }
 }
@@ -122,7 +135,7 @@ inline void group_rows(const uint8_t* grp, const Layout& L, const Act& a, int64_
                 }
                 for (int m = 0; m < MT; ++m) {
                     const int64_t r = m0 + m;
-                    const __m512i dot = _mm512_add_epi32(h0[m], h1[m]);
+                    const __m512i dot = kTwoSums<F, MT> ? _mm512_add_epi32(h0[m], h1[m]) : h0[m];
                     out[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(a.dx[r * U + ui])), out[m]);
                     out[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.ds[r * U + ui]), out[m]);
                 }
@@ -160,11 +173,11 @@ void run_groups(const uint8_t* packed, int64_t g0, int64_t g1, int64_t group_byt
     const Layout L = layout_of(static_cast<int64_t>(F));
     // Tiles of near-equal rows (9 rows: 5 + 4, not 8 + 1): a tile of one or two rows has too few independent
     // dot-product chains to keep vpdpbusd busy, and costs nearly what a full tile does.
-    const int64_t n = me - mb, tiles = (n + kMaxTile - 1) / kMaxTile;
+    const int64_t n = me - mb, tiles = (n + kMaxTile<F> - 1) / kMaxTile<F>;
     for (int64_t g = g0; g < g1; ++g)
         for (int64_t i = 0, m0 = mb; i < tiles; ++i) {
             const int64_t t = n / tiles + (i < n % tiles);
-            group_tile<F, kMaxTile, T>(packed + g * group_bytes, L, a, m0, t, y + g * kGroupRows, ldy);
+            group_tile<F, kMaxTile<F>, T>(packed + g * group_bytes, L, a, m0, t, y + g * kGroupRows, ldy);
             m0 += t;
         }
 }
