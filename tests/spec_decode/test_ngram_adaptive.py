@@ -148,10 +148,10 @@ def test_decoder_probes_with_a_few_requests(tiny_llama):
     )
     spec = llm.engine.executor.runner.speculator
     ad = spec.adaptive
-    ad.alpha_prior, ad.prior_weight, ad.probe_interval, ad._interval = 0.0, 1e9, 2, 2
-    ad.probe_rows = 3
+    ad.alpha_prior, ad.prior_weight, ad.probe_rows = 0.0, 1e9, 3
     prompts = [[5 + i, 9, 200, 31, 7] * 3 for i in range(12)]
-    llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    # the default schedule: a probe after 16 steps off, the next after 32 more
+    llm.generate(prompts, SamplingParams(max_tokens=56, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert spec.num_draft_calls > 0  # probes ran, each for 3 of the 12 requests
     assert ad.num_probe_rows == 3 * spec.num_draft_calls
     assert 0 < spec.stats.num_drafts <= ad.num_probe_rows
