@@ -420,8 +420,16 @@ class SpeculativeConfig:
     """dflash: per request and step, draft with the block drafter or with lookup (the request's own tokens, the
     online suffix store of its cache_salt, the datastore if given), whichever the measured acceptance predicts
     gives more tokens per target step (spec_decode/dflash.py); false: the block drafter only."""
+    draft_weights: str = "auto"
+    """dflash: the drafter's matrices when serving: q8_0 (int8 codes per 32 weights read by the GGUF integer
+    kernel: about half the bytes of bf16, so a cheaper draft pass), dense (the checkpoint's values in the model
+    dtype), or auto (q8_0 on a CPU whose integer kernel runs, else dense)."""
 
     def __post_init__(self) -> None:
+        if self.draft_weights not in ("auto", "q8_0", "dense"):
+            raise ValueError(
+                f"speculative_config.draft_weights must be auto, q8_0 or dense, got {self.draft_weights!r}"
+            )
         if self.method not in ("ngram", "suffix", "draft_model", "eagle", "medusa", "dflash"):
             raise ValueError(
                 "speculative_config.method must be ngram, suffix, draft_model, eagle, medusa or dflash, "

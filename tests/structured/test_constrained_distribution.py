@@ -66,9 +66,9 @@ def test_rejection_sampler_with_unconstrained_drafts_emits_the_constrained_targe
     assert emeta.allowed.shape == (n * (k + 1), vocab)
     logits = apply_temperature_and_masks(apply_penalties(p.log().repeat(n, 1), emeta), emeta)
     uniforms = torch.rand(n * k, generator=g)
-    noise = torch.empty(n, vocab).exponential_(generator=g)
+    sample_u = torch.rand(n, generator=g, dtype=torch.float64)
     out = rejection_sample(
-        logits, drafts.flatten(), q.repeat(n, 1), [k] * n, torch.zeros(n, dtype=torch.bool), uniforms, noise
+        logits, drafts.flatten(), q.repeat(n, 1), [k] * n, torch.zeros(n, dtype=torch.bool), uniforms, sample_u
     )
     first = np.bincount([t[0] for t in out.output_token_ids], minlength=vocab)
     second = np.bincount([t[1] for t in out.output_token_ids if len(t) > 1], minlength=vocab)

@@ -95,6 +95,24 @@ def _ops() -> Any:
     return ops
 
 
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """A dense weight [rows, cols] (cols a multiple of 32) as Q8_0 blocks [rows, cols / 32 * 34] uint8, as
+    ggml's reference quantizer writes them: per 32 weights d = max|w| / 127, stored as float16 ahead of the 32
+    codes round(w / d) (int8, within +-127; an all-zero block gets d = 0 and zero codes).
+
+        w = [0.5, -1.0, 0.25, 0, ...]  ->  d = 1/127, codes [64, -127, 32, 0, ...]  (0.5 * 127 = 63.5 rounds to 64)
+    """
+    rows, cols = weight.shape
+    if cols % 32:
+        raise ValueError(f"Q8_0 needs a multiple of 32 weights per row, got {cols}")
+    g = weight.detach().float().reshape(rows, cols // 32, 32)
+    d = g.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    codes = (g * inv).round().clamp(-127, 127).to(torch.int8)
+    scale = d.to(torch.float16).view(torch.uint8).reshape(rows, cols // 32, 2)
+    return torch.cat([scale, codes.view(torch.uint8)], dim=-1).reshape(rows, cols // 32 * 34).contiguous()
+
+
 @dataclass(frozen=True)
 class GGUFPart:
     """One checkpoint tensor of a (possibly packed) linear, its file's blocks repacked into row groups."""
@@ -111,6 +129,12 @@ class GGUFPart:
         weights, nbytes = BLOCKS[ggml_type]
         packed = _ops().gguf_pack(blocks.contiguous(), ggml_type)
         return cls(ggml_type, packed, blocks.shape[1] // nbytes * weights)
+
+    @classmethod
+    def from_dense_q8_0(cls, weight: torch.Tensor) -> GGUFPart:
+        """A dense [rows, cols] weight (rows a multiple of 16, cols of 32) quantized to Q8_0 and packed: weights
+        tokenmill makes itself (the block drafter's) read by the same integer kernel as a file's."""
+        return cls.from_blocks(GGML_TYPES["Q8_0"], quantize_q8_0(weight))
 
     @property
     def rows(self) -> int:

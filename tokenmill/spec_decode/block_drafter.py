@@ -16,8 +16,10 @@ none. The mask rows predict the tokens at their positions, so one forward gives 
 the LM head are the target's (tied, shared tensors): the head keeps only `draft_vocab` rows, the tokens the target
 emits most often, as EAGLE's does here (a draft outside them is never proposed: acceptance, never exactness).
 
-One plain-torch forward serves training (autograd) and drafting, so the two cannot drift apart. Context keys and
-values depend only on c_p and p, so drafting computes them once per position (`context_kv`) and keeps them.
+One plain-torch forward serves training (autograd); drafting runs the same math through the runtime's kernels
+(`forward_blocks_fused`: fused norms, RoPE and SwiGLU, the prepared linears, bf16 or Q8_0), and tests hold the two
+together within a tolerance. Context keys and values depend only on c_p and p, so drafting computes them once per
+position (`context_kv`) and keeps them.
 
 Directory (written by `tokenmill train-drafter`, read by `load_block_drafter`):
 
@@ -39,7 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import native
 from tokenmill.config import ModelArchConfig
+from tokenmill.layers import fused_ops
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import normalize_parts, plain_rms_norm
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -50,6 +54,11 @@ from tokenmill.spec_decode.eagle_head import (
     read_head_config,
     read_head_weights,
 )
+
+ContextKV = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per draft layer, (keys after RoPE, values) of context rows, each [..., T, kv_heads, d]."""
+Mask = torch.Tensor | None
+"""[S, Q, T + Q] bool, True = may attend; None: every row sees every key."""
 
 FORMAT = "tokenmill-block-drafter"
 VERSION = 1
@@ -87,6 +96,7 @@ class BlockDrafter(nn.Module):
 
     draft_vocab: torch.Tensor  # buffers (register_buffer in __init__)
     cos_sin: torch.Tensor
+    ones: torch.Tensor
 
     def __init__(
         self,
@@ -113,6 +123,7 @@ class BlockDrafter(nn.Module):
         rot = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
         self.register_buffer("cos_sin", rot.cos_sin, persistent=False)
         self.register_buffer("draft_vocab", draft_vocab.to(torch.long), persistent=False)
+        self.register_buffer("ones", torch.ones(h, dtype=dtype), persistent=False)
         if tuple(lm_rows.shape) != (len(draft_vocab), h):
             raise ValueError(f"lm_rows must be [{len(draft_vocab)}, {h}], got {tuple(lm_rows.shape)}")
         self.embed = embed.detach()
@@ -122,20 +133,65 @@ class BlockDrafter(nn.Module):
         every call: F.linear made a draft step cost more than a target step), built by `prepare_kernels` once the
         weights are final; empty (training): plain F.linear, which autograd follows."""
 
-    def prepare_kernels(self) -> None:
-        """The weights are final (loaded): build the kernels' copies of every matrix."""
+    def prepare_kernels(self, weights: str = "auto") -> None:
+        """The weights are final (loaded): build the kernels' copies of every matrix. weights "dense": in the
+        drafter's dtype; "q8_0": int8 codes per 32 weights with a float16 scale (quant/gguf.py's Q8_0), read by the
+        GGUF integer kernel, about half the bytes of bf16 (the pass reads every matrix once, so it runs at the
+        memory bound: fewer bytes, a cheaper draft); "auto": q8_0 on a CPU whose integer kernel runs when every
+        matrix packs, else dense. The checkpoint stays bf16; only these copies are Q8_0."""
+        from tokenmill.quant.gguf import GGUFPart, install_gguf, kernel_name
+
         a = self.arch
         split = a.num_attention_heads * a.head_dim
+        self.kernels = {}
+        if weights == "auto":  # q8_0 wherever it can run
+            weights = "q8_0" if kernel_name() != "none" and self.fc.device.type == "cpu" and self.fits_q8_0 else "dense"
+        if weights == "q8_0":
+            if kernel_name() == "none":
+                raise RuntimeError(
+                    "block drafter weights q8_0 need the GGUF integer kernel (AVX2 or AVX512-VNNI and tokenmill's C++ "
+                    f"kernels); this CPU runs none (ISA {native.isa()}): use draft_weights dense"
+                )
+            if not self.fits_q8_0:
+                raise ValueError(
+                    "block drafter weights q8_0 need every matrix's rows in 16s and inputs in 32s (hidden "
+                    f"{a.hidden_size}, intermediate {a.intermediate_size}, head_dim {a.head_dim}): "
+                    "use draft_weights dense"
+                )
+            fc, lm = GGUFPart.from_dense_q8_0(self.fc), GGUFPart.from_dense_q8_0(self.lm_rows)
+            parts: dict[str, list[GGUFPart]] = {"fc": [fc], "lm": [lm]}
+            for i, layer in enumerate(self.draft_layers):
+                q, kv = GGUFPart.from_dense_q8_0(layer.qkv[:split]), GGUFPart.from_dense_q8_0(layer.qkv[split:])
+                parts |= {f"{i}.qkv": [q, kv], f"{i}.kv": [kv]}  # one copy of the k/v rows serves both
+                parts |= {f"{i}.o": [GGUFPart.from_dense_q8_0(layer.o)]}
+                parts |= {f"{i}.gate_up": [GGUFPart.from_dense_q8_0(layer.gate_up)]}
+                parts |= {f"{i}.down": [GGUFPart.from_dense_q8_0(layer.down)]}
+            for name, ps in parts.items():
+                lin = Linear(ps[0].cols, sum(p.rows for p in ps), dtype=self.dtype)
+                install_gguf(lin, ps)
+                self.kernels[name] = lin
+            return
+        if weights != "dense":
+            raise ValueError(f"block drafter weights must be dense or q8_0, got {weights!r}")
         mats = {"fc": self.fc, "lm": self.lm_rows}
         for i, layer in enumerate(self.draft_layers):
             mats |= {f"{i}.qkv": layer.qkv, f"{i}.kv": layer.qkv[split:], f"{i}.o": layer.o}
             mats |= {f"{i}.gate_up": layer.gate_up, f"{i}.down": layer.down}
-        self.kernels = {}
         for name, w in mats.items():
             lin = Linear(w.shape[1], w.shape[0], dtype=w.dtype)
             lin.weight = nn.Parameter(w.detach().contiguous(), requires_grad=False)
             lin.process_weights_after_loading()
             self.kernels[name] = lin
+
+    @property
+    def fits_q8_0(self) -> bool:
+        """Every matrix packs into the GGUF kernel's row groups: rows in 16s, inputs in 32s."""
+        a = self.arch
+        rows = (a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim, a.hidden_size)
+        cols = (a.hidden_size, a.intermediate_size, a.num_attention_heads * a.head_dim)
+        return all(r % 16 == 0 for r in (*rows, 2 * a.intermediate_size, len(self.draft_vocab))) and all(
+            c % 32 == 0 for c in cols
+        )
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
         k = self.kernels.get(name)
@@ -164,15 +220,27 @@ class BlockDrafter(nn.Module):
         """Target features [..., len(target_layers) * H] -> context rows c [..., H]: each layer's feature RMS-
         normalized (their scales differ by depth), fused by fc, normed."""
         h, eps = self.arch.hidden_size, self.arch.rms_norm_eps
+        if self.fused:  # every part normed at once: [n, k H] seen as [n k, H]; the weight of ones changes nothing
+            f = features.to(self.dtype).contiguous()
+            parts = fused_ops.rms_norm(f.view(-1, h), self.ones, eps).view(f.shape)
+            return fused_ops.rms_norm(self._linear(parts, self.fc, "fc"), self.ctx_norm, eps)
         parts = normalize_parts(features.to(self.dtype), h, eps)
         return plain_rms_norm(self._linear(parts, self.fc, "fc"), self.ctx_norm, eps)
 
-    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> ContextKV:
         """Context rows [..., T, H] at positions [..., T] -> per draft layer (keys after RoPE, values), each
         [..., T, kv_heads, d]: what every block after them attends to."""
         a = self.arch
         nh, nkv, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         out = []
+        if self.fused:  # RoPE in place on the keys of each packed [k | v] row
+            flat_pos = positions.reshape(-1).to(torch.long).contiguous()
+            for i in range(len(self.layers)):
+                kv = self.kernels[f"{i}.kv"](ctx.reshape(-1, ctx.shape[-1]))
+                self._rope_rows(kv, nkv, flat_pos)
+                k, v = kv.view(*ctx.shape[:-1], 2, nkv, d).unbind(-3)
+                out.append((k, v))
+            return out
         for i, layer in enumerate(self.draft_layers):
             kv = self._linear(ctx, layer.qkv[nh * d :], f"{i}.kv")
             k, v = kv.split([nkv * d, nkv * d], dim=-1)
@@ -186,17 +254,13 @@ class BlockDrafter(nn.Module):
         masks = self.mask_embed.expand(*anchor_ids.shape, self.block_size - 1, -1)
         return torch.cat([e.unsqueeze(-2), masks], dim=-2)
 
-    def forward_blocks(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def forward_blocks(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv: ContextKV, mask: Mask) -> torch.Tensor:
         """Block rows x [S, Q, H] (Q = blocks x B, block by block) at positions [S, Q], attending to the context
         keys/values ctx_kv (per layer, [S, T, kv_heads, d]) and to the block rows themselves, as `mask`
         [S, Q, T + Q] (True = may attend) says; None: every row sees every key (one block per row of S).
         Returns the final-normed hidden states [S, Q, H]."""
+        if self.fused:
+            return self.forward_blocks_fused(x, positions, ctx_kv, mask)
         a = self.arch
         nh, nkv, d, eps = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps
         S, Q, _ = x.shape
@@ -214,6 +278,58 @@ class BlockDrafter(nn.Module):
             g, u = self._linear(plain_rms_norm(x, layer.mlp_norm, eps), layer.gate_up, f"{i}.gate_up").chunk(2, dim=-1)
             x = x + self._linear(F.silu(g) * u, layer.down, f"{i}.down")
         return plain_rms_norm(x, self.norm, eps)
+
+    def forward_blocks_fused(
+        self, x: torch.Tensor, positions: torch.Tensor, ctx_kv: ContextKV, mask: Mask
+    ) -> torch.Tensor:
+        """forward_blocks when drafting: the same math through the runtime's kernels (fused RMS norms, RoPE in
+        place on the packed qkv rows, SwiGLU, the prepared linears) and attention as one float32 matmul per KV
+        head, the query heads that share it stacked as rows, so keys and values are never repeated:
+
+            q [S, Q, 9 heads, d] -> [S, 3 kv heads, 3 x Q rows, d]     (query head h reads kv head h // 3)
+            scores = q @ keys^T [S, 3, 3 Q, T + Q]  ->  softmax  ->  @ values  ->  [S, Q, 9 d]
+
+        About 60 small ops fewer than the plain forward, which a block of 8 rows does not amortize. Rounding
+        differs from the plain forward's (tests bound it); drafts are exact whatever q is, since the verifier
+        is given the q each draft was drawn from."""
+        a = self.arch
+        nh, nkv, d, eps = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps
+        S, Q, H = x.shape
+        rep = nh // nkv
+        pos = positions.reshape(-1).to(torch.long).contiguous()
+        x = x.reshape(S * Q, H).contiguous()
+        keep = (
+            None
+            if mask is None
+            else mask[:, None, None].expand(S, 1, rep, Q, mask.shape[-1]).reshape(S, 1, rep * Q, -1)
+        )
+        for i, (kc, vc) in enumerate(ctx_kv):
+            layer = self.draft_layers[i]
+            qkv = self.kernels[f"{i}.qkv"](fused_ops.rms_norm(x, layer.in_norm, eps))
+            self._rope_rows(qkv, nh, pos)
+            self._rope_rows(qkv[:, nh * d :], nkv, pos)
+            q = qkv[:, : nh * d].reshape(S, Q, nkv, rep, d).permute(0, 2, 3, 1, 4).reshape(S, nkv, rep * Q, d)
+            k, v = qkv[:, nh * d :].view(S, Q, 2, nkv, d).unbind(2)
+            keys = torch.cat([kc, k], dim=1).permute(0, 2, 3, 1).float()  # [S, nkv, d, T + Q]
+            vals = torch.cat([vc, v], dim=1).transpose(1, 2).float()  # [S, nkv, T + Q, d]
+            scores = torch.matmul(q.float(), keys).mul_(d**-0.5)
+            if keep is not None:
+                scores.masked_fill_(~keep, float("-inf"))
+            o = torch.matmul(scores.softmax(-1), vals)  # [S, nkv, rep Q, d]
+            o = o.view(S, nkv, rep, Q, d).permute(0, 3, 1, 2, 4).reshape(S * Q, nh * d).to(x.dtype)
+            h, x = fused_ops.add_rms_norm(self.kernels[f"{i}.o"](o), x, layer.mlp_norm, eps)
+            x = x + self.kernels[f"{i}.down"](fused_ops.silu_and_mul(self.kernels[f"{i}.gate_up"](h)))
+        return fused_ops.rms_norm(x, self.norm, eps).view(S, Q, H)
+
+    def _rope_rows(self, rows: torch.Tensor, heads: int, positions: torch.Tensor) -> None:
+        """RoPE in place on the first `heads` heads of every row of rows [n, width] (the fused kernel)."""
+        if not fused_ops.rope_inplace(rows, heads, self.arch.head_dim, self.cos_sin, positions):
+            raise RuntimeError(f"the fused RoPE kernel refused rows {tuple(rows.shape)} {rows.dtype}")
+
+    @property
+    def fused(self) -> bool:
+        """Drafting through the runtime's kernels: they were prepared (not training) and the C++ ops exist."""
+        return bool(self.kernels) and fused_ops.is_available() and not torch.is_grad_enabled()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> logits over draft_vocab [..., N] in float32."""
@@ -264,10 +380,12 @@ def load_block_drafter(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     for_training: bool = False,
+    weights: str = "auto",
 ) -> BlockDrafter:
     """A drafter written by BlockDrafter.save, checked against the target it will draft for; every error names
     the file and the fault (a drafter made for another target is refused). for_training: no kernel copies (the
-    plain forward, which autograd follows), to continue training it."""
+    plain forward, which autograd follows), to continue training it. weights: the kernels' copies, auto, dense or
+    q8_0 (BlockDrafter.prepare_kernels)."""
     d = Path(directory)
     cfg_path, w_path = d / CONFIG_FILE, d / WEIGHTS_FILE
     cfg = read_drafter_config(d)
@@ -296,5 +414,5 @@ def load_block_drafter(
         p.requires_grad_(False)
     drafter.eval()
     if not for_training:
-        drafter.prepare_kernels()
+        drafter.prepare_kernels(weights)
     return drafter

@@ -41,7 +41,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits, sampling_metadata
+from tokenmill.layers.sampler import (
+    DRAFT_STREAM,
+    SamplingMetadata,
+    process_logits,
+    sample_inverse_cdf,
+    sampling_metadata,
+    uniform_draws,
+)
 from tokenmill.spec_decode.adaptive import expected_tokens
 from tokenmill.spec_decode.block_drafter import BlockDrafter, load_block_drafter
 from tokenmill.spec_decode.draft_model import draft_loop, take_rows
@@ -259,7 +266,9 @@ class DFlashProposer:
     def from_context(cls, config: SpeculativeConfig, ctx: ProposerContext) -> DFlashProposer:
         path = config.model or str(shipped_drafter(ctx.target_model))
         embed, lm = ctx.tables()
-        drafter = load_block_drafter(path, ctx.target_arch, embed, lm, ctx.dtype, ctx.device)
+        drafter = load_block_drafter(
+            path, ctx.target_arch, embed, lm, ctx.dtype, ctx.device, weights=config.draft_weights
+        )
         depth = min(config.tree_max_depth, drafter.block_size - 1)
         lookup = None
         if config.choose_proposer:  # matches of 2+ tokens only: one-token matches guess right ~1 time in 5
@@ -400,7 +409,7 @@ class DFlashProposer:
                 [trees.get(r.request_id, empty)[1] for r in requests],
             )
         ks = [min(num_tokens[i], logits.shape[1]) for i in active]
-        meta = sampling_metadata(reqs, self.vocab_size, self.device, self.generators)
+        meta = sampling_metadata(reqs, self.vocab_size, self.device, self.generators, DRAFT_STREAM)
         if self.plain_greedy(meta):  # every row's drafts are the argmaxes: one op, no per-position loop
             top = self.drafter.draft_vocab[logits.argmax(-1)].tolist()
             by_id = {r.request_id: top[j][: ks[j]] for j, r in enumerate(reqs)}
@@ -479,8 +488,8 @@ class DFlashProposer:
         rows = take_rows(meta, [j for j in range(R) for _ in range(P)])
         processed = process_logits(logits.reshape(R * P, N), rows)
         q = processed.softmax(-1)
-        noise = exponential_noise((R * P, N), rows.generators, q.device, self.global_gen)
-        picked = torch.where(rows.temperature > 0, (q / noise).argmax(-1), processed.argmax(-1))
+        drawn = sample_inverse_cdf(q, uniform_draws(rows.generators, q.device, self.global_gen))
+        picked = torch.where(rows.temperature > 0, drawn, processed.argmax(-1))
         toks = self.drafter.draft_vocab[picked].view(R, P).tolist()
         full = q.new_zeros(R * P, self.vocab_size)
         full[:, self.drafter.draft_vocab] = q
@@ -502,8 +511,8 @@ class DFlashProposer:
         if meta.all_greedy:
             return greedy, None
         q = processed.softmax(-1)
-        noise = exponential_noise((q.shape[0], q.shape[1]), meta.generators, q.device, self.global_gen)
-        return torch.where(meta.temperature > 0, (q / noise).argmax(-1), greedy), q
+        drawn = sample_inverse_cdf(q, uniform_draws(meta.generators, q.device, self.global_gen))
+        return torch.where(meta.temperature > 0, drawn, greedy), q
 
     def tree_from_block(self, logp: torch.Tensor, budget: int, r: DraftRequest) -> tuple[list[int], list[int]]:
         """A token tree from one block's per-position log-probabilities logp [B - 1, N]: best-first by the sum of

@@ -32,7 +32,7 @@ import torch
 
 from tokenmill.config import KVCacheSpec, ModelArchConfig
 from tokenmill.core.step_io import StepInput, StepTokens
-from tokenmill.layers.sampler import SamplingMetadata, exponential_noise, process_logits
+from tokenmill.layers.sampler import SamplingMetadata, process_logits, sample_inverse_cdf, uniform_draws
 from tokenmill.spec_decode.proposer import DraftRequest, Proposal
 
 if TYPE_CHECKING:
@@ -307,6 +307,6 @@ class DraftModelProposer:
         if meta.all_greedy:
             return greedy, None
         q = processed.softmax(-1)
-        noise = exponential_noise((q.shape[0], q.shape[1]), meta.generators, q.device, self.runner.sampler.global_gen)
-        tok = torch.where(meta.temperature > 0, (q / noise).argmax(-1), greedy)
+        drawn = sample_inverse_cdf(q, uniform_draws(meta.generators, q.device, self.runner.sampler.global_gen))
+        tok = torch.where(meta.temperature > 0, drawn, greedy)
         return tok, q

@@ -32,7 +32,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from tokenmill.core.step_io import SamplerResult, SamplingRow, StepTokens
-from tokenmill.layers.sampler import SamplingMetadata, apply_penalties, apply_temperature_and_masks, gather_logprobs
+from tokenmill.layers.sampler import (
+    SamplingMetadata,
+    apply_penalties,
+    apply_temperature_and_masks,
+    gather_logprobs,
+    sample_inverse_cdf,
+)
 from tokenmill.spec_decode.stats import SpecDecodeStats
 
 # ------------------------------------------------------------------------------ pure functions
@@ -85,7 +91,7 @@ def rejection_sample(
     num_draft_tokens: list[int],
     is_greedy: torch.Tensor,
     uniforms: torch.Tensor | None,
-    noise: torch.Tensor | None,
+    sample_uniforms: torch.Tensor | None,
 ) -> RejectionOutput:
     """Verify a batch of drafts.
 
@@ -96,7 +102,8 @@ def rejection_sample(
     num_draft_tokens: k_i per request (0 = plain sampling from its only row).
     is_greedy:       [N] bool.
     uniforms:        [num_draft] U(0, 1) acceptance draws (None if every request is greedy).
-    noise:           [N, V] Exp(1) for the one sample per request (None if all greedy).
+    sample_uniforms: [N] U(0, 1) for the one token each request samples (bonus or residual; None if all greedy),
+                     by inverse CDF (layers/sampler.py's sample_inverse_cdf).
     """
     dev = target_logits.device
     n = len(num_draft_tokens)
@@ -128,7 +135,7 @@ def rejection_sample(
 
     final = argmax[final_rows]  # greedy answer
     if probs is not None:
-        assert noise is not None, "noise is None only when every request is greedy"
+        assert sample_uniforms is not None, "sample_uniforms is None only when every request is greedy"
         dist = probs[final_rows]  # [N, V] bonus: p
         rejected = num_accepted < k
         if bool(rejected.any()):
@@ -136,7 +143,7 @@ def rejection_sample(
             d = draft_start[rej_req] + num_accepted[rej_req]  # the rejected drafts
             q_rej = None if draft_probs is None else draft_probs[d]
             dist[rej_req] = residual_distribution(probs[final_rows[rej_req]], q_rej, draft_token_ids[d])
-        sampled = (dist / noise).argmax(-1)
+        sampled = sample_inverse_cdf(dist, sample_uniforms)
         final = torch.where(is_greedy, final, sampled)
 
     acc = num_accepted.tolist()
@@ -221,24 +228,23 @@ def expand_rows(
 def draw_randomness(
     num_draft_tokens: list[int],
     generators: list[torch.Generator | None],
-    vocab_size: int,
     device: torch.device,
     global_gen: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Acceptance uniforms [num_draft] and sampling noise [N, V]. A seeded request draws its k
-    uniforms and then its noise row from its own generator, so its outcome does not depend on
+    """Acceptance uniforms [num_draft] and one sampling uniform per request [N]. A seeded request draws its k
+    acceptance uniforms and then its sampling uniform from its own generator, so its outcome does not depend on
     the rest of the batch (as in the plain sampler)."""
     n = len(num_draft_tokens)
     uniforms = torch.rand(sum(num_draft_tokens), generator=global_gen, device=device)
-    noise = torch.empty(n, vocab_size, device=device).exponential_(generator=global_gen)
+    sample_u = torch.rand(n, generator=global_gen, dtype=torch.float64, device=device)
     d0 = 0
     for i, (ki, g) in enumerate(zip(num_draft_tokens, generators)):
         if g is not None:
             if ki:
                 uniforms[d0 : d0 + ki] = torch.rand(ki, generator=g, device=device)
-            noise[i].exponential_(generator=g)
+            sample_u[i] = torch.rand((), generator=g, dtype=torch.float64, device=device)
         d0 += ki
-    return uniforms, noise
+    return uniforms, sample_u
 
 
 # ------------------------------------------------------------------------------------- module
@@ -279,10 +285,10 @@ class RejectionSampler:
             present = [x for x in rows if x is not None]
             if len(present) == len(rows):
                 q = torch.cat([x[:k] for x, k in zip(present, [k for k in ks if k])]).to(dev)
-        uniforms = noise = None
+        uniforms = sample_u = None
         if not meta.all_greedy:
-            uniforms, noise = draw_randomness(ks, meta.generators, logits.shape[-1], dev, global_gen)
-        res = rejection_sample(processed, flat, q, ks, is_greedy, uniforms, noise)
+            uniforms, sample_u = draw_randomness(ks, meta.generators, dev, global_gen)
+        res = rejection_sample(processed, flat, q, ks, is_greedy, uniforms, sample_u)
         lps: list | None = None
         if raw_logprobs is not None:
             rows_: list[int] = []

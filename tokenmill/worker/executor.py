@@ -141,12 +141,14 @@ def build_runner(model: CausalLM, arch: ModelArchConfig, opts: RunnerOptions, tp
     speculator = None
     spec = opts.speculative
     if spec is not None and (tp is None or tp.rank == 0):  # lazy import: plain engines never load it
+        from tokenmill.layers.sampler import DRAFT_STREAM
         from tokenmill.spec_decode.decoder import SpeculativeDecoder
         from tokenmill.spec_decode.eagle_head import target_tables
         from tokenmill.spec_decode.proposer import ProposerContext
 
         def new_runner(draft: RunnerModel, draft_arch: ModelArchConfig, kv: KVCacheSpec, seed: int) -> ModelRunner:
-            return ModelRunner(draft, draft_arch, kv, device, seed=seed)  # a draft is whole: the C++ loop runs it
+            # a draft is whole: the C++ loop runs it; its seeded draws come from the requests' draft stream
+            return ModelRunner(draft, draft_arch, kv, device, seed=seed, sample_stream=DRAFT_STREAM)
 
         def tables() -> TargetTables:
             if tp is None:

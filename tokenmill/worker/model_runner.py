@@ -48,7 +48,13 @@ from tokenmill.core.step_io import (
     StepOutput,
     StepTokens,
 )
-from tokenmill.layers.sampler import Sampler, SamplingMetadata, masks_from_bytes, sampling_metadata
+from tokenmill.layers.sampler import (
+    TARGET_STREAM,
+    Sampler,
+    SamplingMetadata,
+    masks_from_bytes,
+    sampling_metadata,
+)
 from tokenmill.models.interface import LayerTaps
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import cpu_decode
@@ -226,6 +232,7 @@ class ModelRunner:
         use_decode_loop: bool = True,
         prompts_per_token: bool = False,
         samples: bool = True,
+        sample_stream: int = TARGET_STREAM,
     ) -> None:
         """speculator: speculative decoding (spec_decode/decoder.py): it verifies steps with drafts, gets every
         step's final hidden states when its proposer drafts from the target's features, and proposes drafts for
@@ -280,6 +287,9 @@ class ModelRunner:
         """Target layers whose outputs the sink gets instead of the final hidden states; () = the final ones."""
         self.prompts_per_token = prompts_per_token
         self.samples = samples
+        self.sample_stream = sample_stream
+        """Which random stream of a seeded request this runner's generators draw (layers/sampler.py's streams):
+        the target's, or DRAFT_STREAM in a proposer's runner."""
         self.num_paths_compacted = 0
         """Verified token trees whose accepted path was not already in consecutive slots (tests read it)."""
 
@@ -582,4 +592,4 @@ class ModelRunner:
     def sampling_metadata(self, reqs: Sequence[SamplingRow]) -> SamplingMetadata:
         """Per-row sampling tensors for `reqs` (layers/sampler.py's sampling_metadata), with this runner's
         per-request generators."""
-        return sampling_metadata(reqs, self.vocab_size, self.device, self.generators)
+        return sampling_metadata(reqs, self.vocab_size, self.device, self.generators, self.sample_stream)
