@@ -29,6 +29,17 @@ def test_seeded_request_independent_of_batch(llm):
     llm.check_integrity()
 
 
+def test_parameters_that_make_every_probability_nan_still_sample_token_ids(llm):
+    """repetition_penalty 5e-324 (schemathesis found it) turns the logits into inf and the probabilities into NaN:
+    the sampler gives a token id (the row's argmax), not the vocabulary size, and the engine goes on serving."""
+    vocab = llm.engine.model.config.vocab_size
+    p = SamplingParams(temperature=1.0, repetition_penalty=5e-324, seed=1, max_tokens=6, ignore_eos=True)
+    out = llm.generate(["Hello there"], p, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out) == 6 and all(0 <= t < vocab for t in out)
+    assert len(llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+    llm.check_integrity()
+
+
 def test_unseeded_samples_differ(llm):
     outs = llm.generate(["Hello"] * 4, SamplingParams(temperature=1.0, max_tokens=12), use_tqdm=False)
     assert len({tuple(t) for t in texts(outs)}) > 1

@@ -31,6 +31,11 @@ def test_inverse_cdf_worked_example_and_zero_weights():
     assert sample_inverse_cdf(w, u).tolist() == [2, 0, 2, 3, 3]
     tail = torch.tensor([[0.25, 0.75, 0.0, 0.0]] * 2)  # unnormalized rows are fine too: x 3
     assert sample_inverse_cdf(tail * 3, torch.tensor([1 - 2**-53, 0.25], dtype=torch.float64)).tolist() == [1, 1]
+    # rows without usable mass (extreme sampling parameters) still give a token id, never V
+    nan, inf = float("nan"), float("inf")
+    bad = torch.tensor([[0.0, 0.0, 0.0, 0.0], [nan, nan, nan, nan], [0.1, inf, 0.2, 0.0], [0.0, 0.0, nan, 0.3]])
+    got = sample_inverse_cdf(bad, torch.full((4,), 0.5, dtype=torch.float64))
+    assert got.tolist() == bad.argmax(-1).tolist() and bool((got < 4).all())
 
 
 def test_sampled_tokens_follow_the_distribution_and_seeds_reproduce():

@@ -148,7 +148,11 @@ def sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cum = weights.to(torch.float64).cumsum(-1)
     total = cum[:, -1]
     t = torch.minimum(u.to(torch.float64) * total, torch.nextafter(total, torch.zeros_like(total)))  # below total
-    return torch.searchsorted(cum, t.unsqueeze(-1), right=True).squeeze(-1)
+    picked = torch.searchsorted(cum, t.unsqueeze(-1), right=True).squeeze(-1)
+    # A row with no usable mass (all zero, NaN or inf, from extreme sampling parameters) gets its argmax, as
+    # argmax(p / E) gave it: always a token id, never V.
+    usable = (total > 0) & torch.isfinite(total)
+    return torch.where(usable, picked, weights.argmax(-1)).clamp_(max=weights.shape[-1] - 1)
 
 
 def sample_from_logits(
