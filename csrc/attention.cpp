@@ -41,6 +41,9 @@ struct BlockGeometry {
 
 // The batch's rows, most keys first (ties in batch order): the decode loops hand out (row, KV head) tasks in
 // this order (parallel_tasks), so the long sequences start first and the short ones fill the gaps.
+// Decode attention runs on every thread from this many multiply-adds per call (all rows' keys x heads x dims).
+constexpr int64_t kParallelWork = int64_t(1) << 16;
+
 static std::vector<int64_t> longest_first(const int64_t* seq_lens, int64_t B) {
     std::vector<int64_t> order(B);
     for (int64_t b = 0; b < B; ++b) order[b] = b;
@@ -229,7 +232,10 @@ static void decode_avx512(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::
     const int64_t hpt = B >= 2 * at::get_num_threads() ? Hkv : 1, tasks_per_b = Hkv / hpt;
     const int64_t num_tasks = B * tasks_per_b;
     const std::vector<int64_t> order = longest_first(sp, B);
-    parallel_tasks(num_tasks, work >= (int64_t(1) << 18), [&](const auto& next) {   // small calls: one thread
+    // Below 2^16 multiply-adds (batch 1 of SmolLM2: ~114 keys) one thread; from there the KV heads split over
+    // the threads. At 2^18 (until 2026-12-07) batch 1 stayed on one thread up to ~455 keys while the other
+    // spun: lowering it made 140-400-key decode steps 6-10% faster (docs/cpu_decode.md, item 29).
+    parallel_tasks(num_tasks, work >= kParallelWork, [&](const auto& next) {
         std::vector<float> s;
         for (int64_t task = next(); task >= 0; task = next())
         for (int64_t h = (task % tasks_per_b) * hpt; h < (task % tasks_per_b + 1) * hpt; ++h) {
@@ -598,7 +604,7 @@ static void decode_avx2(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Te
     const int64_t num_tasks = B * tasks_per_b;
     const std::vector<int64_t> order = longest_first(sp, B);
     const float fscale = static_cast<float>(scale);
-    parallel_tasks(num_tasks, work >= (int64_t(1) << 18), [&](const auto& next) {   // small calls: one thread
+    parallel_tasks(num_tasks, work >= kParallelWork, [&](const auto& next) {   // as decode_avx512
         std::vector<float> s, acc(GMAX * D);
         std::vector<int64_t> krow, vrow;   // each key's row offset in the K and V caches
         alignas(32) float qf[GMAX * D];
