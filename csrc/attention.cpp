@@ -39,11 +39,11 @@ struct BlockGeometry {
     int64_t row(int64_t t) const { return t & mask; }
 };
 
-// The batch's rows, most keys first (ties in batch order): the decode loops hand out (row, KV head) tasks in
-// this order (parallel_tasks), so the long sequences start first and the short ones fill the gaps.
 // Decode attention runs on every thread from this many multiply-adds per call (all rows' keys x heads x dims).
 constexpr int64_t kParallelWork = int64_t(1) << 16;
 
+// The batch's rows, most keys first (ties in batch order): the decode loops hand out (row, KV head) tasks in
+// this order (parallel_tasks), so the long sequences start first and the short ones fill the gaps.
 static std::vector<int64_t> longest_first(const int64_t* seq_lens, int64_t B) {
     std::vector<int64_t> order(B);
     for (int64_t b = 0; b < B; ++b) order[b] = b;
