@@ -247,6 +247,49 @@ def test_sampled_tokens_follow_the_target(tiny_llama, trained, tree):
     assert second_tokens_follow_the_target(llm.engine.model, prompt, outs) >= 1
 
 
+def test_fused_forward_over_context_buffers_is_the_plain_forward(tiny_llama, trained):
+    """float32, dense: two requests of unequal context (9 and 21 rows) drafted at once through the fused forward
+    (each block written into its own buffer, the decode kernel reading it as 16-row blocks) give the hidden
+    states of the plain forward over padded, masked contexts, to 1e-4; the context rows are left as they were."""
+    from tokenmill.spec_decode.dflash import RequestContext
+
+    path, *_ = trained
+    target = _target(tiny_llama)
+    embed, lm = target_tables(target)
+    d = load_block_drafter(path, target.config, embed, lm, torch.float32, weights="dense")
+    B, F = d.block_size, len(d.target_layers) * d.arch.hidden_size
+    g = torch.Generator().manual_seed(1)
+    lens = [9, 21]
+    ctxs = []
+    with torch.no_grad():
+        assert d.fused
+        for n in lens:
+            c = RequestContext(0)
+            c.add_encoded(d.context_kv(d.encode_context(torch.randn(n, F, generator=g)), torch.arange(n)))
+            c.reserve(B)
+            ctxs.append(c)
+        held = [[(k.clone(), v.clone()) for k, v in c.kv] for c in ctxs]
+        x = d.block_rows(torch.tensor([5, 7]))
+        pos = torch.tensor(lens)[:, None] + torch.arange(B)
+        got = d.forward_blocks_fused(x, pos, [c.buffers for c in ctxs], lens)
+        T = max(lens)
+        mask = torch.ones(2, B, T + B, dtype=torch.bool)
+        mask[0, :, lens[0] : T] = False
+        padded = [
+            tuple(torch.stack([_pad_rows(c.kv[layer][j], T) for c in ctxs]) for j in (0, 1))
+            for layer in range(len(d.layers))
+        ]
+        want = d.forward_blocks(x, pos, padded, mask)  # the plain forward
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for c, before in zip(ctxs, held):
+        for (k, v), (k0, v0) in zip(c.kv, before):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, 0, 0, 0, 0, rows - t.shape[0]))
+
+
 def test_drafter_for_another_target_is_refused(tiny_llama, tiny_qwen3, trained, tmp_path):
     import shutil
 

@@ -17,9 +17,10 @@ the LM head are the target's (tied, shared tensors): the head keeps only `draft_
 emits most often, as EAGLE's does here (a draft outside them is never proposed: acceptance, never exactness).
 
 One plain-torch forward serves training (autograd); drafting runs the same math through the runtime's kernels
-(`forward_blocks_fused`: fused norms, RoPE and SwiGLU, the prepared linears, bf16 or Q8_0), and tests hold the two
-together within a tolerance. Context keys and values depend only on c_p and p, so drafting computes them once per
-position (`context_kv`) and keeps them.
+(`forward_blocks_fused`: fused norms, RoPE and SwiGLU, the prepared linears, bf16 or Q8_0, the decode attention
+kernel over each request's own context buffers), and tests hold the two together within a tolerance. Context
+keys and values depend only on c_p and p, so drafting computes them once per position (`context_kv`) and keeps
+them.
 
 Directory (written by `tokenmill train-drafter`, read by `load_block_drafter`):
 
@@ -259,8 +260,6 @@ class BlockDrafter(nn.Module):
         keys/values ctx_kv (per layer, [S, T, kv_heads, d]) and to the block rows themselves, as `mask`
         [S, Q, T + Q] (True = may attend) says; None: every row sees every key (one block per row of S).
         Returns the final-normed hidden states [S, Q, H]."""
-        if self.fused:
-            return self.forward_blocks_fused(x, positions, ctx_kv, mask)
         a = self.arch
         nh, nkv, d, eps = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps
         S, Q, _ = x.shape
@@ -280,44 +279,59 @@ class BlockDrafter(nn.Module):
         return plain_rms_norm(x, self.norm, eps)
 
     def forward_blocks_fused(
-        self, x: torch.Tensor, positions: torch.Tensor, ctx_kv: ContextKV, mask: Mask
+        self, x: torch.Tensor, positions: torch.Tensor, buffers: list[ContextKV], lengths: list[int]
     ) -> torch.Tensor:
-        """forward_blocks when drafting: the same math through the runtime's kernels (fused RMS norms, RoPE in
-        place on the packed qkv rows, SwiGLU, the prepared linears) and attention as one float32 matmul per KV
-        head, the query heads that share it stacked as rows, so keys and values are never repeated:
+        """forward_blocks when drafting, one block per request: x [S, B, H] at positions [S, B]; request s's
+        context keys and values are the first lengths[s] rows of buffers[s] (per draft layer (keys, values)
+        [capacity, kv_heads, d], capacity a multiple of 16 and at least lengths[s] + B). The same math as
+        forward_blocks through the runtime's kernels: fused RMS norms, RoPE in place on the packed qkv rows,
+        SwiGLU, the prepared linears, and attention by the decode kernel (csrc/attention.cpp): the block's keys
+        and values are written into the buffer after the context, and each block row attends to all
+        lengths[s] + B keys, which is the block's bidirectional attention:
 
-            q [S, Q, 9 heads, d] -> [S, 3 kv heads, 3 x Q rows, d]     (query head h reads kv head h // 3)
-            scores = q @ keys^T [S, 3, 3 Q, T + Q]  ->  softmax  ->  @ values  ->  [S, Q, 9 d]
+            buffer rows  0 .. T-1 context | T .. T+B-1 this block (scratch: the next encoding overwrites them)
+            every block row: seq_len T + B over 16-row blocks 0, 1, ... of the buffer
 
-        About 60 small ops fewer than the plain forward, which a block of 8 rows does not amortize. Rounding
-        differs from the plain forward's (tests bound it); drafts are exact whatever q is, since the verifier
-        is given the q each draft was drawn from."""
+        Rounding differs from the plain forward's (tests bound it); drafts are exact whatever q is, since the
+        verifier is given the q each draft was drawn from."""
         a = self.arch
         nh, nkv, d, eps = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps
         S, Q, H = x.shape
-        rep = nh // nkv
+        ops = native.ops()
+        assert ops is not None  # `fused` checked it
         pos = positions.reshape(-1).to(torch.long).contiguous()
         x = x.reshape(S * Q, H).contiguous()
-        keep = (
-            None
-            if mask is None
-            else mask[:, None, None].expand(S, 1, rep, Q, mask.shape[-1]).reshape(S, 1, rep * Q, -1)
-        )
-        for i, (kc, vc) in enumerate(ctx_kv):
+        seq_lens = [torch.full((Q,), n + Q, dtype=torch.long) for n in lengths]
+        tables = []
+        for buf, n in zip(buffers, lengths):
+            cap = buf[0][0].shape[0]
+            if cap % 16 or cap < n + Q:
+                raise ValueError(
+                    f"drafter context buffer of {cap} rows cannot take {n} + {Q} (16s, room for the block)"
+                )
+            tables.append(torch.arange(cap // 16).expand(Q, -1).contiguous())
+        for i in range(len(self.layers)):
             layer = self.draft_layers[i]
             qkv = self.kernels[f"{i}.qkv"](fused_ops.rms_norm(x, layer.in_norm, eps))
             self._rope_rows(qkv, nh, pos)
             self._rope_rows(qkv[:, nh * d :], nkv, pos)
-            q = qkv[:, : nh * d].reshape(S, Q, nkv, rep, d).permute(0, 2, 3, 1, 4).reshape(S, nkv, rep * Q, d)
-            k, v = qkv[:, nh * d :].view(S, Q, 2, nkv, d).unbind(2)
-            keys = torch.cat([kc, k], dim=1).permute(0, 2, 3, 1).float()  # [S, nkv, d, T + Q]
-            vals = torch.cat([vc, v], dim=1).transpose(1, 2).float()  # [S, nkv, T + Q, d]
-            scores = torch.matmul(q.float(), keys).mul_(d**-0.5)
-            if keep is not None:
-                scores.masked_fill_(~keep, float("-inf"))
-            o = torch.matmul(scores.softmax(-1), vals)  # [S, nkv, rep Q, d]
-            o = o.view(S, nkv, rep, Q, d).permute(0, 3, 1, 2, 4).reshape(S * Q, nh * d).to(x.dtype)
-            h, x = fused_ops.add_rms_norm(self.kernels[f"{i}.o"](o), x, layer.mlp_norm, eps)
+            o = x.new_empty(S * Q, nh, d)
+            for r in range(S):
+                rows = qkv[r * Q : (r + 1) * Q]
+                kb, vb = buffers[r][i]
+                n = lengths[r]
+                k, v = rows[:, nh * d :].view(Q, 2, nkv, d).unbind(1)
+                kb[n : n + Q], vb[n : n + Q] = k, v
+                ops.paged_decode(
+                    o[r * Q : (r + 1) * Q],
+                    rows[:, : nh * d].view(Q, nh, d),
+                    kb.view(-1, 16, nkv, d),
+                    vb.view(-1, 16, nkv, d),
+                    tables[r],
+                    seq_lens[r],
+                    d**-0.5,
+                )
+            h, x = fused_ops.add_rms_norm(self.kernels[f"{i}.o"](o.view(S * Q, nh * d)), x, layer.mlp_norm, eps)
             x = x + self.kernels[f"{i}.down"](fused_ops.silu_and_mul(self.kernels[f"{i}.gate_up"](h)))
         return fused_ops.rms_norm(x, self.norm, eps).view(S, Q, H)
 
@@ -328,8 +342,9 @@ class BlockDrafter(nn.Module):
 
     @property
     def fused(self) -> bool:
-        """Drafting through the runtime's kernels: they were prepared (not training) and the C++ ops exist."""
-        return bool(self.kernels) and fused_ops.is_available() and not torch.is_grad_enabled()
+        """Drafting through the runtime's kernels (forward_blocks_fused, and the fused encoding): they were
+        prepared (not training), the C++ ops exist, and autograd is off."""
+        return bool(self.kernels) and native.ops() is not None and not torch.is_grad_enabled()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> logits over draft_vocab [..., N] in float32."""

@@ -151,7 +151,7 @@ class RequestContext:
         n = kv[0][0].shape[0]
         need = self.num_encoded + n
         if not self.buffers or need > self.buffers[0][0].shape[0]:
-            cap = max(64, 2 * need)
+            cap = max(64, (2 * need + 15) // 16 * 16)  # 16s: the fused forward reads them as 16-row blocks
             grown = []
             for layer, (k, v) in enumerate(kv):
                 nk = k.new_empty((cap, *k.shape[1:]))
@@ -165,6 +165,22 @@ class RequestContext:
             bk[self.num_encoded : need] = k
             bv[self.num_encoded : need] = v
         self.num_encoded = need
+
+    def reserve(self, extra: int) -> None:
+        """Room for `extra` rows past the encoded ones, in 16-row multiples (the fused forward writes a block there
+        as scratch and reads the buffers as 16-row blocks of a paged cache). Needs encoded rows."""
+        assert self.buffers, "reserve follows an encoding"
+        need = self.num_encoded + extra
+        if need <= self.buffers[0][0].shape[0]:
+            return
+        cap = (2 * need + 15) // 16 * 16
+        grown = []
+        for k, v in self.buffers:
+            nk, nv = k.new_empty((cap, *k.shape[1:])), v.new_empty((cap, *v.shape[1:]))
+            nk[: self.num_encoded] = k[: self.num_encoded]
+            nv[: self.num_encoded] = v[: self.num_encoded]
+            grown.append((nk, nv))
+        self.buffers = grown
 
     @property
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -431,6 +447,11 @@ class DFlashProposer:
         ctxs = [self.context[r.request_id] for r in reqs]
         x = d.block_rows(torch.tensor([r.all_token_ids[-1] for r in reqs], device=self.device))
         pos = torch.tensor([r.num_tokens - 1 for r in reqs], device=self.device)[:, None] + torch.arange(B)
+        if d.fused:  # each request's own buffers, the block written after its context
+            for c in ctxs:
+                c.reserve(B)
+            hidden = d.forward_blocks_fused(x, pos, [c.buffers for c in ctxs], [c.num_encoded for c in ctxs])
+            return d.compute_logits(hidden[:, 1:])
         lens = [c.kv[0][0].shape[0] for c in ctxs]
         T = max(lens)
         mask = None
