@@ -48,6 +48,7 @@ from tokenmill.layers import fused_ops
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import normalize_parts, plain_rms_norm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.quant.gguf import GGUFPart, install_gguf, kernel_name
 from tokenmill.spec_decode.eagle_head import (
     arch_from_dict,
     arch_to_dict,
@@ -140,8 +141,6 @@ class BlockDrafter(nn.Module):
         GGUF integer kernel, about half the bytes of bf16 (the pass reads every matrix once, so it runs at the
         memory bound: fewer bytes, a cheaper draft); "auto": q8_0 on a CPU whose integer kernel runs when every
         matrix packs, else dense. The checkpoint stays bf16; only these copies are Q8_0."""
-        from tokenmill.quant.gguf import GGUFPart, install_gguf, kernel_name
-
         a = self.arch
         split = a.num_attention_heads * a.head_dim
         self.kernels = {}

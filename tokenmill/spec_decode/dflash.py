@@ -148,37 +148,31 @@ class RequestContext:
 
     def add_encoded(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Append the encoded keys and values of the rows take_pending returned."""
-        n = kv[0][0].shape[0]
-        need = self.num_encoded + n
-        if not self.buffers or need > self.buffers[0][0].shape[0]:
-            cap = max(64, (2 * need + 15) // 16 * 16)  # 16s: the fused forward reads them as 16-row blocks
-            grown = []
-            for layer, (k, v) in enumerate(kv):
-                nk = k.new_empty((cap, *k.shape[1:]))
-                nv = v.new_empty((cap, *v.shape[1:]))
-                if self.buffers:
-                    nk[: self.num_encoded] = self.buffers[layer][0][: self.num_encoded]
-                    nv[: self.num_encoded] = self.buffers[layer][1][: self.num_encoded]
-                grown.append((nk, nv))
-            self.buffers = grown
+        need = self.num_encoded + kv[0][0].shape[0]
+        self.make_room(need, kv)
         for (bk, bv), (k, v) in zip(self.buffers, kv):
             bk[self.num_encoded : need] = k
             bv[self.num_encoded : need] = v
         self.num_encoded = need
 
     def reserve(self, extra: int) -> None:
-        """Room for `extra` rows past the encoded ones, in 16-row multiples (the fused forward writes a block there
-        as scratch and reads the buffers as 16-row blocks of a paged cache). Needs encoded rows."""
+        """Room for `extra` rows past the encoded ones (the fused forward writes a block there as scratch).
+        Needs encoded rows."""
         assert self.buffers, "reserve follows an encoding"
-        need = self.num_encoded + extra
-        if need <= self.buffers[0][0].shape[0]:
+        self.make_room(self.num_encoded + extra, self.buffers)
+
+    def make_room(self, need: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Buffers of at least `need` rows (shaped and typed as `like`'s per-layer tensors), the encoded rows kept:
+        grown to twice the need, in 16s (the fused forward reads them as 16-row blocks of a paged cache)."""
+        if self.buffers and need <= self.buffers[0][0].shape[0]:
             return
-        cap = (2 * need + 15) // 16 * 16
+        cap = max(64, (2 * need + 15) // 16 * 16)
+        n = self.num_encoded
         grown = []
-        for k, v in self.buffers:
+        for layer, (k, v) in enumerate(like):
             nk, nv = k.new_empty((cap, *k.shape[1:])), v.new_empty((cap, *v.shape[1:]))
-            nk[: self.num_encoded] = k[: self.num_encoded]
-            nv[: self.num_encoded] = v[: self.num_encoded]
+            if self.buffers:
+                nk[:n], nv[:n] = self.buffers[layer][0][:n], self.buffers[layer][1][:n]
             grown.append((nk, nv))
         self.buffers = grown
 
