@@ -458,3 +458,38 @@ def test_train_drafter_command_end_to_end_and_continued(tiny_llama, tmp_path):
     llm = LLM(str(tiny_llama), dtype="float32", speculative_config=cfg)
     run(llm, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert llm.stats().spec_decode["num_drafts"] > 0
+
+
+def test_train_drafter_joins_corpora_built_apart(tiny_llama, tmp_path, capsys):
+    """Corpora built by separate `--corpus-only` runs (greedy answers from one row, sampled ones from another) train
+    one drafter together; the card names both; rows 0-999 (the benchmarks') are refused as training rows."""
+    from tests.conftest import SHARED_DATA
+    from tokenmill.entrypoints.cli import main
+
+    data = SHARED_DATA / "sharegpt_v3_first_exchange_5000.jsonl"
+    common = ["--model", str(tiny_llama), "--sharegpt", str(data), "--num-prompts", "5", "--max-tokens", "8"]
+    common += ["--eval-prompts", "2", "--num-layers", "1", "--block-size", "4", "--draft-vocab", "128"]
+    greedy, sampled = tmp_path / "greedy.pt", tmp_path / "sampled.pt"
+    out = ["--out", str(tmp_path / "d")]
+    assert main(["train-drafter", *common, *out, "--corpus-only", "--cache", str(greedy), "--first-row", "1200"]) == 0
+    sampled_args = ["--corpus-only", "--cache", str(sampled), "--answer-temperature", "0.8"]
+    assert main(["train-drafter", *common, *out, *sampled_args]) == 0
+    assert not (tmp_path / "d" / "model.safetensors").exists()  # --corpus-only trains nothing
+    g, s = (torch.load(p, weights_only=False) for p in (greedy, sampled))
+    assert "greedy answers" in g["about"] and "rows 1200+" in g["about"]
+    assert "sampled at temperature 0.8" in s["about"] and "rows 1000+" in s["about"]
+    assert g["train"].sequences != s["train"].sequences
+    again = tmp_path / "again.pt"
+    assert main(["train-drafter", *common, *out, *sampled_args[:1], "--cache", str(again), *sampled_args[3:]]) == 0
+    assert torch.load(again, weights_only=False)["train"].sequences == s["train"].sequences  # seeded: reproducible
+
+    train = ["--minutes", "0.05", "--validation-sequences", "2", "--cache", str(sampled), str(greedy)]
+    assert main(["train-drafter", *common, *out, *train]) == 0
+    card = json.loads((tmp_path / "d" / "train_stats.json").read_text())
+    assert "sampled at temperature 0.8" in card["corpus"] and "greedy answers" in card["corpus"]
+    assert card["corpus"].endswith("its last 2 sequences held out")
+    capsys.readouterr()
+    assert main(["train-drafter", *common, *out, "--corpus-only", "--first-row", "10"]) == 2
+    assert "--first-row 10: rows 0-999 are the benchmarks' prompts" in capsys.readouterr().err
+    assert main(["train-drafter", *common, *out, "--cache", str(greedy), str(tmp_path / "absent.pt")]) == 2
+    assert "absent.pt: not found" in capsys.readouterr().err

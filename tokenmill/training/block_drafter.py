@@ -346,16 +346,61 @@ def init_drafter(
 
 
 def load_corpus(
-    llm, sharegpt: str, num_prompts: int, max_tokens: int, layers, skip_rows: int, log=print
+    llm,
+    sharegpt: str,
+    num_prompts: int,
+    max_tokens: int,
+    layers,
+    skip_rows: int,
+    log=print,
+    temperature: float = 0.0,
 ) -> FeatureCorpus:
-    c = generate_corpus(llm, sharegpt, num_prompts, max_tokens, skip_rows=skip_rows, log=log)
+    c = generate_corpus(llm, sharegpt, num_prompts, max_tokens, skip_rows=skip_rows, log=log, temperature=temperature)
     feats, argmaxes = extract_features(llm.engine.model, c.sequences, layers, log=log)
     return FeatureCorpus(c.sequences, c.prompt_lens, feats, argmaxes, tuple(layers))
 
 
-def main(args) -> dict[str, float]:
+def join_corpora(parts: list[FeatureCorpus]) -> FeatureCorpus:
+    """Several corpora (say greedy answers and sampled ones) as one, in order."""
+    return FeatureCorpus(
+        [s for c in parts for s in c.sequences],
+        [n for c in parts for n in c.prompt_lens],
+        [f for c in parts for f in c.features],
+        [a for c in parts for a in c.argmaxes],
+        parts[0].layers,
+    )
+
+
+def corpus_about(args, n: int) -> str:
+    """What a corpus built by these arguments is, for the card."""
+    t = args.answer_temperature
+    kind = "greedy answers" if t == 0 else f"answers sampled at temperature {t:g} (request i seeded i)"
+    return (
+        f"{kind} of {args.model} (bf16) to {n} ShareGPT first turns (rows {args.first_row}+ of the file shuffled "
+        f"with seed 0), at most {args.max_tokens} tokens each"
+    )
+
+
+def read_corpora(caches: list[Path], layers: tuple[int, ...]) -> tuple[FeatureCorpus, FeatureCorpus, str]:
+    """The training corpora of several cache files joined, the first one's held-out prompts, and what they are."""
+    parts, held, about = [], None, []
+    for cache in caches:
+        data = torch.load(cache, weights_only=False)
+        if data["train"].layers != layers:
+            raise ValueError(f"{cache}: features of layers {data['train'].layers}, asked for {layers}")
+        parts.append(data["train"])
+        held = held or data["heldout"]
+        about.append(data.get("about", f"{len(data['train'].sequences)} sequences from {cache.name}"))
+        print(f"loaded corpus and features from {cache}")
+    assert held is not None  # caches is not empty
+    return join_corpora(parts), held, "; ".join(about)
+
+
+def main(args) -> dict[str, object]:
     from tokenmill import LLM
 
+    if args.first_row < 1000:
+        raise ValueError(f"--first-row {args.first_row}: rows 0-999 are the benchmarks' prompts, never trained on")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -365,18 +410,29 @@ def main(args) -> dict[str, float]:
     target = llm.engine.model
     assert target is not None  # an in-process engine holds its model
     layers = tuple(args.target_layers) if args.target_layers else default_target_layers(target.config.num_hidden_layers)
-    cache = Path(args.cache) if args.cache else None
-    if cache is not None and cache.is_file():
-        data = torch.load(cache, weights_only=False)
-        corpus, held = data["train"], data["heldout"]
-        if corpus.layers != layers:
-            raise ValueError(f"{cache}: features of layers {corpus.layers}, asked for {layers}")
-        print(f"loaded corpus and features from {cache}")
+    caches = [Path(c) for c in args.cache if c]  # "" alone: keep nothing
+    missing = [c for c in caches if not c.is_file()]
+    if caches and not missing:
+        corpus, held, about = read_corpora(caches, layers)
+    elif len(caches) > 1:
+        raise ValueError(f"{', '.join(map(str, missing))}: not found (build each corpus with its own run first)")
     else:
-        corpus = load_corpus(llm, args.sharegpt, args.num_prompts, args.max_tokens, layers, 1000)
+        corpus = load_corpus(
+            llm,
+            args.sharegpt,
+            args.num_prompts,
+            args.max_tokens,
+            layers,
+            args.first_row,
+            temperature=args.answer_temperature,
+        )
         held = load_corpus(llm, args.sharegpt, args.eval_prompts, args.max_tokens, layers, 0)
-        if cache is not None:
-            torch.save({"train": corpus, "heldout": held}, cache)
+        about = corpus_about(args, len(corpus.sequences))
+        if caches:
+            torch.save({"train": corpus, "heldout": held, "about": about}, caches[0])
+    if args.corpus_only:
+        print(f"corpus: {about}; {sum(len(s) for s in corpus.sequences)} tokens")
+        return {"corpus": about}
     data_seconds = time.perf_counter() - t0
     nv = args.validation_sequences
     validation = None
@@ -425,8 +481,7 @@ def main(args) -> dict[str, float]:
     after = block_acceptance(drafter, held, stride=4)
     print(f"held-out acceptance after training: {json.dumps(after)}")
     training = {
-        "corpus": f"greedy answers of {args.model} (bf16) to {len(corpus.sequences)} ShareGPT first turns (rows 1000+ "
-        f"of the file shuffled with seed 0), at most {args.max_tokens} tokens each",
+        "corpus": about + (f"; its last {nv} sequences held out" if nv > 0 else ""),
         "tokens": int(sum(len(s) for s in corpus.sequences)),
         "validation": f"the corpus's last {nv} sequences, never trained on: early stopping"
         if nv > 0
@@ -460,7 +515,23 @@ def add_arguments(p) -> None:
     p.add_argument("--minutes", type=float, default=60.0, help="training wall time")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-prompts", type=int, default=64, help="held-out benchmark prompts for the acceptance report")
-    p.add_argument("--cache", default=None, help="a .pt file keeping corpus and features between runs")
+    p.add_argument(
+        "--cache",
+        nargs="+",
+        default=[],
+        help="a .pt file keeping corpus and features between runs (built by this run if absent); several: their "
+        "training corpora joined, each built by its own run",
+    )
+    p.add_argument(
+        "--first-row", type=int, default=1000, help="the corpus's first ShareGPT row (rows 0-999 are the benchmarks')"
+    )
+    p.add_argument(
+        "--answer-temperature",
+        type=float,
+        default=0.0,
+        help="0: the target's greedy answers; above: answers sampled at it (the labels stay the target's argmax)",
+    )
+    p.add_argument("--corpus-only", action="store_true", help="build the corpus (and its cache) and stop")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument(
         "--init", default=None, help="start from this drafter directory (its layers, target layers, draft vocabulary)"

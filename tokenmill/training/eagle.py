@@ -62,7 +62,11 @@ def generate_corpus(
     max_prompt_tokens: int = 384,
     batch: int = 64,
     log=print,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> Corpus:
+    """The target's answers to the first `num_prompts` usable ShareGPT first turns from row `skip_rows` of the
+    shuffled file: greedy, or sampled at `temperature` with request i seeded `seed + i` (reproducible)."""
     from tokenmill import SamplingParams
 
     tok = llm.tokenizer
@@ -74,14 +78,14 @@ def generate_corpus(
         if len(prompts) == num_prompts:
             break
     eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     seqs: list[list[int]] = []
     t0 = time.perf_counter()
     for w in range(0, len(prompts), batch):
         ids = []
         for j, p in enumerate(prompts[w : w + batch]):
             rid = f"eagle-corpus-{w + j}"
-            eng.add_request(rid, p, params)
+            seeded = {"seed": seed + w + j} if temperature > 0 else {}
+            eng.add_request(rid, p, SamplingParams(temperature=temperature, max_tokens=max_tokens, **seeded))
             ids.append(rid)
         done: dict[str, list[int]] = {}
         while len(done) < len(ids):
