@@ -127,11 +127,14 @@ def test_a_probe_drafts_for_a_few_requests_in_turn():
     assert ad.probe_budgets(ks) == [1, 1, 0, 1, 0, 0, 0, 0, 0, 1]
     assert ad.probe_budgets([1, 0, 1]) == [1, 0, 1]  # fewer than probe_rows: all of them
     assert ad.num_probe_rows == 14
-    # a probe's draft time (4 of 32 requests) leaves c alone; a pass for all 32 sets it: 4.2 ms over T(32) = 42 ms
-    ad.observe_draft(1, 32, 0.001, num_drafted=4)
+    # a probe's draft time (4 of 32 requests) is only c's floor until a pass for all 32 sets c: T(32) = 42 ms
     assert ad.c == 0.0
+    ad.observe_draft(1, 32, 0.001, num_drafted=4)
+    assert ad.c == pytest.approx(0.001 / 0.042)  # the floor, not 0: a probe's pass is not free
     ad.observe_draft(1, 32, 0.0042, num_drafted=32)
-    assert ad.c == pytest.approx(0.1)
+    assert ad.c == pytest.approx(0.1)  # the whole pass replaces the floor, not averaged with it
+    ad.observe_draft(1, 32, 0.0001, num_drafted=4)
+    assert ad.c == pytest.approx(0.1)  # later probes leave a measured c alone
 
 
 def test_decoder_probes_with_a_few_requests(tiny_llama):

@@ -24,7 +24,10 @@ off, a γ = 1 probe re-measures α after 16 steps, then 32, 64, ... (up to 256) 
 A probe drafts for at most `probe_rows` requests of the batch (the caller picks which, in turn): α is a property
 of the proposer and the text, not of the batch, and a probe of the whole batch at batch 32 costs a verification
 of 64 rows and a draft pass over 32 requests, about one step lost each time, for an estimate four rows give as
-well. Its draft time does not join c (`observe_draft`): c stays what drafting for every request costs.
+well. Its draft time does not join c (`observe_draft`): c stays what drafting for every request costs. Until one
+such pass has been timed, a probe's own c stands in for it: a pass over part of the batch costs no more than one
+over all of it, so it is a floor. (Before, c was 0 until then; a drafter good enough to pass the gain test with a
+free draft switched itself on at batch 8 and ran there at 0.66x before c was measured and switched it off.)
 """
 
 from __future__ import annotations
@@ -141,6 +144,8 @@ class AdaptiveGamma:
         self._acc = 0.0
         self._judged = 0.0
         self._c: float | None = None
+        self._c_floor: float | None = None
+        """c of the latest probe (a pass over part of the batch): c until a pass over the whole batch is timed."""
         self._steps_off = 0
         self.gamma = gamma_max
         self._cost: LinearCost | None = None
@@ -171,11 +176,15 @@ class AdaptiveGamma:
     ) -> None:
         """seconds spent proposing num_draft_steps tokens per request for num_drafted of batch_size requests (all
         when None). A probe's pass over part of the batch is left out: c is what drafting for all of it costs, and
-        a pass's fixed costs (the drafter's layers at any row count) make the part no measure of the whole."""
-        if num_draft_steps <= 0 or batch_size <= 0 or (num_drafted is not None and num_drafted < batch_size):
+        a pass's fixed costs (the drafter's layers at any row count) make the part no measure of the whole; it is
+        kept as c's floor until a whole pass is timed."""
+        if num_draft_steps <= 0 or batch_size <= 0:
             return
         per = seconds if self.one_pass else seconds / num_draft_steps
         c = per / max(self.cost(batch_size), 1e-9)
+        if num_drafted is not None and num_drafted < batch_size:
+            self._c_floor = c
+            return
         self._c = c if self._c is None else 0.8 * self._c + 0.2 * c
 
     # ---------------------------------------------------------------- estimates
@@ -185,7 +194,9 @@ class AdaptiveGamma:
 
     @property
     def c(self) -> float:
-        return 0.0 if self._c is None else self._c
+        if self._c is not None:
+            return self._c
+        return 0.0 if self._c_floor is None else self._c_floor
 
     def cost(self, num_tokens: int) -> float:
         measured = self._by_n.get(num_tokens)
