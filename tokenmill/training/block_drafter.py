@@ -389,7 +389,8 @@ def read_corpora(caches: list[Path], layers: tuple[int, ...]) -> tuple[FeatureCo
         if data["train"].layers != layers:
             raise ValueError(f"{cache}: features of layers {data['train'].layers}, asked for {layers}")
         parts.append(data["train"])
-        held = held or data["heldout"]
+        if held is None:
+            held = data["heldout"]
         about.append(data.get("about", f"{len(data['train'].sequences)} sequences from {cache.name}"))
         print(f"loaded corpus and features from {cache}")
     assert held is not None  # caches is not empty
